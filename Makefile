@@ -1,0 +1,24 @@
+# make demo: the main job; make test: the test suite. Both install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flowtrain-setup
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	VENV=$(VENV) bash scripts/setup.sh
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/flowtrain launch --nproc-per-node 2 examples/hello_actors.py
+
+bench: setup
+	$(PY) benchmarks/actor_latency.py
+
+clean:
+	rm -rf runs .pytest_cache

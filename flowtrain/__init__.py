@@ -1,0 +1,3 @@
+"""flowtrain: PyTorch training across processes as an actor/event pipeline."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The Textual monitor of a live or finished run (built by the telemetry issue)."""
