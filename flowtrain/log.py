@@ -1,0 +1,108 @@
+"""Structured logs: JSON lines per process in the run directory, a human console on a terminal.
+
+Every process (each rank, the launcher) calls ``configure_logging`` once; the rank's identity is
+bound into every line through structlog's context variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+_lock = threading.Lock()
+_configured = False
+_json_file: TextIO | None = None
+# Fields of the process (rank, world_size, ...). Context variables do not reach the rank's event-loop
+# thread, so identity is added by a processor instead.
+_process_fields: dict[str, Any] = {}
+
+
+def _add_process_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _process_fields.items():
+        event.setdefault(key, value)
+    return event
+
+
+class _Tee:
+    """Renders one event twice: a JSON line to the run directory and a console line."""
+
+    def __init__(self, json_file: TextIO | None, console: str) -> None:
+        self._json_file = json_file
+        self._json = structlog.processors.JSONRenderer()
+        self._console = console
+        self._human = structlog.dev.ConsoleRenderer(colors=console == "human" and sys.stderr.isatty())
+        self._write_lock = threading.Lock()
+
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+        with self._write_lock:
+            if self._json_file is not None:
+                self._json_file.write(self._json(logger, method, dict(event)) + "\n")
+                self._json_file.flush()
+            if self._console != "off" and _level_no(method) >= logging.INFO:
+                line = self._human(logger, method, dict(event))
+                print(line, file=sys.stderr, flush=True)
+        raise structlog.DropEvent
+
+
+def _level_no(method: str) -> int:
+    return logging.getLevelName(method.upper()) if method != "exception" else logging.ERROR
+
+
+def configure_logging(
+    *,
+    json_path: str | os.PathLike[str] | None = None,
+    console: str = "plain",
+    level: int = logging.INFO,
+    **context: Any,
+) -> None:
+    """Configures structlog for this process.
+
+    Args:
+        json_path: file that receives one JSON object per line; None for no file.
+        console: "human" (colours when stderr is a terminal), "plain", or "off".
+        level: the lowest level written.
+        context: fields bound into every line (rank, local_rank, world_size, ...).
+    """
+    global _configured, _json_file
+    if console not in ("human", "plain", "off"):
+        raise ValueError(f"console must be 'human', 'plain' or 'off', got {console!r}")
+    with _lock:
+        if _json_file is not None:
+            _json_file.close()
+            _json_file = None
+        if json_path is not None:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            _json_file = open(json_path, "a", encoding="utf-8")
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                _add_process_fields,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.StackInfoRenderer(),
+                structlog.processors.format_exc_info,
+                _Tee(_json_file, console),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            logger_factory=structlog.ReturnLoggerFactory(),
+            cache_logger_on_first_use=False,
+        )
+        _process_fields.clear()
+        _process_fields.update(pid=os.getpid(), **context)
+        _configured = True
+
+
+def get_logger(name: str | None = None, **fields: Any) -> Any:
+    """A structlog logger; unconfigured processes log plain lines to stderr at INFO."""
+    if not _configured:
+        configure_logging(console="plain")
+    log = structlog.get_logger()
+    if name is not None:
+        fields["logger"] = name
+    return log.bind(**fields) if fields else log
