@@ -1,0 +1,223 @@
+"""Control-plane wire format: msgpack frames with a schema version, signed with HMAC-SHA256.
+
+A frame travels as two ZeroMQ parts, ``[payload, mac]``; ``FrameCodec`` builds and checks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from flowtrain.log import get_logger
+
+SCHEMA_VERSION = 1
+
+# A frame bigger than this is refused before it is unpacked; control frames are small, and
+# the limit keeps a bug (or a hostile peer holding the secret) from exhausting memory.
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# Caps the number of items one array or map header may announce.
+MAX_CONTAINER_ITEMS = 1_000_000
+MIN_SECRET_BYTES = 16
+MAC_BYTES = hashlib.sha256().digest_size
+
+REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version")
+
+_log = get_logger("flowtrain.control.protocol")
+
+
+class Kind:
+    """The kinds of control frames (the ``k`` field of a payload)."""
+
+    HELLO = "HELLO"
+    WELCOME = "WELCOME"
+    HEARTBEAT = "HEARTBEAT"
+    BARRIER = "BARRIER"
+    BARRIER_RELEASE = "BARRIER_RELEASE"
+    KV_SET = "KV_SET"
+    KV_GET = "KV_GET"
+    KV_VALUE = "KV_VALUE"
+    ROUTE = "ROUTE"
+    FAILURE = "FAILURE"
+    TELEMETRY = "TELEMETRY"
+    ABORT = "ABORT"
+    BYE = "BYE"
+
+    ALL = frozenset({
+        HELLO, WELCOME, HEARTBEAT, BARRIER, BARRIER_RELEASE, KV_SET, KV_GET, KV_VALUE,
+        ROUTE, FAILURE, TELEMETRY, ABORT, BYE,
+    })
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded, verified control frame."""
+
+    kind: str
+    sender: str
+    seq: int
+    body: dict
+    version: int
+
+
+class FrameRejected(Exception):
+    """A frame that failed verification or decoding; ``reason`` is one of ``REJECT_REASONS``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"reject reason must be one of {REJECT_REASONS}, got {reason!r}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def check_secret(secret: bytes) -> bytes:
+    """Returns the secret if it is long enough to sign frames; ValueError otherwise."""
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ValueError(f"the job secret must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the job secret is {len(secret)} bytes long; it must be at least {MIN_SECRET_BYTES} "
+            f"bytes (for example secrets.token_bytes(32))"
+        )
+    return bytes(secret)
+
+
+def _is_int(value: Any) -> bool:
+    # msgpack gives bools for true/false; a bool is an int to Python but not a valid field here.
+    return type(value) is int
+
+
+class FrameCodec:
+    """Encodes frames from one sender and verifies frames from anyone holding the same secret."""
+
+    def __init__(self, secret: bytes, sender: str) -> None:
+        self._mac = hmac.new(check_secret(secret), digestmod=hashlib.sha256)
+        self.sender = sender
+        self._seq = itertools.count(1)
+
+    def _sign(self, payload: bytes) -> bytes:
+        # Copying a keyed HMAC skips re-deriving the key pads for every frame.
+        mac = self._mac.copy()
+        mac.update(payload)
+        return mac.digest()
+
+    def encode(self, kind: str, body: dict) -> list[bytes]:
+        """Returns the two ZeroMQ parts ``[payload, mac]`` of one frame."""
+        if kind not in Kind.ALL:
+            raise ValueError(f"unknown frame kind {kind!r}; expected one of {sorted(Kind.ALL)}")
+        if not isinstance(body, dict):
+            raise TypeError(f"the body of a {kind} frame must be a dict, got {type(body).__name__}")
+        message = {"v": SCHEMA_VERSION, "k": kind, "s": self.sender, "n": next(self._seq), "b": body}
+        try:
+            payload = msgpack.packb(message, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"the body of a {kind} frame cannot be packed with msgpack: {exc}") from exc
+        return [payload, self._sign(payload)]
+
+    def decode(self, parts: list[bytes]) -> Frame:
+        """Verifies and unpacks ``[payload, mac]``; raises FrameRejected and nothing else."""
+        if len(parts) != 2:
+            raise FrameRejected("unsigned", f"expected 2 parts [payload, mac], got {len(parts)}")
+        payload, mac = bytes(parts[0]), bytes(parts[1])
+        if not mac:
+            raise FrameRejected("unsigned", "the mac part is empty")
+        if len(mac) != MAC_BYTES:
+            raise FrameRejected("bad_signature", f"mac is {len(mac)} bytes, expected {MAC_BYTES}")
+        if not hmac.compare_digest(mac, self._sign(payload)):
+            raise FrameRejected("bad_signature", "mac does not match the payload under this job's secret")
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise FrameRejected("malformed", f"payload is {len(payload)} bytes, limit {MAX_PAYLOAD_BYTES}")
+        try:
+            message = msgpack.unpackb(
+                payload, raw=False, strict_map_key=False, use_list=True,
+                max_str_len=MAX_PAYLOAD_BYTES, max_bin_len=MAX_PAYLOAD_BYTES,
+                max_ext_len=MAX_PAYLOAD_BYTES, max_array_len=MAX_CONTAINER_ITEMS,
+                max_map_len=MAX_CONTAINER_ITEMS,
+            )
+        except Exception as exc:  # msgpack raises several types (ExtraData, ValueError, StackError, ...)
+            raise FrameRejected("malformed", f"payload is not one msgpack object: {type(exc).__name__}: {exc}") from None
+        return _check_message(message)
+
+    def encode_published(self, topic: str, body: dict) -> list[bytes]:
+        """Returns ``[topic, payload, mac]`` for a PUB socket; the topic is repeated in the signed body."""
+        return [topic.encode(), *self.encode(Kind.TELEMETRY, body)]
+
+    def decode_published(self, parts: list[bytes]) -> Frame:
+        """Verifies ``[topic, payload, mac]`` from a SUB socket; the topic must match the signed one."""
+        if len(parts) != 3:
+            raise FrameRejected("unsigned", f"expected 3 parts [topic, payload, mac], got {len(parts)}")
+        frame = self.decode(parts[1:])
+        try:
+            topic = bytes(parts[0]).decode()
+        except UnicodeDecodeError:
+            raise FrameRejected("malformed", "the topic part is not UTF-8") from None
+        if frame.kind != Kind.TELEMETRY or frame.body.get("topic") != topic:
+            raise FrameRejected(
+                "malformed",
+                f"published frame of kind {frame.kind} carries topic {frame.body.get('topic')!r} "
+                f"but was sent under topic {topic!r}",
+            )
+        return frame
+
+
+def _check_message(message: Any) -> Frame:
+    if not isinstance(message, dict):
+        raise FrameRejected("malformed", f"payload is a {type(message).__name__}, expected a map")
+    version = message.get("v")
+    if not _is_int(version):
+        raise FrameRejected("malformed", f"field 'v' (schema version) is {version!r}, expected an int")
+    # A newer schema may change the other fields, so the version is judged before them.
+    if version != SCHEMA_VERSION:
+        raise FrameRejected("unknown_version", f"schema version {version}, this side speaks {SCHEMA_VERSION}")
+    kind, sender, seq, body = message.get("k"), message.get("s"), message.get("n"), message.get("b")
+    if not isinstance(kind, str) or kind not in Kind.ALL:
+        raise FrameRejected("malformed", f"field 'k' (kind) is {kind!r}, expected one of {sorted(Kind.ALL)}")
+    if not isinstance(sender, str):
+        raise FrameRejected("malformed", f"field 's' (sender) is {sender!r}, expected a str")
+    if not _is_int(seq):
+        raise FrameRejected("malformed", f"field 'n' (sequence) is {seq!r}, expected an int")
+    if not isinstance(body, dict):
+        raise FrameRejected("malformed", f"field 'b' (body) is a {type(body).__name__}, expected a map")
+    if len(message) != 5:
+        extra = sorted(str(key) for key in message if key not in ("v", "k", "s", "n", "b"))
+        raise FrameRejected("malformed", f"unexpected fields {extra}; a frame has exactly v, k, s, n, b")
+    return Frame(kind=kind, sender=sender, seq=seq, body=body, version=version)
+
+
+class RejectCounter:
+    """Counts rejected frames per reason and logs them without letting a flood drown the log."""
+
+    # The first few of each reason are logged, then one in LOG_EVERY.
+    LOG_FIRST = 10
+    LOG_EVERY = 100
+
+    def __init__(self, owner: str = "") -> None:
+        self.owner = owner
+        self.counts: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def record(self, reason: str, detail: str, peer: object) -> None:
+        """Counts one rejected frame; never raises, whatever it is given."""
+        try:
+            count = self.counts.get(reason, 0) + 1
+            self.counts[reason] = count
+            if count <= self.LOG_FIRST or count % self.LOG_EVERY == 0:
+                if isinstance(peer, (bytes, bytearray)):
+                    peer = bytes(peer).decode("utf-8", "backslashreplace")
+                _log.warning(
+                    "control frame rejected", owner=self.owner, peer=str(peer), reason=reason,
+                    detail=str(detail)[:300], count=count,
+                )
+        except Exception:  # a broken logger must not take the control plane down
+            pass
+
+    def record_rejection(self, error: FrameRejected, peer: object) -> None:
+        self.record(error.reason, error.detail, peer)
