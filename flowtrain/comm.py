@@ -1,0 +1,177 @@
+"""Data channels: torch.distributed set up for the rank (NCCL with CUDA, gloo otherwise) and
+collectives launched with ``async_op=True`` that the event loop awaits without blocking."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowtrain import env as envnames
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.comm")
+
+DEFAULT_TIMEOUT = 600.0  # seconds; DeepSpeed's default process-group timeout is 10 minutes
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not finish in time; names the operation, its size and its group."""
+
+
+def default_backend() -> str:
+    """``nccl`` when this process can use CUDA and NCCL, ``gloo`` otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                     init_method: str = "env://") -> str:
+    """Initialises the default process group from the launcher's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); idempotent. Returns the backend in use."""
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+        torch.cuda.set_device(int(os.environ.get(envnames.LOCAL_RANK, "0")))
+    if init_method == "env://":
+        os.environ.setdefault(envnames.MASTER_ADDR, "127.0.0.1")
+        os.environ.setdefault(envnames.RANK, "0")
+        os.environ.setdefault(envnames.WORLD_SIZE, "1")
+        if envnames.MASTER_PORT not in os.environ:
+            if os.environ[envnames.WORLD_SIZE] != "1":
+                raise RuntimeError("MASTER_PORT is not set; start the job with `flowtrain launch` "
+                                   "or torchrun, or set MASTER_ADDR and MASTER_PORT")
+            os.environ[envnames.MASTER_PORT] = str(_free_port())
+    dist.init_process_group(backend=backend, init_method=init_method,
+                            timeout=timedelta(seconds=timeout))
+    log.debug("process group ready", backend=backend, world_size=dist.get_world_size())
+    return backend
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- awaiting collectives from the loop ----------------------------------------------------------
+
+_ids = itertools.count(1)
+_pending: dict[int, str] = {}
+_pending_lock = threading.Lock()
+
+
+def pending() -> list[str]:
+    """Collectives launched and not finished yet, oldest first (for heartbeats and reports)."""
+    with _pending_lock:
+        return [desc for _, desc in sorted(_pending.items())]
+
+
+def _describe(op: str, tensors: Sequence[torch.Tensor], group: Any) -> str:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    return f"{op} of {_human_bytes(nbytes)} over {size} ranks"
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Awaits an ``async_op=True`` work handle without blocking the loop. The completion
+    callback runs on the backend's thread and only hands the result over to the loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    key = next(_ids)
+    with _pending_lock:
+        _pending[key] = f"#{key} {description}"
+
+    def _on_done(fut: torch.futures.Future[Any]) -> None:
+        error: BaseException | None = None
+        try:
+            fut.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        try:
+            loop.call_soon_threadsafe(_finish, done, error)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is waiting any more
+
+    try:
+        work.get_future().add_done_callback(_on_done)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            raise CollectiveTimeout(f"{description} did not finish within {timeout:g} s; "
+                                    f"a peer rank may be stuck or dead") from None
+    finally:
+        with _pending_lock:
+            _pending.pop(key, None)
+
+
+def _finish(done: asyncio.Future[None], error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+
+
+async def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                     group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` across the group; returns the tensor."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    await wait(work, _describe("all_reduce", [tensor], group), timeout)
+    return tensor
+
+
+async def broadcast(tensor: torch.Tensor, src: int, group: Any = None,
+                    timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """In-place broadcast of ``tensor`` from global rank ``src``; returns the tensor."""
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    await wait(work, _describe("broadcast", [tensor], group), timeout)
+    return tensor
+
+
+async def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: Any = None,
+                                 timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """Gathers every rank's equal-sized ``shard`` into ``output`` (rank order)."""
+    work = dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+    await wait(work, _describe("all_gather", [output], group), timeout)
+    return output
+
+
+async def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor,
+                                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                                group: Any = None,
+                                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """Reduces ``tensor`` across the group and leaves this rank's slice in ``output``."""
+    work = dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=True)
+    await wait(work, _describe("reduce_scatter", [tensor], group), timeout)
+    return output
+
+
+async def barrier(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """A data-channel barrier awaited on the loop."""
+    work = dist.barrier(group=group, async_op=True)
+    await wait(work, "barrier", timeout)
