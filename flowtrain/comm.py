@@ -117,7 +117,13 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
             pass  # the loop has closed: nobody is waiting any more
 
     try:
-        work.get_future().add_done_callback(_on_done)
+        try:
+            work.get_future().add_done_callback(_on_done)
+        except RuntimeError:
+            # Some backend/op pairs (gloo's reduce-scatter) have no future: a helper thread
+            # waits on the work handle instead, so the loop still does not block.
+            threading.Thread(target=_wait_in_thread, args=(work, loop, done), daemon=True,
+                             name="flowtrain-collective-wait").start()
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
@@ -126,6 +132,19 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
     finally:
         with _pending_lock:
             _pending.pop(key, None)
+
+
+def _wait_in_thread(work: dist.Work, loop: asyncio.AbstractEventLoop,
+                    done: asyncio.Future[None]) -> None:
+    error: BaseException | None = None
+    try:
+        work.wait()
+    except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+        error = exc
+    try:
+        loop.call_soon_threadsafe(_finish, done, error)
+    except RuntimeError:
+        pass
 
 
 def _finish(done: asyncio.Future[None], error: BaseException | None) -> None:
