@@ -1,0 +1,249 @@
+"""Flags of ``flowtrain launch`` (torchrun- and DeepSpeed-compatible) and their validation."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flowtrain import env as fenv
+from flowtrain.launch.hostfile import LaunchInputError, all_loopback, apply_filters, read_hostfile
+from flowtrain.launch.rundir import new_job_id
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_SSH = "ssh -o BatchMode=yes"
+SSH_ENV = "FLOWTRAIN_SSH"
+
+
+@dataclass
+class LaunchConfig:
+    """Everything a launch needs, validated."""
+
+    target: str  # script path, module name (is_module) or executable (no_python)
+    target_args: list[str]
+    is_module: bool
+    no_python: bool
+    nproc_per_node: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    run_dir: Path
+    job_id: str
+    heartbeat_interval: float
+    heartbeat_misses: int
+    join_timeout: float
+    grace_period: float
+    ssh_command: list[str]
+    hosts: dict[str, list[int]] = field(default_factory=dict)  # hostfile mode: host -> slots
+    control_endpoint: str | None = None  # node mode: join this coordinator instead of hosting one
+    world_size: int = 0
+    rank_offset: int = 0
+    from_parent: bool = False  # node launcher started by a hostfile launch over ssh
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        """"local" (one node), "hostfile" (ssh fan-out), "node" (joins a coordinator elsewhere),
+        or "multi" (torchrun-style node 0, which hosts the coordinator)."""
+        if self.control_endpoint:
+            return "node"
+        if self.hosts:
+            return "hostfile"
+        return "multi" if self.nnodes > 1 else "local"
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1",
+                   metavar="N", help="ranks on this node: an integer, or 'auto' for one per GPU "
+                   "(one per CPU without GPUs) (default: 1)")
+    p.add_argument("--nnodes", type=str, default="1", metavar="N",
+                   help="number of nodes, each running its own 'flowtrain launch' (default: 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=str, default="0",
+                   metavar="I", help="index of this node, 0..nnodes-1 (default: 0)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   metavar="HOST", help="address of rank 0's node for torch.distributed "
+                   "(default: 127.0.0.1, or the first hostfile host)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", default=None,
+                   metavar="PORT", help="port of rank 0's TCP store (default: a free port on one "
+                   f"node, {DEFAULT_MASTER_PORT} across nodes)")
+    p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                   help="DeepSpeed-style hostfile ('host slots=N' lines); starts one node launcher "
+                   "per host over ssh")
+    p.add_argument("-i", "--include", default=None, metavar="SPEC",
+                   help="with --hostfile: use only these hosts/slots, e.g. 'node1:0,1@node2'")
+    p.add_argument("-e", "--exclude", default=None, metavar="SPEC",
+                   help="with --hostfile: leave out these hosts/slots, e.g. 'node1:3@node4'")
+    p.add_argument("--ssh-command", default=None, metavar="CMD",
+                   help=f"command that runs a shell command on a host, given HOST CMD "
+                   f"(default: ${SSH_ENV} or '{DEFAULT_SSH}')")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="where logs, error files and job.json go (default: runs/<job id>)")
+    p.add_argument("--heartbeat-interval", default=None, metavar="SECONDS",
+                   help=f"seconds between control-plane heartbeats (default: "
+                   f"{fenv.DEFAULT_HEARTBEAT_INTERVAL})")
+    p.add_argument("--heartbeat-misses", default=None, metavar="N",
+                   help="missed heartbeats before a rank is declared stuck (default: "
+                   f"{fenv.DEFAULT_HEARTBEAT_MISSES})")
+    p.add_argument("--join-timeout", default="300", metavar="SECONDS",
+                   help="seconds for every rank to join the coordinator (default: 300)")
+    p.add_argument("--grace-period", default="3", metavar="SECONDS",
+                   help="seconds between SIGTERM and SIGKILL when tearing down (default: 3)")
+    p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="run the target as an executable instead of with python (no heartbeats)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the target is a module name, run like 'python -m'")
+    # Internal: a node launcher started by a hostfile launch.
+    p.add_argument("--control-endpoint", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--world-size", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank-offset", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--job-id", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--from-parent", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("target", metavar="script", help="training script (or module with -m) to run")
+    p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="args",
+                   help="arguments passed to the script untouched")
+
+
+def _int(value: str, flag: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise LaunchInputError(f"{flag} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise LaunchInputError(f"{flag} must be at least {minimum}, got {number}")
+    return number
+
+
+def _seconds(value: str, flag: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise LaunchInputError(f"{flag} must be a number of seconds, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise LaunchInputError(f"{flag} must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def _port(value: str, flag: str) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise LaunchInputError(f"{flag} must be a port number 1..65535, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise LaunchInputError(f"{flag} must be a port number 1..65535, got {port}")
+    return port
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _auto_nproc() -> int:
+    try:
+        import torch  # only for "auto": importing torch costs a second
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return int(torch.cuda.device_count())
+    except ImportError:
+        pass
+    return os.cpu_count() or 1
+
+
+def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
+    """Checks the flags and fills in defaults; raises LaunchInputError naming the bad value."""
+    target = ns.target
+    if ns.module and ns.no_python:
+        raise LaunchInputError("-m/--module and --no-python cannot be used together")
+    if ns.no_python:
+        if not (Path(target).is_file() or shutil.which(target)):
+            raise LaunchInputError(f"executable {target!r} not found (as a file or on PATH)")
+    elif not ns.module:
+        path = Path(target)
+        if not path.exists():
+            raise LaunchInputError(f"script {target!r} does not exist (cwd: {os.getcwd()})")
+        if not path.is_file():
+            raise LaunchInputError(f"script {target!r} is not a file")
+
+    if ns.nproc_per_node == "auto":
+        nproc = _auto_nproc()
+    else:
+        nproc = _int(ns.nproc_per_node, "--nproc-per-node", 1)
+    nnodes = _int(ns.nnodes, "--nnodes", 1)
+    node_rank = _int(ns.node_rank, "--node-rank", 0)
+    if node_rank >= nnodes:
+        raise LaunchInputError(f"--node-rank must be below --nnodes={nnodes}, got {node_rank}")
+    interval = _seconds(ns.heartbeat_interval or os.environ.get(fenv.HEARTBEAT_INTERVAL)
+                        or str(fenv.DEFAULT_HEARTBEAT_INTERVAL), "--heartbeat-interval")
+    misses = _int(ns.heartbeat_misses or os.environ.get(fenv.HEARTBEAT_MISSES)
+                  or str(fenv.DEFAULT_HEARTBEAT_MISSES), "--heartbeat-misses", 1)
+    join_timeout = _seconds(ns.join_timeout, "--join-timeout")
+    grace = _seconds(ns.grace_period, "--grace-period")
+    ssh_text = ns.ssh_command or os.environ.get(SSH_ENV) or DEFAULT_SSH
+    try:
+        ssh_command = shlex.split(ssh_text)
+    except ValueError as exc:
+        raise LaunchInputError(f"--ssh-command {ssh_text!r} is not a valid command line: {exc}") from None
+    if not ssh_command:
+        raise LaunchInputError("--ssh-command is empty; expected e.g. 'ssh -o BatchMode=yes'")
+
+    hosts: dict[str, list[int]] = {}
+    if ns.hostfile and not ns.control_endpoint:
+        hosts = apply_filters(read_hostfile(ns.hostfile), ns.include, ns.exclude)
+        if nnodes != 1 and nnodes != len(hosts):
+            raise LaunchInputError(
+                f"--nnodes={nnodes} does not match the {len(hosts)} hosts chosen from {ns.hostfile}"
+            )
+    elif ns.include or ns.exclude:
+        raise LaunchInputError("--include/--exclude need --hostfile")
+
+    master_addr = ns.master_addr
+    if master_addr is None:
+        if hosts and not all_loopback(list(hosts)):
+            master_addr = next(iter(hosts))
+        else:
+            master_addr = "127.0.0.1"
+    spans_hosts = (len(hosts) > 1 and not all_loopback(list(hosts))) or (not hosts and nnodes > 1)
+    if ns.master_port is not None:
+        master_port = _port(ns.master_port, "--master-port")
+    elif spans_hosts:
+        master_port = DEFAULT_MASTER_PORT
+    else:
+        master_port = free_port()
+    if not hosts and nnodes > 1 and not ns.control_endpoint and master_port + 1 > 65535:
+        raise LaunchInputError(
+            f"--master-port must leave room for the coordinator on port+1, got {master_port}"
+        )
+
+    if hosts and len(hosts) == 1 and all_loopback(list(hosts)):
+        # One local host: no ssh, like DeepSpeed's single-node path.
+        nproc = len(next(iter(hosts.values())))
+        hosts = {}
+
+    job_id = ns.job_id or os.environ.get(fenv.JOB_ID) or new_job_id()
+    run_dir = Path(ns.run_dir) if ns.run_dir else Path.cwd() / "runs" / job_id
+    world = nproc * nnodes
+    if ns.world_size is not None:
+        world = _int(ns.world_size, "--world-size", 1)
+    offset = node_rank * nproc
+    if ns.rank_offset is not None:
+        offset = _int(ns.rank_offset, "--rank-offset", 0)
+    if hosts:
+        world = sum(len(s) for s in hosts.values())
+    if offset + nproc > world:
+        raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of {world}")
+    return LaunchConfig(
+        target=target, target_args=list(ns.target_args), is_module=ns.module,
+        no_python=ns.no_python, nproc_per_node=nproc, nnodes=len(hosts) if hosts else nnodes,
+        node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+        run_dir=run_dir, job_id=job_id, heartbeat_interval=interval, heartbeat_misses=misses,
+        join_timeout=join_timeout, grace_period=grace, ssh_command=ssh_command, hosts=hosts,
+        control_endpoint=ns.control_endpoint, world_size=world, rank_offset=offset,
+        from_parent=ns.from_parent, argv=list(argv),
+    )

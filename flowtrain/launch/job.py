@@ -1,0 +1,202 @@
+"""One ``flowtrain launch``: run directory, secret, per-rank environment, children, supervision,
+and the root-cause report at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from flowtrain import env as fenv
+from flowtrain.control.coordinator import tcp_endpoint
+from flowtrain.launch.args import LaunchConfig
+from flowtrain.launch.envfile import load_env_files, remote_exports
+from flowtrain.launch.hostfile import LaunchInputError, all_loopback
+from flowtrain.launch.multinode import node_command, read_secret_from_stdin
+from flowtrain.launch.rundir import RunDir
+from flowtrain.launch.summary import Outcome, collect_outcome, format_report
+from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor
+from flowtrain.log import configure_logging, get_logger
+
+log = get_logger("flowtrain.launch")
+
+
+def _is_loopback(host: str) -> bool:
+    return all_loopback([host])
+
+
+def _job_secret(cfg: LaunchConfig, hosting_alone: bool) -> bytes:
+    if hosting_alone:
+        return secrets.token_bytes(32)
+    if cfg.from_parent:
+        return read_secret_from_stdin()
+    raw = os.environ.get(fenv.JOB_SECRET, "")
+    hint = ("export FLOWTRAIN_JOB_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))') "
+            "once and pass the same value to every node")
+    if not raw:
+        raise LaunchInputError(f"--nnodes={cfg.nnodes} without --hostfile needs the same "
+                               f"{fenv.JOB_SECRET} on every node, and it is not set: {hint}")
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise LaunchInputError(f"{fenv.JOB_SECRET} must be hex digits, got {len(raw)} characters "
+                               f"that are not: {hint}") from None
+
+
+def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: int,
+              endpoint: str | None, secret: bytes, console: str) -> dict[str, str]:
+    rank = cfg.rank_offset + local_rank
+    env = dict(base)
+    env.update({
+        fenv.RANK: str(rank), fenv.LOCAL_RANK: str(local_rank),
+        fenv.WORLD_SIZE: str(cfg.world_size), fenv.LOCAL_WORLD_SIZE: str(cfg.nproc_per_node),
+        fenv.GROUP_RANK: str(cfg.node_rank), fenv.MASTER_ADDR: cfg.master_addr,
+        fenv.MASTER_PORT: str(cfg.master_port), fenv.JOB_ID: cfg.job_id,
+        fenv.RUN_DIR: str(rd.path), fenv.ERROR_FILE: str(rd.rank_error(rank)),
+        fenv.HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval),
+        fenv.HEARTBEAT_MISSES: str(cfg.heartbeat_misses), fenv.CONSOLE: console,
+        fenv.LAUNCHED: "1", "PYTHONUNBUFFERED": "1",
+    })
+    if endpoint:
+        env[fenv.CONTROL_ENDPOINT] = endpoint
+        env[fenv.JOB_SECRET] = secret.hex()
+    else:
+        env.pop(fenv.CONTROL_ENDPOINT, None)
+        env.pop(fenv.JOB_SECRET, None)
+    return env
+
+
+def _rank_argv(cfg: LaunchConfig) -> list[str]:
+    if cfg.no_python:
+        target = str(Path(cfg.target).absolute()) if Path(cfg.target).is_file() else cfg.target
+        return [target, *cfg.target_args]
+    head = [sys.executable, "-m", "flowtrain.launch.bootstrap"]
+    return head + (["-m"] if cfg.is_module else []) + [cfg.target, *cfg.target_args]
+
+
+def run_launch(cfg: LaunchConfig) -> int:
+    """Runs the job described by ``cfg``; returns the launcher's exit code."""
+    mode = cfg.mode
+    joins_remote = mode == "node" or (mode == "multi" and cfg.node_rank > 0)
+    if cfg.no_python and mode != "local":
+        raise LaunchInputError("--no-python works on one node only (its ranks cannot join the "
+                               "control plane); drop --nnodes/--hostfile or run python scripts")
+    rd = RunDir(cfg.run_dir, f".node{cfg.node_rank}" if joins_remote else "")
+    try:
+        rd.create()
+    except OSError as exc:
+        raise LaunchInputError(str(exc)) from None
+    console = "human" if sys.stderr.isatty() else "plain"
+    configure_logging(json_path=rd.launcher_log, console=console, role="launcher",
+                      node_rank=cfg.node_rank, job_id=cfg.job_id)
+    secret = _job_secret(cfg, hosting_alone=mode in ("local", "hostfile"))
+    file_vars = load_env_files(Path.cwd(), os.environ.get("HOME"))
+    base_env = dict(os.environ)
+    base_env.update(file_vars)
+    if "OMP_NUM_THREADS" not in base_env and mode != "hostfile":
+        threads = max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
+        base_env["OMP_NUM_THREADS"] = str(threads)
+        log.warning("OMP_NUM_THREADS was not set; setting it for every rank to avoid "
+                    "oversubscribing the CPUs; set it yourself to tune", OMP_NUM_THREADS=threads)
+    for local_rank in range(cfg.nproc_per_node):
+        # A stale error file from an earlier run in the same directory would win as root cause.
+        rd.rank_error(cfg.rank_offset + local_rank).unlink(missing_ok=True)
+
+    # Where the coordinator lives and where ranks find it.
+    hosts = list(cfg.hosts)
+    if mode == "hostfile":
+        loop = all_loopback(hosts)
+        bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), \
+            ("127.0.0.1" if loop else socket.gethostname()), 0
+    elif mode == "multi":
+        loop = _is_loopback(cfg.master_addr)
+        bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), cfg.master_addr, cfg.master_port + 1
+    else:
+        bind, advertise, port = "127.0.0.1", "127.0.0.1", 0
+    hosting = not joins_remote and not cfg.no_python
+    fixed_endpoint = cfg.control_endpoint
+    if mode == "multi" and cfg.node_rank > 0:
+        fixed_endpoint = tcp_endpoint(cfg.master_addr, cfg.master_port + 1)
+
+    def make_coordinator(on_event: Any) -> Any:
+        from flowtrain.control.coordinator import Coordinator
+
+        return Coordinator(world_size=cfg.world_size, secret=secret, host=bind, port=port,
+                           heartbeat_interval=cfg.heartbeat_interval,
+                           heartbeat_misses=cfg.heartbeat_misses, join_timeout=cfg.join_timeout,
+                           on_event=on_event)
+
+    def endpoint_for(coordinator: Any) -> str | None:
+        if coordinator is None:
+            return fixed_endpoint
+        return tcp_endpoint(advertise, coordinator.endpoint.rsplit(":", 1)[1])
+
+    def build_children(endpoint: str | None) -> list[Child]:
+        if mode == "hostfile":
+            assert endpoint is not None
+            exports = remote_exports(os.environ, file_vars)
+            children, offset = [], 0
+            for node, (host, slots) in enumerate(cfg.hosts.items()):
+                command = node_command(cfg, node=node, host=host, slots=slots, rank_offset=offset,
+                                       endpoint=endpoint, exports=exports)
+                children.append(Child(label=f"node {node} ({host})", argv=[*cfg.ssh_command, host, command],
+                                      env=dict(os.environ), out_path=rd.node_out(node), node=node,
+                                      host=host, stdin_data=(secret.hex() + "\n").encode()))
+                offset += len(slots)
+            return children
+        prefix = cfg.world_size > 1
+        return [
+            Child(label=f"rank {cfg.rank_offset + lr}", argv=_rank_argv(cfg),
+                  env=_rank_env(cfg, base_env, rd, lr, endpoint, secret, console),
+                  out_path=rd.rank_out(cfg.rank_offset + lr), rank=cfg.rank_offset + lr,
+                  host=socket.gethostname(),
+                  prefix=f"[rank{cfg.rank_offset + lr}]: ".encode() if prefix else b"")
+            for lr in range(cfg.nproc_per_node)
+        ]
+
+    started = time.time()
+    record: dict[str, Any] = {
+        "job_id": cfg.job_id, "command": ["flowtrain", *cfg.argv], "cwd": os.getcwd(),
+        "mode": mode, "world_size": cfg.world_size, "nnodes": cfg.nnodes,
+        "nproc_per_node": cfg.nproc_per_node, "node_rank": cfg.node_rank,
+        "hosts": {h: s for h, s in cfg.hosts.items()}, "master_addr": cfg.master_addr,
+        "master_port": cfg.master_port, "run_dir": str(rd.path), "start_time": started,
+        "end_time": None, "status": "running", "exit_code": None, "root_cause": None, "ranks": [],
+    }
+    rd.write_job(record)
+    log.info("job starting", job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,
+             nproc_per_node=cfg.nproc_per_node, run_dir=str(rd.path))
+    supervisor = Supervisor(grace_period=cfg.grace_period,
+                            make_coordinator=make_coordinator if hosting else None,
+                            build_children=build_children, endpoint_for=endpoint_for,
+                            watch_stdin=cfg.from_parent)
+    supervisor.run()
+    outcome = collect_outcome(supervisor, rd, started=started, join_timeout=cfg.join_timeout)
+    record.update(end_time=time.time(), status=outcome.status, exit_code=outcome.exit_code,
+                  root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
+                  ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records])
+    rd.write_job(record)
+    log.info("job ended", status=outcome.status, exit_code=outcome.exit_code,
+             root_cause=record["root_cause"])
+    if cfg.from_parent:
+        _report_to_parent(outcome)
+    else:
+        report = format_report(outcome, job_id=cfg.job_id, run_dir=rd.path)
+        if report:
+            print(report, file=sys.stderr, flush=True)
+    return outcome.exit_code
+
+
+def _report_to_parent(outcome: Outcome) -> None:
+    """One marker line on stdout that the launcher on the other end of ssh parses."""
+    payload = {"failures": [dict(asdict(r.failure), secondary=r.secondary) for r in outcome.records],
+               "ranks": outcome.ranks}
+    out = sys.stdout.buffer
+    out.write(NODE_RESULT_MARKER + json.dumps(payload).encode() + b"\n")
+    out.flush()
