@@ -10,6 +10,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
 from types import FrameType
 from typing import Any
@@ -20,11 +21,53 @@ from flowtrain.errors import RankAborted, RankFailure, write_error_file
 ABORTED_EXIT = 143  # 128 + SIGTERM, what a process killed by SIGTERM would report to a shell
 
 
+_handled = threading.Event()
+POKE_INTERVAL = 0.2  # seconds between nudges of a main thread that has not run its handler
+POKES = 50
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     # Only the first SIGTERM becomes an exception; a second one during cleanup must not interrupt
     # the error-file write or the goodbye to the coordinator (SIGKILL follows if cleanup hangs).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _handled.set()
     raise RankAborted("the job is being torn down (SIGTERM)")
+
+
+def _forward_sigterm(read_fd: int) -> None:
+    """The kernel hands a process-wide SIGTERM to any thread that does not block it; when that is
+    a torch or event-loop thread, Python only flags it and a main thread asleep in time.sleep()
+    or a blocking read never runs the handler. Python's wakeup fd tells us the signal came in,
+    and a thread-directed SIGTERM wakes the main thread so the handler runs."""
+    main_id = threading.main_thread().ident
+    assert main_id is not None
+    while not _handled.is_set():
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        if signal.SIGTERM not in data:
+            continue
+        for _ in range(POKES):
+            if _handled.is_set():
+                return
+            try:
+                signal.pthread_kill(main_id, signal.SIGTERM)
+            except (ProcessLookupError, OSError):
+                return
+            if _handled.wait(POKE_INTERVAL):
+                return
+
+
+def _install_sigterm_handler() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_forward_sigterm, args=(read_fd,), daemon=True,
+                     name="flowtrain-sigterm-forward").start()
 
 
 def _runtime() -> tuple[Any, Any]:
@@ -49,6 +92,16 @@ def _run_target(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _trim(exc: BaseException) -> BaseException:
+    """Drops this module's and runpy's frames so the traceback starts in the user's script."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+            or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return exc.with_traceback(tb)
+
+
 def _fail(rank: int, failure: RankFailure, shutdown: Any) -> None:
     error_file = os.environ.get(fenv.ERROR_FILE)
     if error_file:
@@ -69,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m flowtrain.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
         return 2
     rank = int(os.environ.get(fenv.RANK, "0") or 0)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _install_sigterm_handler()
     shutdown = None
     try:
         try:
@@ -98,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             message, status = f"SystemExit: {code}", 1
         else:
             message, status = f"exited with code {code} (sys.exit)", code
-        failure = RankFailure.from_exception(rank, exc, kind="exit")
+        failure = RankFailure.from_exception(rank, _trim(exc), kind="exit")
         failure.message = message
         _fail(rank, failure, shutdown)
         return status
     except BaseException as exc:  # noqa: BLE001 - every failure of the script must be reported
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        failure = RankFailure.from_exception(rank, exc)
+        failure = RankFailure.from_exception(rank, _trim(exc))
         _fail(rank, failure, shutdown)
         traceback.print_exception(exc, file=sys.stderr)
         sys.stderr.flush()

@@ -51,6 +51,7 @@ class Child:
     node_result: dict[str, Any] | None = None
     threads: list[threading.Thread] = field(default_factory=list)
     out_file: BinaryIO | None = None
+    failed: bool = False  # its exit counts as a failure (set when the exit is seen)
 
     @property
     def alive(self) -> bool:
@@ -202,7 +203,8 @@ class Supervisor:
     def _signal(self, child: Child, sig: int) -> None:
         if not child.alive or child.proc is None:
             return
-        child.signalled = signal_name(sig)
+        if sig != signal.SIGCONT:
+            child.signalled = signal_name(sig)
         try:
             os.killpg(child.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -225,11 +227,14 @@ class Supervisor:
 
     def _on_exit(self, child: Child, code: int, when: float) -> None:
         child.exit_code, child.exit_time = code, when
+        child.failed = self._classify(child)
         self._post("exit", child)
 
     def _stdin_watch(self) -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            # os.read, not sys.stdin: a daemon thread inside a buffered reader's lock aborts the
+            # interpreter at shutdown.
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         except (OSError, ValueError):
             pass
@@ -244,12 +249,17 @@ class Supervisor:
                 self._post("signal", int(signum))
 
     def is_failure(self, child: Child) -> bool:
-        """An exit counts as a failure unless it is a success or the launcher's own teardown."""
+        """An exit is a failure unless it succeeded or the launcher caused it (decided at exit)."""
+        return child.failed
+
+    def _classify(self, child: Child) -> bool:
         code = child.exit_code
         if code == 0 or code is None:
             return False
-        if self.teardown_time is not None and (child.signalled or code == ABORTED_EXIT or code < 0):
-            return False
+        if child.signalled is not None:
+            return False  # the launcher signalled it first: teardown, not a new failure
+        if self.teardown_time is not None and code == ABORTED_EXIT:
+            return False  # told to stop through the control plane after the failure
         return True
 
     async def _supervise(self, receive: Any, tg: Any) -> None:
@@ -299,7 +309,6 @@ class Supervisor:
                 self._signal(child, signal.SIGTERM)
                 # A stopped (SIGSTOP) process only acts on SIGTERM once it runs again.
                 self._signal(child, signal.SIGCONT)
-                child.signalled = "SIGTERM"
         # Node launchers run their own teardown with the same grace period: give them longer.
         grace = self.grace_period + (5.0 if any(c.node is not None for c in self.children) else 0.0)
         with anyio.move_on_after(grace):
