@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["Lion", "VALID_OPTIMIZERS", "build_optimizer"]
+__all__ = ["VALID_OPTIMIZERS", "Lion", "build_optimizer"]
 
 VALID_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd", "lion")
 
@@ -21,13 +21,23 @@ ADAM_W_MODE_DEFAULT = True
 # FusedAdam's own default; torch.optim.AdamW's is 0.01 and applies only with torch_adam.
 _FUSED_ADAM_WEIGHT_DECAY = 0.0
 
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "torch_adam",
-              "adam_w_mode")
+_ADAM_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "bias_correction",
+    "torch_adam",
+    "adam_w_mode",
+)
 _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
 _LION_KEYS = ("lr", "betas", "weight_decay")
 
 
-def _group_by_device_dtype(*lists: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[list[Tensor]]]:
+def _group_by_device_dtype(
+    *lists: list[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[list[Tensor]]]:
     # Foreach kernels need one device and dtype per call; the first list decides the key.
     groups: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
     for items in zip(*lists):
@@ -74,7 +84,9 @@ class Lion(Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients; use dense gradients")
+                    raise RuntimeError(
+                        "Lion does not support sparse gradients; use dense gradients"
+                    )
                 state = self.state[p]
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -106,12 +118,13 @@ def _check_keys(name: str, config_params: dict[str, Any], valid: tuple[str, ...]
         raise ValueError(
             f"optimizer {name!r} params contain 'max_grad_norm', which is not an optimizer "
             "parameter; remove it and set the top-level 'gradient_clipping' key instead "
-            f"(e.g. \"gradient_clipping\": {config_params['max_grad_norm']})"
+            f'(e.g. "gradient_clipping": {config_params["max_grad_norm"]})'
         )
     unknown = sorted(set(config_params) - set(valid))
     if unknown:
         raise ValueError(
-            f"unknown parameter(s) {unknown} for optimizer {name!r}; valid parameters are {list(valid)}"
+            f"unknown parameter(s) {unknown} for optimizer {name!r}; "
+            f"valid parameters are {list(valid)}"
         )
 
 
@@ -138,7 +151,9 @@ def _build_adam(name: str, params: Any, cfg: dict[str, Any]) -> Optimizer:
     return cls(params, **cfg)
 
 
-def build_optimizer(type_name: str, params: Any, config_params: dict[str, Any] | None = None) -> Optimizer:
+def build_optimizer(
+    type_name: str, params: Any, config_params: dict[str, Any] | None = None
+) -> Optimizer:
     """A torch optimizer for a DeepSpeed ``{"type": ..., "params": {...}}`` block.
 
     Names are case-insensitive. ``Adam`` means decoupled weight decay (torch AdamW) unless

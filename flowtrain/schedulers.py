@@ -15,9 +15,9 @@ from torch.optim import Optimizer
 from flowtrain.log import get_logger
 
 __all__ = [
+    "VALID_SCHEDULERS",
     "LRRangeTest",
     "OneCycle",
-    "VALID_SCHEDULERS",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
@@ -28,7 +28,7 @@ WARMUP_TYPES = ("log", "linear")
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
-    # Engines wrap the torch optimizer (fp16/ZeRO wrappers expose it as .optimizer), as in DeepSpeed.
+    # Engines wrap the torch optimizer (fp16/ZeRO wrappers expose .optimizer), as in DeepSpeed.
     if isinstance(optimizer, Optimizer):
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
@@ -53,7 +53,11 @@ def _per_group(optimizer: Optimizer, value: Any, name: str) -> list[Any]:
 
 
 def _check_warmup(warmup_num_steps: Any, warmup_type: Any) -> None:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+    if (
+        isinstance(warmup_num_steps, bool)
+        or not isinstance(warmup_num_steps, int)
+        or warmup_num_steps <= 0
+    ):
         raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
     if warmup_type not in WARMUP_TYPES:
         raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
@@ -113,13 +117,14 @@ class _Schedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "last_batch_iteration" not in state:
             raise ValueError(
-                f"{type(self).__name__} state needs 'last_batch_iteration', got keys {sorted(state)}"
+                f"{type(self).__name__} state needs 'last_batch_iteration', "
+                f"got keys {sorted(state)}"
             )
         self.last_batch_iteration = int(state["last_batch_iteration"])
 
 
 class LRRangeTest(_Schedule):
-    """lr = min_lr · (1 + step_rate · interval), interval = (i+1)/step_size (floored if staircase)."""
+    """lr = min_lr·(1 + step_rate·interval), interval = (i+1)/step_size, floored if staircase."""
 
     def __init__(
         self,
@@ -132,7 +137,9 @@ class LRRangeTest(_Schedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         if lr_range_test_step_size <= 0:
-            raise ValueError(f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}")
+            raise ValueError(
+                f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}"
+            )
         self.min_lrs = _per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
@@ -178,7 +185,9 @@ class OneCycle(_Schedule):
             raise ValueError(f"cycle_first_step_size must be > 0, got {cycle_first_step_size!r}")
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (
-            float(cycle_second_step_size) if cycle_second_step_size is not None else self.first_step_size
+            float(cycle_second_step_size)
+            if cycle_second_step_size is not None
+            else self.first_step_size
         )
         if self.second_step_size <= 0:
             raise ValueError(f"cycle_second_step_size must be > 0, got {cycle_second_step_size!r}")
@@ -266,7 +275,7 @@ class OneCycle(_Schedule):
 
 
 class WarmupLR(_Schedule):
-    """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then holds.
+    """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps (log/linear), then holds.
 
     ``warmup_max_lr=None`` takes the optimizer's first param group lr.
     """
@@ -294,7 +303,9 @@ class WarmupLR(_Schedule):
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
-            return _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+            return _warmup_fraction(
+                self.last_batch_iteration, self.warmup_num_steps, self.warmup_type
+            )
         return 1.0
 
     def get_lr(self) -> list[float]:
@@ -318,12 +329,19 @@ class WarmupDecayLR(WarmupLR):
         last_batch_iteration: int = -1,
     ) -> None:
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(
+            optimizer,
+            warmup_min_lr,
+            warmup_max_lr,
+            warmup_num_steps,
+            warmup_type,
+            last_batch_iteration,
+        )
         if total_num_steps < self.warmup_num_steps:
             get_logger("flowtrain.schedulers").warning(
                 "WarmupDecayLR total_num_steps is less than warmup_num_steps",
-                total_num_steps=total_num_steps, warmup_num_steps=self.warmup_num_steps,
+                total_num_steps=total_num_steps,
+                warmup_num_steps=self.warmup_num_steps,
             )
 
     def _gamma(self) -> float:
@@ -398,23 +416,31 @@ _SCHEDULERS: dict[str, type[_Schedule]] = {
 VALID_SCHEDULERS: tuple[str, ...] = tuple(_SCHEDULERS)
 
 
-def build_scheduler(type_name: str, optimizer: Any, params: dict[str, Any] | None = None) -> _Schedule:
-    """A scheduler from a DeepSpeed ``scheduler`` block: ``type`` (case-sensitive) and ``params``."""
+def build_scheduler(
+    type_name: str, optimizer: Any, params: dict[str, Any] | None = None
+) -> _Schedule:
+    """A scheduler from a DeepSpeed ``scheduler`` block: ``type`` (case-sensitive), ``params``."""
     cls = _SCHEDULERS.get(type_name)
     if cls is None:
-        raise ValueError(f"unknown scheduler type {type_name!r}; valid types are {list(VALID_SCHEDULERS)}")
+        raise ValueError(
+            f"unknown scheduler type {type_name!r}; valid types are {list(VALID_SCHEDULERS)}"
+        )
     params = dict(params or {})
     signature = inspect.signature(cls.__init__)
     accepted = [name for name in signature.parameters if name not in ("self", "optimizer")]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(
-            f"unknown parameter(s) {unknown} for scheduler {type_name}; valid parameters are {accepted}"
+            f"unknown parameter(s) {unknown} for scheduler {type_name}; "
+            f"valid parameters are {accepted}"
         )
     required = [
-        name for name in accepted
+        name
+        for name in accepted
         if signature.parameters[name].default is inspect.Parameter.empty and name not in params
     ]
     if required:
-        raise ValueError(f"scheduler {type_name} needs parameter(s) {required}; got {sorted(params)}")
+        raise ValueError(
+            f"scheduler {type_name} needs parameter(s) {required}; got {sorted(params)}"
+        )
     return cls(optimizer, **params)

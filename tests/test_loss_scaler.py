@@ -103,11 +103,17 @@ def test_hysteresis_not_refilled_between_isolated_overflows_without_consecutive(
     # hysteresis 2, long window: overflow, clean, overflow -> second one halves (budget spent).
     pattern = [1, 0, 1]
     assert run_scaler(pattern, initial_scale_power=4, loss_scale_window=100, hysteresis=2)[0] == [
-        16, 16, 8
+        16,
+        16,
+        8,
     ]
     # With consecutive_hysteresis the clean step refills the budget, so no halving.
     assert run_scaler(
-        pattern, initial_scale_power=4, loss_scale_window=100, hysteresis=2, consecutive_hysteresis=True
+        pattern,
+        initial_scale_power=4,
+        loss_scale_window=100,
+        hysteresis=2,
+        consecutive_hysteresis=True,
     )[0] == [16, 16, 16]
 
 
@@ -246,7 +252,9 @@ def test_has_inf_or_nan_syncs_once():
         calls += 1
         return original(self)
 
-    tensors = [torch.ones(3, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16)] * 10
+    tensors = [
+        torch.ones(3, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16)
+    ] * 10
     torch.Tensor.item = counting_item
     try:
         has_inf_or_nan(tensors)

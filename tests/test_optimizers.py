@@ -1,4 +1,4 @@
-"""build_optimizer tests: DeepSpeed's name/param mapping onto torch optimizers, and Lion's update."""
+"""build_optimizer tests: DeepSpeed's config mapping onto torch optimizers; Lion's update."""
 
 from __future__ import annotations
 
@@ -40,20 +40,45 @@ def assert_same_training(type_name, cfg, reference_cls, reference_kwargs, steps)
 CASES = [
     # DeepSpeed "Adam": adam_w_mode defaults to True -> decoupled decay, FusedAdam's wd default 0.
     ("Adam", {"lr": 1e-3}, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0}),
-    ("adam", {"lr": 2e-3, "weight_decay": 0.1, "betas": [0.8, 0.95], "eps": 1e-6}, torch.optim.AdamW,
-     {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6}),
-    ("Adam", {"lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": False}, torch.optim.Adam,
-     {"lr": 1e-3, "weight_decay": 0.1}),
-    ("ADAMW", {"lr": 1e-3, "weight_decay": 0.05, "adam_w_mode": False}, torch.optim.AdamW,
-     {"lr": 1e-3, "weight_decay": 0.05}),
+    (
+        "adam",
+        {"lr": 2e-3, "weight_decay": 0.1, "betas": [0.8, 0.95], "eps": 1e-6},
+        torch.optim.AdamW,
+        {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6},
+    ),
+    (
+        "Adam",
+        {"lr": 1e-3, "weight_decay": 0.1, "adam_w_mode": False},
+        torch.optim.Adam,
+        {"lr": 1e-3, "weight_decay": 0.1},
+    ),
+    (
+        "ADAMW",
+        {"lr": 1e-3, "weight_decay": 0.05, "adam_w_mode": False},
+        torch.optim.AdamW,
+        {"lr": 1e-3, "weight_decay": 0.05},
+    ),
     ("AdamW", {"lr": 1e-3}, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0}),
     # torch_adam hands the params straight to torch, so torch's AdamW default decay (0.01) applies.
     ("Adam", {"lr": 1e-3, "torch_adam": True}, torch.optim.AdamW, {"lr": 1e-3}),
-    ("Adam", {"lr": 1e-3, "torch_adam": True, "adam_w_mode": False, "amsgrad": True}, torch.optim.Adam,
-     {"lr": 1e-3, "amsgrad": True}),
-    ("Adam", {"lr": 1e-3, "bias_correction": True}, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0}),
-    ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}, torch.optim.SGD,
-     {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}),
+    (
+        "Adam",
+        {"lr": 1e-3, "torch_adam": True, "adam_w_mode": False, "amsgrad": True},
+        torch.optim.Adam,
+        {"lr": 1e-3, "amsgrad": True},
+    ),
+    (
+        "Adam",
+        {"lr": 1e-3, "bias_correction": True},
+        torch.optim.AdamW,
+        {"lr": 1e-3, "weight_decay": 0.0},
+    ),
+    (
+        "SGD",
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+    ),
     ("sgd", {"lr": 0.1}, torch.optim.SGD, {"lr": 0.1}),
 ]
 

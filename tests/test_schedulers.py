@@ -106,7 +106,9 @@ def assert_seq(got, want):
 
 
 @pytest.mark.parametrize("kind", ["log", "linear"])
-@pytest.mark.parametrize("lo,hi,w", [(0.0, 0.01, 10), (1e-4, 3e-3, 1), (0.001, 0.1, 40), (0.0, 1.0, 2)])
+@pytest.mark.parametrize(
+    "lo,hi,w", [(0.0, 0.01, 10), (1e-4, 3e-3, 1), (0.001, 0.1, 40), (0.0, 1.0, 2)]
+)
 def test_warmup_lr(kind, lo, hi, w):
     opt = make_opt()
     sched = WarmupLR(opt, warmup_min_lr=lo, warmup_max_lr=hi, warmup_num_steps=w, warmup_type=kind)
@@ -125,8 +127,13 @@ def test_warmup_lr_defaults_take_optimizer_lr_as_max():
 
 def test_warmup_lr_per_group_lists():
     opt = make_opt(groups=2)
-    sched = WarmupLR(opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.2], warmup_num_steps=5,
-                     warmup_type="linear")
+    sched = WarmupLR(
+        opt,
+        warmup_min_lr=[0.0, 0.1],
+        warmup_max_lr=[1.0, 0.2],
+        warmup_num_steps=5,
+        warmup_type="linear",
+    )
     got = lr_sequence(opt, sched, 8)
     for i, (a, b) in enumerate(got):
         assert a == pytest.approx(f_warmup(i, 0.0, 1.0, 5, "linear"))
@@ -136,11 +143,19 @@ def test_warmup_lr_per_group_lists():
 
 
 @pytest.mark.parametrize("kind", ["log", "linear"])
-@pytest.mark.parametrize("lo,hi,w,total", [(0.0, 0.01, 10, 40), (1e-4, 1e-3, 5, 60), (0.0, 0.1, 20, 20)])
+@pytest.mark.parametrize(
+    "lo,hi,w,total", [(0.0, 0.01, 10, 40), (1e-4, 1e-3, 5, 60), (0.0, 0.1, 20, 20)]
+)
 def test_warmup_decay_lr(kind, lo, hi, w, total):
     opt = make_opt()
-    sched = WarmupDecayLR(opt, total_num_steps=total, warmup_min_lr=lo, warmup_max_lr=hi,
-                          warmup_num_steps=w, warmup_type=kind)
+    sched = WarmupDecayLR(
+        opt,
+        total_num_steps=total,
+        warmup_min_lr=lo,
+        warmup_max_lr=hi,
+        warmup_num_steps=w,
+        warmup_type=kind,
+    )
     got = [x[0] for x in lr_sequence(opt, sched)]
     assert_seq(got, [f_warmup_decay(i, lo, hi, w, total, kind) for i in range(STEPS)])
     if total < STEPS:
@@ -150,12 +165,23 @@ def test_warmup_decay_lr(kind, lo, hi, w, total):
 @pytest.mark.parametrize("kind", ["log", "linear"])
 @pytest.mark.parametrize(
     "base,w,total,min_ratio,cos_min",
-    [(0.1, 10, 40, 0.0, 0.0001), (3e-4, 5, 45, 0.1, 0.01), (1.0, 1, 30, 0.5, 0.2), (0.01, 30, 20, 0.0, 0.0)],
+    [
+        (0.1, 10, 40, 0.0, 0.0001),
+        (3e-4, 5, 45, 0.1, 0.01),
+        (1.0, 1, 30, 0.5, 0.2),
+        (0.01, 30, 20, 0.0, 0.0),
+    ],
 )
 def test_warmup_cosine_lr(kind, base, w, total, min_ratio, cos_min):
     opt = make_opt(lr=base)
-    sched = WarmupCosineLR(opt, total_num_steps=total, warmup_min_ratio=min_ratio, warmup_num_steps=w,
-                           cos_min_ratio=cos_min, warmup_type=kind)
+    sched = WarmupCosineLR(
+        opt,
+        total_num_steps=total,
+        warmup_min_ratio=min_ratio,
+        warmup_num_steps=w,
+        cos_min_ratio=cos_min,
+        warmup_type=kind,
+    )
     assert opt.param_groups[0]["lr"] == 0.0  # DeepSpeed starts at ratio 0 before the first step
     got = [x[0] for x in lr_sequence(opt, sched)]
     assert_seq(got, [f_cosine(i, base, w, total, min_ratio, cos_min, kind) for i in range(STEPS)])
@@ -165,13 +191,38 @@ def test_warmup_cosine_lr(kind, base, w, total, min_ratio, cos_min):
     "kw,args",
     [
         (dict(cycle_first_step_size=10), (10, 10)),
-        (dict(cycle_first_step_size=8, cycle_second_step_size=12, decay_lr_rate=0.5, decay_step_size=4),
-         (8, 12)),
-        (dict(cycle_first_step_size=6, cycle_second_step_size=9, decay_lr_rate=0.1, decay_step_size=0),
-         (6, 9)),
-        (dict(cycle_first_step_size=10, cycle_first_stair_count=5, cycle_second_stair_count=2,
-              decay_lr_rate=1.0, decay_step_size=5), (10, 10)),
-        (dict(cycle_first_step_size=7, cycle_second_step_size=13, cycle_first_stair_count=3), (7, 13)),
+        (
+            dict(
+                cycle_first_step_size=8,
+                cycle_second_step_size=12,
+                decay_lr_rate=0.5,
+                decay_step_size=4,
+            ),
+            (8, 12),
+        ),
+        (
+            dict(
+                cycle_first_step_size=6,
+                cycle_second_step_size=9,
+                decay_lr_rate=0.1,
+                decay_step_size=0,
+            ),
+            (6, 9),
+        ),
+        (
+            dict(
+                cycle_first_step_size=10,
+                cycle_first_stair_count=5,
+                cycle_second_stair_count=2,
+                decay_lr_rate=1.0,
+                decay_step_size=5,
+            ),
+            (10, 10),
+        ),
+        (
+            dict(cycle_first_step_size=7, cycle_second_step_size=13, cycle_first_stair_count=3),
+            (7, 13),
+        ),
     ],
 )
 def test_one_cycle_lr(kw, args):
@@ -183,8 +234,17 @@ def test_one_cycle_lr(kw, args):
     stairs_up = kw.get("cycle_first_stair_count", 0)
     stairs_down = kw.get("cycle_second_stair_count", stairs_up)
     want = [
-        f_onecycle(i, lo, hi, up, down, kw.get("decay_lr_rate", 0.0), kw.get("decay_step_size", 0),
-                   stairs_up, stairs_down)
+        f_onecycle(
+            i,
+            lo,
+            hi,
+            up,
+            down,
+            kw.get("decay_lr_rate", 0.0),
+            kw.get("decay_step_size", 0),
+            stairs_up,
+            stairs_down,
+        )
         for i in range(STEPS)
     ]
     assert_seq([x[0] for x in lr_sequence(opt, sched)], want)
@@ -192,8 +252,17 @@ def test_one_cycle_lr(kw, args):
 
 def test_one_cycle_momentum_on_adam_betas():
     opt = make_opt(kind="adam")
-    sched = OneCycle(opt, 0.001, 0.01, cycle_first_step_size=5, cycle_second_step_size=5,
-                     cycle_min_mom=0.85, cycle_max_mom=0.95, decay_mom_rate=0.01, decay_step_size=2)
+    sched = OneCycle(
+        opt,
+        0.001,
+        0.01,
+        cycle_first_step_size=5,
+        cycle_second_step_size=5,
+        cycle_min_mom=0.85,
+        cycle_max_mom=0.95,
+        decay_mom_rate=0.01,
+        decay_step_size=2,
+    )
     assert opt.param_groups[0]["betas"] == (0.85, 0.99)
     for i in range(30):
         opt.step()
@@ -219,11 +288,18 @@ def test_one_cycle_momentum_skipped_for_sgd():
 )
 def test_lr_range_test(lo, size, rate, staircase):
     opt = make_opt()
-    sched = LRRangeTest(opt, lr_range_test_min_lr=lo, lr_range_test_step_size=size,
-                        lr_range_test_step_rate=rate, lr_range_test_staircase=staircase)
+    sched = LRRangeTest(
+        opt,
+        lr_range_test_min_lr=lo,
+        lr_range_test_step_size=size,
+        lr_range_test_step_rate=rate,
+        lr_range_test_staircase=staircase,
+    )
     assert opt.param_groups[0]["lr"] == lo
-    assert_seq([x[0] for x in lr_sequence(opt, sched)], [f_range(i, lo, size, rate, staircase)
-                                                         for i in range(STEPS)])
+    assert_seq(
+        [x[0] for x in lr_sequence(opt, sched)],
+        [f_range(i, lo, size, rate, staircase) for i in range(STEPS)],
+    )
 
 
 # --- resume ---
@@ -232,8 +308,16 @@ FACTORIES = {
     "WarmupLR": lambda o: WarmupLR(o, 0.0, 0.1, 10, "linear"),
     "WarmupDecayLR": lambda o: WarmupDecayLR(o, 40, 0.0, 0.1, 10),
     "WarmupCosineLR": lambda o: WarmupCosineLR(o, 40, 0.1, 10, 0.01),
-    "OneCycle": lambda o: OneCycle(o, 0.001, 0.01, decay_lr_rate=0.2, cycle_first_step_size=8,
-                                   decay_step_size=3, cycle_min_mom=0.8, cycle_max_mom=0.9),
+    "OneCycle": lambda o: OneCycle(
+        o,
+        0.001,
+        0.01,
+        decay_lr_rate=0.2,
+        cycle_first_step_size=8,
+        decay_step_size=3,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+    ),
     "LRRangeTest": lambda o: LRRangeTest(o, 0.001, 5, 2.0, True),
 }
 
@@ -281,8 +365,16 @@ def test_get_last_lr_before_step_when_resuming():
 
 def test_build_scheduler_matches_direct_construction():
     opt = make_opt()
-    sched = build_scheduler("WarmupDecayLR", opt, {"total_num_steps": 30, "warmup_max_lr": 0.02,
-                                                   "warmup_num_steps": 5, "warmup_type": "linear"})
+    sched = build_scheduler(
+        "WarmupDecayLR",
+        opt,
+        {
+            "total_num_steps": 30,
+            "warmup_max_lr": 0.02,
+            "warmup_num_steps": 5,
+            "warmup_type": "linear",
+        },
+    )
     assert isinstance(sched, WarmupDecayLR)
     got = [x[0] for x in lr_sequence(opt, sched, 30)]
     assert_seq(got, [f_warmup_decay(i, 0.0, 0.02, 5, 30, "linear") for i in range(30)])
@@ -302,8 +394,9 @@ def test_build_scheduler_errors():
         build_scheduler("OneCycle", opt, {"cycle_min_lr": 0.1})
 
 
-@pytest.mark.parametrize("bad", [dict(warmup_num_steps=0), dict(warmup_num_steps=2.5),
-                                 dict(warmup_type="cosine")])
+@pytest.mark.parametrize(
+    "bad", [dict(warmup_num_steps=0), dict(warmup_num_steps=2.5), dict(warmup_type="cosine")]
+)
 def test_warmup_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         WarmupLR(make_opt(), **bad)

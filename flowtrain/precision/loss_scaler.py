@@ -25,7 +25,6 @@ __all__ = [
 ]
 
 
-
 def _logger() -> Any:
     # Fetched per call: get_logger configures logging on first use, which importing must not do.
     return get_logger("flowtrain.precision.loss_scaler")
@@ -41,7 +40,7 @@ def _is_rank_zero() -> bool:
 
 
 class LossScaler:
-    """Common interface: ``loss_scale``, ``update(overflow)``, ``state_dict``/``load_state_dict``."""
+    """Interface: ``loss_scale``, ``update(overflow)``, ``state_dict``, ``load_state_dict``."""
 
     dynamic: bool = False
 
@@ -244,9 +243,13 @@ def build_loss_scaler(
     try:
         static = float(loss_scale)
     except (TypeError, ValueError):
-        raise ValueError(f"fp16.loss_scale must be 0 (dynamic) or > 0, got {loss_scale!r}") from None
+        raise ValueError(
+            f"fp16.loss_scale must be 0 (dynamic) or > 0, got {loss_scale!r}"
+        ) from None
     if not math.isfinite(static) or static < 0:
-        raise ValueError(f"fp16.loss_scale must be 0 (dynamic) or a finite number > 0, got {loss_scale!r}")
+        raise ValueError(
+            f"fp16.loss_scale must be 0 (dynamic) or a finite number > 0, got {loss_scale!r}"
+        )
     if static > 0:
         return StaticLossScaler(static)
     return DynamicLossScaler(
