@@ -158,6 +158,25 @@ async def test_route_delivers_with_the_senders_rank() -> None:
             (0, {"msg": "grad ready", "bucket": 3}), (1, {"msg": "hello", "data": b"\x01"})]
 
 
+async def test_a_slow_route_handler_does_not_stall_heartbeats() -> None:
+    beats = {"heartbeat_interval": 0.05, "heartbeat_misses": 3}
+    aborts: list[str] = []
+    handled: list[int] = []
+
+    async def slow(sender: int, body: dict) -> None:
+        await anyio.sleep(0.3)  # six beat intervals, twice the silence that counts as stuck
+        handled.append(body["n"])
+
+    async with coordinator_running(2, **beats) as (coordinator, events, tg):
+        sender, _ = await start_client(tg, coordinator, 0, 2, **beats)
+        await start_client(tg, coordinator, 1, 2, on_route=slow, on_abort=aborts.append, **beats)
+        for n in range(3):
+            await sender.route(1, {"n": n})
+        await wait_until(lambda: len(handled) == 3, 5, "three slow routes handled")
+        assert handled == [0, 1, 2]  # in arrival order
+        assert of_type(events, RankFailed) == [] and aborts == []
+
+
 async def test_route_to_a_rank_that_has_not_joined_is_dropped() -> None:
     async with coordinator_running(2) as (coordinator, events, tg):
         client, _ = await start_client(tg, coordinator, 0, 2)

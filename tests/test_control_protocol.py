@@ -199,7 +199,7 @@ def test_counter_logs_first_ten_then_every_hundredth(monkeypatch: pytest.MonkeyP
         def warning(self, event: str, **fields: object) -> None:
             logged.append(int(fields["count"]))  # type: ignore[call-overload]
 
-    monkeypatch.setattr(protocol, "_log", Recorder())
+    monkeypatch.setattr(protocol, "_log", Recorder)
     counter = RejectCounter("test")
     for _ in range(300):
         counter.record("malformed", "x", "peer")

@@ -23,7 +23,10 @@ from flowtrain.control.protocol import Frame, FrameCodec, FrameRejected, Kind, R
 from flowtrain.errors import RankAborted, RankFailure
 from flowtrain.log import get_logger
 
-_log = get_logger("flowtrain.control.client")
+def _log() -> Any:
+    # Looked up per call: a logger bound at import keeps the logging configuration of that
+    # moment and would ignore configure_logging() called later by the rank or the launcher.
+    return get_logger("flowtrain.control.client")
 
 # Routed frames wait here for on_route; bounded so a slow handler pushes back instead of
 # letting memory grow, and separate from the receive loop so heartbeats keep flowing.
@@ -92,6 +95,8 @@ class ControlClient:
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Joins the coordinator, reports started, then beats and receives until cancelled."""
+        self._stopped = anyio.Event()
+        self._aborted = False
         context = zmq.asyncio.Context()
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, self.identity)
@@ -179,7 +184,7 @@ class ControlClient:
                 with anyio.fail_after(timeout):
                     await self._send(Kind.BYE, {})
             except TimeoutError:
-                _log.warning("BYE could not be sent in time", rank=self.rank, timeout=timeout)
+                _log().warning("BYE could not be sent in time", rank=self.rank, timeout=timeout)
         self._linger = timeout
         self._scope.cancel()
         with anyio.move_on_after(timeout + 1.0):
@@ -192,6 +197,12 @@ class ControlClient:
         if dealer is None:
             raise RuntimeError(f"rank {self.rank}'s control client is not serving; run ControlClient.serve() first")
         parts = self.codec.encode(kind, body)
+        # The usual case needs no timer: ZeroMQ takes the frame at once unless its queue is full.
+        error = send_now(dealer, parts)
+        if error is None:
+            return
+        if not isinstance(error, zmq.Again):
+            raise error
         try:
             with anyio.fail_after(self.send_timeout):
                 await dealer.send_multipart(parts)
@@ -218,7 +229,7 @@ class ControlClient:
                 f"{self.world_size}, and that both use the same job secret"
             )
         self._last_heard = time.monotonic()
-        _log.info("joined the coordinator", rank=self.rank, endpoint=self.endpoint)
+        _log().info("joined the coordinator", rank=self.rank, endpoint=self.endpoint)
 
     def _decode(self, parts: list[bytes]) -> Frame | None:
         try:
@@ -279,7 +290,7 @@ class ControlClient:
         # One worker keeps routed frames in arrival order, as an actor's mailbox would.
         async for sender, body in routes:
             if self.on_route is None:
-                _log.warning("ROUTE frame with no on_route handler; dropped", rank=self.rank, sender=sender)
+                _log().warning("ROUTE frame with no on_route handler; dropped", rank=self.rank, sender=sender)
                 continue
             await self.on_route(sender, body)
 
@@ -292,7 +303,7 @@ class ControlClient:
             await anyio.sleep(self.heartbeat_interval)
             error = send_now(dealer, self._heartbeat_parts())
             if error is not None and not isinstance(error, zmq.Again):
-                _log.warning("heartbeat not sent", rank=self.rank, error=repr(error))
+                _log().warning("heartbeat not sent", rank=self.rank, error=repr(error))
             now = time.monotonic()
             # A stall of this loop (a long synchronous handler, the GIL) leaves the coordinator's
             # beats unread; give the receive loop one tick to catch up before judging.
@@ -308,21 +319,21 @@ class ControlClient:
         try:
             return self.codec.encode(Kind.HEARTBEAT, self.status())
         except Exception as exc:  # a broken status callback must not stop the beats
-            _log.warning("status callback failed", rank=self.rank, error=repr(exc))
+            _log().warning("status callback failed", rank=self.rank, error=repr(exc))
             return self.codec.encode(Kind.HEARTBEAT, {"status_error": repr(exc)[:200]})
 
     def _abort(self, reason: str) -> None:
         if self._aborted:
             return
         self._aborted = True
-        _log.error("control plane abort", rank=self.rank, reason=reason)
+        _log().error("control plane abort", rank=self.rank, reason=reason)
         self._fail_waiters(RankAborted(reason))
         if self.on_abort is None:
             return
         try:
             self.on_abort(reason)
         except Exception:
-            _log.exception("on_abort raised", rank=self.rank)
+            _log().exception("on_abort raised", rank=self.rank)
 
     def _fail_waiters(self, error: BaseException) -> None:
         for waiter in [*self._barrier_waiters.values(), *self._kv_waiters.values()]:

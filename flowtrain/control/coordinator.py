@@ -18,7 +18,10 @@ from flowtrain.control.protocol import FrameCodec, FrameRejected, Kind, RejectCo
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
 
-_log = get_logger("flowtrain.control.coordinator")
+def _log() -> Any:
+    # Looked up per call: a logger bound at import keeps the logging configuration of that
+    # moment and would ignore configure_logging() called later by the rank or the launcher.
+    return get_logger("flowtrain.control.coordinator")
 
 COORDINATOR_SENDER = "coordinator"
 
@@ -151,7 +154,7 @@ class Coordinator:
             self.pub_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router, self._pub = router, pub
             started = time.monotonic()
-            _log.info("coordinator listening", endpoint=self.endpoint, pub_endpoint=self.pub_endpoint,
+            _log().info("coordinator listening", endpoint=self.endpoint, pub_endpoint=self.pub_endpoint,
                       world_size=self.world_size)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._receive_loop, router)
@@ -168,7 +171,7 @@ class Coordinator:
         for state in self._states.values():
             if state.joined and not state.finished:
                 self._send(state.rank, Kind.ABORT, {"reason": reason})
-        _log.warning("coordinator aborted the job", reason=reason)
+        _log().warning("coordinator aborted the job", reason=reason)
 
     def ranks(self) -> dict[int, RankState]:
         return {rank: replace(state, status=dict(state.status)) for rank, state in self._states.items()}
@@ -181,7 +184,7 @@ class Coordinator:
         try:
             self.on_event(event)
         except Exception:
-            _log.exception("on_event raised; the coordinator carries on", coordinator_event=repr(event))
+            _log().exception("on_event raised; the coordinator carries on", coordinator_event=repr(event))
 
     def _send(self, rank: int, kind: str, body: dict) -> bool:
         """Sends without waiting; a rank that vanished or stopped reading is logged, not fatal."""
@@ -195,12 +198,12 @@ class Coordinator:
         self.undeliverable += 1
         if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
             # A vanished rank is reported by the heartbeat check; one line per beat would only add noise.
-            log = _log.debug if kind == Kind.HEARTBEAT else _log.warning
+            log = _log().debug if kind == Kind.HEARTBEAT else _log().warning
             log("rank is not connected; frame dropped", rank=rank, kind=kind)
         elif isinstance(error, zmq.Again):
-            _log.warning("rank is not reading (send queue full); frame dropped", rank=rank, kind=kind)
+            _log().warning("rank is not reading (send queue full); frame dropped", rank=rank, kind=kind)
         else:
-            _log.error("sending to rank failed; frame dropped", rank=rank, kind=kind, error=repr(error))
+            _log().error("sending to rank failed; frame dropped", rank=rank, kind=kind, error=repr(error))
         return False
 
     async def _receive_loop(self, router: zmq.asyncio.Socket) -> None:
@@ -278,9 +281,9 @@ class Coordinator:
         state.last_seen = time.monotonic()
         self._send(rank, Kind.WELCOME, {"world_size": self.world_size})
         if rejoin:
-            _log.warning("rank joined again", rank=rank, host=state.host, pid=state.pid)
+            _log().warning("rank joined again", rank=rank, host=state.host, pid=state.pid)
             return
-        _log.info("rank joined", rank=rank, host=state.host, pid=state.pid)
+        _log().info("rank joined", rank=rank, host=state.host, pid=state.pid)
         self._emit(RankJoined(rank=rank, host=state.host, pid=state.pid))
 
     def _on_barrier(self, rank: int, name: str) -> None:
@@ -313,7 +316,7 @@ class Coordinator:
         target = self._states[to]
         if not target.joined or target.finished:
             self.undeliverable += 1
-            _log.warning("ROUTE to a rank that is not joined or has finished; dropped",
+            _log().warning("ROUTE to a rank that is not joined or has finished; dropped",
                          sender=rank, to=to, joined=target.joined, finished=target.finished)
             return
         self._send(to, Kind.ROUTE, {"from": rank, "body": payload})
@@ -324,7 +327,7 @@ class Coordinator:
         except TypeError as exc:
             raise FrameRejected("malformed", f"FAILURE from rank {rank} is not a RankFailure: {exc}") from None
         self._states[rank].failed = True
-        _log.error("rank reported a failure", rank=rank, kind=failure.kind, message=failure.message)
+        _log().error("rank reported a failure", rank=rank, kind=failure.kind, message=failure.message)
         self._emit(RankFailed(rank=rank, failure=failure))
 
     def _on_telemetry(self, rank: int, topic: str, body: dict) -> None:
@@ -342,7 +345,7 @@ class Coordinator:
         state.finished = True
         for key, waiters in list(self._kv_waiters.items()):
             self._kv_waiters[key] = [(r, req) for r, req in waiters if r != rank]
-        _log.info("rank finished", rank=rank)
+        _log().info("rank finished", rank=rank)
         self._emit(RankFinished(rank=rank))
         if not self._all_finished_reported and all(s.finished for s in self._states.values()):
             self._all_finished_reported = True
@@ -369,7 +372,7 @@ class Coordinator:
                 missing = [s.rank for s in self._states.values() if not s.joined]
                 if missing:
                     self._join_reported = True
-                    _log.error("ranks did not join in time", missing=missing, join_timeout=self.join_timeout)
+                    _log().error("ranks did not join in time", missing=missing, join_timeout=self.join_timeout)
                     self._emit(JoinTimeout(missing=missing))
 
     def _declare_stuck(self, state: RankState, silence: float) -> None:
@@ -377,7 +380,7 @@ class Coordinator:
         missed = int(silence / self.heartbeat_interval)
         message = (f"no heartbeat for {silence:.1f} s ({missed} missed beats); "
                    f"last status: {format_status(state.status)}")
-        _log.error("rank is stuck", rank=state.rank, message=message)
+        _log().error("rank is stuck", rank=state.rank, message=message)
         failure = RankFailure(rank=state.rank, kind="stuck", message=message, timestamp=time.time(),
                               host=state.host, pid=state.pid)
         self._emit(RankFailed(rank=state.rank, failure=failure))

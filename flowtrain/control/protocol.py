@@ -27,7 +27,10 @@ MAC_BYTES = hashlib.sha256().digest_size
 
 REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version")
 
-_log = get_logger("flowtrain.control.protocol")
+def _log() -> Any:
+    # Looked up per call: a logger bound at import keeps the logging configuration of that
+    # moment and would ignore configure_logging() called later by the rank or the launcher.
+    return get_logger("flowtrain.control.protocol")
 
 
 class Kind:
@@ -212,7 +215,7 @@ class RejectCounter:
             if count <= self.LOG_FIRST or count % self.LOG_EVERY == 0:
                 if isinstance(peer, (bytes, bytearray)):
                     peer = bytes(peer).decode("utf-8", "backslashreplace")
-                _log.warning(
+                _log().warning(
                     "control frame rejected", owner=self.owner, peer=str(peer), reason=reason,
                     detail=str(detail)[:300], count=count,
                 )
