@@ -87,6 +87,7 @@ def run_launch(cfg: LaunchConfig) -> int:
     if cfg.no_python and mode != "local":
         raise LaunchInputError("--no-python works on one node only (its ranks cannot join the "
                                "control plane); drop --nnodes/--hostfile or run python scripts")
+    secret = _job_secret(cfg, hosting_alone=mode in ("local", "hostfile"))
     rd = RunDir(cfg.run_dir, f".node{cfg.node_rank}" if joins_remote else "")
     try:
         rd.create()
@@ -95,7 +96,6 @@ def run_launch(cfg: LaunchConfig) -> int:
     console = "human" if sys.stderr.isatty() else "plain"
     configure_logging(json_path=rd.launcher_log, console=console, role="launcher",
                       node_rank=cfg.node_rank, job_id=cfg.job_id)
-    secret = _job_secret(cfg, hosting_alone=mode in ("local", "hostfile"))
     file_vars = load_env_files(Path.cwd(), os.environ.get("HOME"))
     base_env = dict(os.environ)
     base_env.update(file_vars)

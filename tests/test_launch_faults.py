@@ -1,0 +1,195 @@
+"""`flowtrain launch` end to end with real rank processes: success, exceptions, SIGKILL, SIGSTOP,
+Ctrl-C, and a two-"host" hostfile job through a local ssh stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+DATA = Path(__file__).parent / "data"
+JOB = DATA / "rank_job.py"
+FAKE_SSH = f"bash {DATA / 'fake_ssh.sh'}"
+
+
+def _kill_leftovers(run_dir: Path) -> list[int]:
+    """Kills any process of this test's job (found by its FLOWTRAIN_RUN_DIR) and returns their pids."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FLOWTRAIN_RUN_DIR") == str(run_dir) or any(
+                    str(run_dir) in part for part in proc.cmdline()):
+                found.append(proc.pid)
+                proc.kill()
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+class Run:
+    def __init__(self, proc: subprocess.Popen[str], out: str, err: str, ended: float,
+                 run_dir: Path) -> None:
+        self.returncode, self.out, self.err, self.ended = proc.returncode, out, err, ended
+        self.run_dir = run_dir
+        self.job = json.loads((run_dir / "job.json").read_text())
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWTRAIN_")
+           and k != "OMP_NUM_THREADS"}
+    env.update(extra)
+    return env
+
+
+def launch(tmp_path: Path, args: list[str], *, timeout: float = 40.0, env: dict[str, str] | None = None,
+           on_start: object = None) -> Run:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(run_dir), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        if callable(on_start):
+            on_start(proc)
+        out, err = proc.communicate(timeout=timeout)
+        ended = time.time()
+        assert not _kill_leftovers(run_dir), "the launcher left rank processes behind"
+        return Run(proc, out, err, ended, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+        _kill_leftovers(run_dir)
+
+
+def _fault_time(tmp_path: Path) -> float:
+    return float((tmp_path / "out" / "fault_time").read_text())
+
+
+@pytest.fixture
+def outdir(tmp_path: Path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_success_env_and_run_dir(tmp_path: Path, outdir: Path) -> None:
+    (tmp_path / ".flowtrain_env").write_text("FLOWTRAIN_TEST_FROM_ENV_FILE=from-env-file\n")
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "ok", str(outdir)])
+    assert run.returncode == 0, run.text
+    assert run.job["status"] == "succeeded" and run.job["root_cause"] is None
+    for rank in (0, 1):
+        seen = json.loads((outdir / f"rank{rank}.json").read_text())
+        env = seen["env"]
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["FLOWTRAIN_RUN_DIR"] == str(run.run_dir)
+        assert env["FLOWTRAIN_ERROR_FILE"] == str(run.run_dir / f"rank{rank}.error.json")
+        assert env["FLOWTRAIN_CONTROL_ENDPOINT"].startswith("tcp://127.0.0.1:")
+        assert env["FLOWTRAIN_LAUNCHED"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+        assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+        assert env["FLOWTRAIN_TEST_FROM_ENV_FILE"] == "from-env-file"
+        assert seen["sum"] == seen["expected"] == 3.0
+        assert seen["argv"] == [str(JOB), "ok", str(outdir)] and seen["name"] == "__main__"
+        assert seen["path0"] == str(DATA)
+        assert f"rank {rank} all-reduced 3.0" in (run.run_dir / f"rank{rank}.out").read_text()
+        assert f"[rank{rank}]: rank {rank} all-reduced 3.0" in run.out
+        assert not (run.run_dir / f"rank{rank}.error.json").exists()
+    assert (run.run_dir / "launcher.jsonl").stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_exception_is_the_root_cause(tmp_path: Path, outdir: Path) -> None:
+    message = f"boom-{secrets.token_hex(4)}"
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "raise", str(outdir)],
+                 env=_env(BOOM_MESSAGE=message))
+    assert run.returncode == 1, run.text
+    assert run.ended - _fault_time(tmp_path) < 5.0
+    assert "Root cause" in run.err and f"rank 1 (host" in run.err
+    assert f"ValueError: {message}" in run.err and "Traceback" in run.err
+    root = run.job["root_cause"]
+    assert root["rank"] == 1 and root["kind"] == "exception" and message in root["message"]
+    assert "rank 0 (pid" in run.err  # the other rank's end state
+    assert json.loads((run.run_dir / "rank1.error.json").read_text())["rank"] == 1
+    assert not (run.run_dir / "rank0.error.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_is_the_root_cause(tmp_path: Path, outdir: Path) -> None:
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "sigkill", str(outdir)])
+    assert run.returncode == 1, run.text
+    assert run.ended - _fault_time(tmp_path) < 5.0
+    assert "rank 1 (host" in run.err and "killed by SIGKILL" in run.err
+    root = run.job["root_cause"]
+    assert root["rank"] == 1 and root["kind"] == "signal" and "SIGKILL" in root["message"]
+
+
+@pytest.mark.timeout(60)
+def test_sigstopped_rank_is_declared_stuck(tmp_path: Path, outdir: Path) -> None:
+    run = launch(tmp_path, ["--nproc-per-node", "2", "--heartbeat-interval", "0.2",
+                            "--heartbeat-misses", "5", str(JOB), "sigstop", str(outdir)])
+    assert run.returncode == 1, run.text
+    assert run.ended - _fault_time(tmp_path) < 10.0
+    assert "rank 1 (host" in run.err and "is stuck" in run.err
+    assert run.job["root_cause"]["rank"] == 1 and run.job["root_cause"]["kind"] == "stuck"
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_tears_the_job_down(tmp_path: Path, outdir: Path) -> None:
+    def interrupt(proc: subprocess.Popen[str]) -> None:
+        deadline = time.time() + 30
+        while not (outdir / "rank1.json").exists() or not (outdir / "rank0.json").exists():
+            assert time.time() < deadline and proc.poll() is None, "ranks never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "hang", str(outdir)],
+                 on_start=interrupt)
+    assert run.returncode == 130, run.text
+    assert run.job["status"] == "interrupted" and "SIGINT" in run.err
+
+
+def _hostfile(tmp_path: Path) -> Path:
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    return hosts
+
+
+@pytest.mark.timeout(60)
+def test_hostfile_two_node_launchers_all_reduce(tmp_path: Path, outdir: Path) -> None:
+    run = launch(tmp_path, ["-H", str(_hostfile(tmp_path)), "--ssh-command", FAKE_SSH,
+                            str(JOB), "ok", str(outdir)])
+    assert run.returncode == 0, run.text
+    for rank in (0, 1):
+        seen = json.loads((outdir / f"rank{rank}.json").read_text())
+        assert seen["sum"] == 3.0
+        assert seen["env"]["GROUP_RANK"] == str(rank) and seen["env"]["LOCAL_RANK"] == "0"
+        assert seen["env"]["WORLD_SIZE"] == "2" and seen["env"]["LOCAL_WORLD_SIZE"] == "1"
+    assert run.job["mode"] == "hostfile" and run.job["status"] == "succeeded"
+    assert (run.run_dir / "node0.out").exists() and (run.run_dir / "job.node1.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_hostfile_failure_ends_the_whole_job(tmp_path: Path, outdir: Path) -> None:
+    message = f"boom-{secrets.token_hex(4)}"
+    run = launch(tmp_path, ["-H", str(_hostfile(tmp_path)), "--ssh-command", FAKE_SSH,
+                            str(JOB), "raise", str(outdir)], env=_env(BOOM_MESSAGE=message))
+    assert run.returncode == 1, run.text
+    assert run.ended - _fault_time(tmp_path) < 8.0
+    assert "rank 1" in run.err and f"ValueError: {message}" in run.err
+    assert run.job["root_cause"]["rank"] == 1
