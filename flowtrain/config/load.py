@@ -1,0 +1,178 @@
+"""``load_config``: reads a DeepSpeed JSON config (path or dict), rewrites aliases, resolves
+"auto", validates, applies the batch rule and the support gate, and reports all problems at once."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from pydantic import ValidationError
+
+from flowtrain.config.aliases import normalize
+from flowtrain.config.auto import BATCH_KEYS, AutoContext, resolve_auto
+from flowtrain.config.batch import resolve_batch
+from flowtrain.config.explain import error_locs, explain
+from flowtrain.config.fields import ConfigError, show
+from flowtrain.config.model import FlowtrainConfig
+from flowtrain.config.params import (OPTIMIZER_PARAMS, SCHEDULER_PARAMS, canonical_optimizer,
+                                     check_params, optimizer_type_problem)
+from flowtrain.config.support import unsupported_features
+
+_PRUNE_ROUNDS = 4
+
+
+def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_size: int = 1,
+                model: torch.nn.Module | None = None, optimizer_given: bool = False,
+                scheduler_given: bool = False, micro_batch_size: int | None = None,
+                total_num_steps: int | None = None, check_supported: bool = True,
+                auto_values: Mapping[str, Any] | None = None) -> FlowtrainConfig:
+    """Returns the validated config; raises ``ConfigError`` listing every problem found.
+
+    ``world_size`` is the data-parallel world size of the batch rule. ``model``,
+    ``optimizer_given``/``scheduler_given`` (an optimizer/scheduler object is passed to the
+    engine, so the config's "auto" params for it are dropped), ``micro_batch_size`` (e.g. the
+    dataloader's batch size), ``total_num_steps`` and ``auto_values`` (dotted key path -> value)
+    are used to resolve "auto". A dict is never modified.
+    """
+    for name, value, optional in (("world_size", world_size, False),
+                                  ("micro_batch_size", micro_batch_size, True),
+                                  ("total_num_steps", total_num_steps, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"load_config: {name} must be an integer > 0, got {value!r}")
+    source, raw = _read(config)
+    ctx = AutoContext(world_size=world_size, model=model, optimizer_given=optimizer_given,
+                      scheduler_given=scheduler_given, micro_batch_size=micro_batch_size,
+                      total_num_steps=total_num_steps, values=dict(auto_values or {}))
+    problems: list[str] = []
+    normalize(raw, problems)
+    auto = resolve_auto(raw, ctx)
+    problems += auto.problems
+    cfg, bad_locs = _validate(raw, problems)
+    if cfg is not None:
+        cfg = _check_sections(cfg, problems)
+        batch_broken = any(loc and loc[0] in BATCH_KEYS for loc in bad_locs)
+        if not batch_broken:
+            sizes, batch_problems = resolve_batch(
+                cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps, world_size, caller_micro=micro_batch_size,
+                micro_was_auto="train_micro_batch_size_per_gpu" in auto.batch_auto)
+            problems += batch_problems
+            if sizes is not None:
+                cfg = cfg.model_copy(update={
+                    "train_batch_size": sizes.train_batch_size,
+                    "train_micro_batch_size_per_gpu": sizes.micro_batch,
+                    "gradient_accumulation_steps": sizes.grad_accum})
+        if check_supported:
+            problems += unsupported_features(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    assert cfg is not None
+    cfg._dp_world_size = world_size
+    return cfg
+
+
+def _read(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    if isinstance(config, Mapping):
+        raw: Any = copy.deepcopy(dict(config))
+        source = "config dict"
+    elif isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        source = f"config file {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], source) from None
+        duplicates: list[str] = []
+        try:
+            raw = json.loads(text, object_pairs_hook=lambda pairs: _no_dupes(pairs, duplicates))
+        except json.JSONDecodeError as exc:
+            raise ConfigError([f"invalid JSON at line {exc.lineno} column {exc.colno}: "
+                               f"{exc.msg}"], source) from None
+        if duplicates:
+            raise ConfigError(duplicates, source)
+    else:
+        raise TypeError(f"load_config: config must be a path or a dict, got "
+                        f"{type(config).__name__}")
+    if not isinstance(raw, dict):
+        raise ConfigError([f"expected a JSON object ({{...}}) at the top level, got "
+                           f"{show(raw)[:60]}"], source)
+    return source, raw
+
+
+def _no_dupes(pairs: list[tuple[str, Any]], duplicates: list[str]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys without a word; that hides edits that lost.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            duplicates.append(f"{key}: the key appears twice in the same object; keep one")
+        out[key] = value
+    return out
+
+
+def _prune(data: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    """Removes the value at ``loc`` (or its nearest existing ancestor) so that the rest of the
+    config can still be checked for further problems."""
+    node: Any = data
+    for i, part in enumerate(loc):
+        if not isinstance(node, dict) or part not in node:
+            break
+        if i == len(loc) - 1 or not isinstance(node[part], dict):
+            del node[part]
+            return
+        parent, node = node, node[part]
+    else:
+        return
+    if i > 0:  # a missing required key: drop the section that lacks it
+        _prune(data, loc[:i])
+
+
+def _validate(raw: dict[str, Any],
+              problems: list[str]) -> tuple[FlowtrainConfig | None, list[tuple[Any, ...]]]:
+    """Validates ``raw``. On errors, records them and validates again with the bad values
+    removed, so that the later checks still run on the rest and every problem is reported."""
+    try:
+        return FlowtrainConfig.model_validate(raw), []
+    except ValidationError as exc:
+        problems += explain(exc, FlowtrainConfig)
+        locs = error_locs(exc)
+    pruned = copy.deepcopy(raw)
+    all_locs = list(locs)
+    for _ in range(_PRUNE_ROUNDS):
+        for loc in locs:
+            _prune(pruned, loc)
+        try:
+            return FlowtrainConfig.model_validate(pruned), all_locs
+        except ValidationError as exc:
+            locs = error_locs(exc)
+            all_locs += locs
+    return None, all_locs
+
+
+def _check_sections(cfg: FlowtrainConfig, problems: list[str]) -> FlowtrainConfig:
+    """Checks that span keys: precision exclusivity, optimizer and scheduler params by type."""
+    update: dict[str, Any] = {}
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+    if cfg.optimizer is not None:
+        canon = canonical_optimizer(cfg.optimizer.type)
+        if canon is None:
+            problems.append(optimizer_type_problem(cfg.optimizer.type))
+        else:
+            schema = OPTIMIZER_PARAMS.get(canon)
+            if schema is not None:
+                _, more = check_params(schema, cfg.optimizer.params, "optimizer.params")
+                problems += more
+            update["optimizer"] = cfg.optimizer.model_copy(update={"type": canon})
+    if cfg.scheduler is not None:
+        filled, more = check_params(SCHEDULER_PARAMS[cfg.scheduler.type], cfg.scheduler.params,
+                                    "scheduler.params")
+        problems += more
+        if filled is not None:
+            update["scheduler"] = cfg.scheduler.model_copy(update={"params": filled})
+    return cfg.model_copy(update=update) if update else cfg

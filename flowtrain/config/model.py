@@ -1,0 +1,136 @@
+"""``FlowtrainConfig``: the whole ds_config.json as a typed, read-only model, with the derived
+values the engine asks for (precision, loss scaling, gradient communication dtype)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from pydantic import Field, PrivateAttr
+
+from flowtrain.config.fields import Bool, Float, Int, Params, Section
+from flowtrain.config.sections import (
+    DType, ActivationCheckpointingConfig, AmpConfig, BF16Config, CheckpointConfig,
+    CometConfig, CommsLoggerConfig, CSVMonitorConfig, DataTypesConfig, FlopsProfilerConfig,
+    FlowtrainSection, FP16Config, OptimizerConfig, PipelineConfig, SchedulerConfig,
+    TensorBoardConfig, TensorParallelConfig, WandbConfig)
+from flowtrain.config.zero import ZeroConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# DeepSpeed sections flowtrain accepts without reading their contents; support.py reports them
+# as not supported when they are switched on.
+OPAQUE_SECTIONS = (
+    "aio", "elasticity", "autotuning", "sparse_attention", "compression_training",
+    "data_efficiency", "curriculum_learning", "eigenvalue", "progressive_layer_drop",
+    "quantize_training", "weight_quantization", "nebula", "hybrid_engine", "timers",
+    "torch_autocast", "compile",
+)
+MONITOR_SECTIONS = ("tensorboard", "wandb", "csv_monitor", "comet", "comms_logger")
+
+
+class FlowtrainConfig(Section):
+    """A validated config. Batch sizes are all set once ``load_config`` has applied the batch
+    rule; ``dp_world_size`` is the data-parallel world size they were checked against."""
+
+    train_batch_size: Int(ge=1, optional=True) = None
+    train_micro_batch_size_per_gpu: Int(ge=1, optional=True) = None
+    gradient_accumulation_steps: Int(ge=1, optional=True) = None
+    # DeepSpeed's default became 1.0 in 2026 (PR #8068); it was 0.0 (off) before.
+    gradient_clipping: Float(ge=0) = 1.0
+    # DeepSpeed's code default is null since late 2024; its docs (and flowtrain's log line) say 10.
+    steps_per_print: Int(ge=1, optional=True) = 10
+    wall_clock_breakdown: Bool = False
+    memory_breakdown: Bool = False
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: Float(gt=0) = 1.0
+    communication_data_type: DType = None
+    seq_parallel_communication_data_type: DType = "fp32"
+    dump_state: Bool = False
+    sparse_gradients: Bool = False
+    disable_allgather: Bool = False
+    dataloader_drop_last: Bool = False
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    amp: AmpConfig = Field(default_factory=AmpConfig)
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flowtrain: FlowtrainSection = Field(default_factory=FlowtrainSection)
+
+    aio: Optional[Params] = None
+    elasticity: Optional[Params] = None
+    autotuning: Optional[Params] = None
+    sparse_attention: Optional[Params] = None
+    compression_training: Optional[Params] = None
+    data_efficiency: Optional[Params] = None
+    curriculum_learning: Optional[Params] = None
+    eigenvalue: Optional[Params] = None
+    progressive_layer_drop: Optional[Params] = None
+    quantize_training: Optional[Params] = None
+    weight_quantization: Optional[Params] = None
+    nebula: Optional[Params] = None
+    hybrid_engine: Optional[Params] = None
+    timers: Optional[Params] = None
+    torch_autocast: Optional[Params] = None
+    compile: Optional[Params] = None
+
+    _dp_world_size: int = PrivateAttr(default=1)
+
+    @property
+    def dp_world_size(self) -> int:
+        return self._dp_world_size
+
+    @property
+    def precision(self) -> str:
+        """Training precision: "fp16", "bf16" or "fp32"."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision]
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """fp16 with ``loss_scale`` 0; bf16 and fp32 never scale the loss."""
+        return self.fp16.enabled and self.fp16.loss_scale == 0
+
+    @property
+    def communication_dtype(self) -> torch.dtype:
+        """Dtype of gradient all-reduce: communication_data_type if set, else the precision's."""
+        if self.communication_data_type is not None:
+            return TORCH_DTYPES[self.communication_data_type]
+        return self.dtype
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        name = self.data_types.grad_accum_dtype
+        return TORCH_DTYPES[name] if name is not None else self.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as JSON-ready data; ``load_config`` reads it back unchanged.
+        Opaque sections that were not given are left out."""
+        data = self.model_dump(mode="json")
+        for name in OPAQUE_SECTIONS + ("optimizer", "scheduler"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data

@@ -1,0 +1,160 @@
+"""Config sections other than ZeRO, with DeepSpeed's keys and defaults (precision, optimizer,
+scheduler, checkpointing, profiling, parallelism, monitoring) plus the flowtrain-only section."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
+from pydantic_core import PydanticCustomError
+
+from flowtrain.config.fields import Bool, Choice, Float, Int, Params, Section, Str, show
+
+# JSON spellings of a dtype -> canonical short name; DeepSpeed takes both forms.
+DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+                 "fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+DType = Choice("fp32", "fp16", "bf16", aliases=DTYPE_ALIASES, optional=True)
+
+
+class FP16Config(Section):
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: Float(ge=0) = 0.0  # 0 means dynamic loss scaling
+    initial_scale_power: Int(ge=0) = 16
+    loss_scale_window: Int(ge=1) = 1000
+    hysteresis: Int(ge=1) = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: Float(gt=0) = 1.0
+    fp16_master_weights_and_grads: Bool = False
+
+
+class BF16Config(Section):
+    enabled: Bool = False
+    immediate_grad_update: Bool = True
+    check_overflow: Bool = False
+
+
+class AmpConfig(Section):
+    """NVIDIA apex AMP. Accepted so configs parse; the remaining keys are apex's own."""
+
+    model_config = Section.model_config | {"extra": "allow"}
+    enabled: Bool = False
+
+
+class OptimizerConfig(Section):
+    type: Str()  # checked and canonicalised against the known names in params.py
+    params: Params = Field(default_factory=dict)
+    legacy_fusion: Bool = False
+
+
+class SchedulerConfig(Section):
+    type: Choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+    params: Params = Field(default_factory=dict)
+
+
+class ActivationCheckpointingConfig(Section):
+    partition_activations: Bool = False
+    number_checkpoints: Int(ge=1, optional=True) = None
+    contiguous_memory_optimization: Bool = False
+    cpu_checkpointing: Bool = False
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+class FlopsProfilerConfig(Section):
+    enabled: Bool = False
+    recompute_fwd_factor: Float(ge=0) = 0.0
+    profile_step: Int(ge=1) = 1
+    module_depth: Int(ge=-1) = -1
+    top_modules: Int(ge=1) = 1
+    detailed: Bool = True
+    output_file: Str(optional=True) = None
+
+
+def _stages_check(value: Any) -> Any:
+    if value == "auto":
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PydanticCustomError("flowtrain", "expected an integer > 0 or \"auto\", got {got}",
+                                  {"got": show(value)})
+    return value
+
+
+class PipelineConfig(Section):
+    # "auto": the stage count comes from the PipelineModule, as in DeepSpeed.
+    stages: Annotated[int | str, BeforeValidator(_stages_check)] = "auto"
+    partition: Str() = "best"
+    seed_layers: Bool = False
+    activation_checkpoint_interval: Int(ge=0) = 0
+    pipe_partitioned: Bool = True
+    grad_partitioned: Bool = True
+    use_reentrant: Bool = True
+
+
+class TensorParallelConfig(Section):
+    model_config = Section.model_config | {"extra": "allow"}  # AutoTP keeps growing options
+    autotp_size: Int(ge=0) = 0
+    tp_size: Int(ge=1) = 1
+    tp_grain_size: Int(ge=1) = 1
+    tp_overlap_comm: Bool = False
+    keep_module_on_host: Bool = False
+
+
+class ParallelWriteConfig(Section):
+    pipeline_stage: Bool = False
+
+
+class CheckpointConfig(Section):
+    tag_validation: Choice("Ignore", "Warn", "Fail") = "Warn"
+    load_universal: Bool = False
+    use_node_local_storage: Bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+
+class DataTypesConfig(Section):
+    grad_accum_dtype: DType = None
+
+
+class TensorBoardConfig(Section):
+    enabled: Bool = False
+    output_path: Str() = ""
+    job_name: Str() = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    enabled: Bool = False
+    group: Str(optional=True) = None
+    team: Str(optional=True) = None
+    project: Str() = "deepspeed"
+
+
+class CSVMonitorConfig(Section):
+    enabled: Bool = False
+    output_path: Str() = ""
+    job_name: Str() = "DeepSpeedJobName"
+
+
+class CometConfig(Section):
+    model_config = Section.model_config | {"extra": "allow"}  # passed through to comet_ml
+    enabled: Bool = False
+
+
+class CommsLoggerConfig(Section):
+    enabled: Bool = False
+    verbose: Bool = False
+    prof_all: Bool = True
+    debug: Bool = False
+    prof_ops: list[str] = Field(default_factory=list)
+
+
+class FlowtrainSection(Section):
+    """Settings only flowtrain has; DeepSpeed would ignore this section."""
+
+    # Order in which gradient buckets are formed: as first seen in backward, or reverse
+    # parameter order (DeepSpeed's choice, a good guess before the first backward).
+    bucket_order: Choice("observed", "reverse") = "observed"
+    # Seconds between rank heartbeats; null keeps the launcher's environment setting.
+    heartbeat_interval: Float(gt=0, optional=True) = None
+    seed: Int(ge=0, optional=True) = None
