@@ -34,8 +34,16 @@ def percentile(samples: list[float], fraction: float) -> float:
 
 
 def report(samples: list[float]) -> None:
-    print(json.dumps({"median": statistics.median(samples), "p99": percentile(samples, 0.99),
-                      "mean": statistics.fmean(samples)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "median": statistics.median(samples),
+                "p99": percentile(samples, 0.99),
+                "mean": statistics.fmean(samples),
+            }
+        ),
+        flush=True,
+    )
 
 
 async def run_raw_rank(endpoint: str, iterations: int, warmup: int) -> None:
@@ -72,7 +80,9 @@ async def serve_raw_echo(*, task_status: TaskStatus[str]) -> None:
         context.term()
 
 
-async def run_rank(endpoint: str, secret: bytes, mode: str, rank: int, iterations: int, warmup: int) -> None:
+async def run_rank(
+    endpoint: str, secret: bytes, mode: str, rank: int, iterations: int, warmup: int
+) -> None:
     """One rank: 'kv' times KV_GET round trips; 'route' pings rank 1, which pongs back."""
     if mode == "raw":
         await run_raw_rank(endpoint, iterations, warmup)
@@ -91,8 +101,14 @@ async def run_rank(endpoint: str, secret: bytes, mode: str, rank: int, iteration
         else:
             await client.route(sender, body)
 
-    client = ControlClient(endpoint=endpoint, secret=secret, rank=rank, world_size=world_size,
-                           connect_timeout=30, on_route=on_route)
+    client = ControlClient(
+        endpoint=endpoint,
+        secret=secret,
+        rank=rank,
+        world_size=world_size,
+        connect_timeout=30,
+        on_route=on_route,
+    )
     samples: list[float] = []
     async with anyio.create_task_group() as tg:
         await tg.start(client.serve)
@@ -131,12 +147,27 @@ async def measure(mode: str, iterations: int, warmup: int) -> dict[str, float]:
     results: list[dict[str, float]] = []
 
     async def rank_process(rank: int, endpoint: str) -> None:
-        command = [sys.executable, __file__, "--rank", str(rank), "--mode", mode, "--endpoint",
-                   endpoint, "--secret", secret.hex(), "--iterations", str(iterations),
-                   "--warmup", str(warmup)]
+        command = [
+            sys.executable,
+            __file__,
+            "--rank",
+            str(rank),
+            "--mode",
+            mode,
+            "--endpoint",
+            endpoint,
+            "--secret",
+            secret.hex(),
+            "--iterations",
+            str(iterations),
+            "--warmup",
+            str(warmup),
+        ]
         done = await anyio.run_process(command, env=env, stderr=subprocess.PIPE, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"rank {rank} ({mode}) exited with {done.returncode}:\n{done.stderr.decode()}")
+            raise RuntimeError(
+                f"rank {rank} ({mode}) exited with {done.returncode}:\n{done.stderr.decode()}"
+            )
         if done.stdout.strip():
             results.append(json.loads(done.stdout))
 
@@ -152,13 +183,17 @@ async def measure(mode: str, iterations: int, warmup: int) -> dict[str, float]:
                     ranks.start_soon(rank_process, rank, endpoint)
         tg.cancel_scope.cancel()
     if coordinator.rejected.total:
-        raise RuntimeError(f"the coordinator rejected frames during the benchmark: {coordinator.rejected.counts}")
+        raise RuntimeError(
+            f"the coordinator rejected frames during the benchmark: {coordinator.rejected.counts}"
+        )
     return results[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--iterations", type=int, default=5000, help="timed round trips per measurement")
+    parser.add_argument(
+        "--iterations", type=int, default=5000, help="timed round trips per measurement"
+    )
     parser.add_argument("--warmup", type=int, default=500, help="untimed round trips first")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="kv", help=argparse.SUPPRESS)
@@ -167,11 +202,20 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging(console="plain", level=logging.WARNING)
     if args.rank is not None:
-        anyio.run(run_rank, args.endpoint, bytes.fromhex(args.secret), args.mode, args.rank,
-                  args.iterations, args.warmup)
+        anyio.run(
+            run_rank,
+            args.endpoint,
+            bytes.fromhex(args.secret),
+            args.mode,
+            args.rank,
+            args.iterations,
+            args.warmup,
+        )
         return
-    print(f"control-plane round trips over loopback, HMAC-SHA256 signed msgpack frames, "
-          f"{args.iterations} timed after {args.warmup} warm-up")
+    print(
+        f"control-plane round trips over loopback, HMAC-SHA256 signed msgpack frames, "
+        f"{args.iterations} timed after {args.warmup} warm-up"
+    )
     rows = [
         ("raw", "peer: bare zmq.asyncio DEALER->ROUTER echo (no signing, no msgpack)"),
         ("kv", "KV_GET rank -> coordinator -> rank"),
@@ -180,13 +224,22 @@ def main() -> None:
     figures: dict[str, dict[str, float]] = {}
     for mode, label in rows:
         figures[mode] = anyio.run(measure, mode, args.iterations, args.warmup)
-        print(f"  {label:<62} median {figures[mode]['median']:7.1f} µs   p99 {figures[mode]['p99']:8.1f} µs")
+        print(
+            f"  {label:<62} median {figures[mode]['median']:7.1f} µs   "
+            f"p99 {figures[mode]['p99']:8.1f} µs"
+        )
     kv, raw, route = figures["kv"], figures["raw"], figures["route"]
-    print(f"ratios: KV_GET / bare echo = {kv['median'] / raw['median']:.2f}x median; "
-          f"ROUTE ping-pong / KV_GET = {route['median'] / kv['median']:.2f}x (it crosses the coordinator twice)")
+    print(
+        f"ratios: KV_GET / bare echo = {kv['median'] / raw['median']:.2f}x median; "
+        f"ROUTE ping-pong / KV_GET = {route['median'] / kv['median']:.2f}x "
+        "(it crosses the coordinator twice)"
+    )
     verdict = "meets" if kv["median"] <= AIM_US else "misses"
-    print(f"aim: a control round trip (KV_GET) of <= {AIM_US:.0f} µs median; measured {kv['median']:.1f} µs "
-          f"({kv['median'] / AIM_US:.2f}x the aim) -> {verdict} it")
+    print(
+        f"aim: a control round trip (KV_GET) of <= {AIM_US:.0f} µs median; "
+        f"measured {kv['median']:.1f} µs "
+        f"({kv['median'] / AIM_US:.2f}x the aim) -> {verdict} it"
+    )
 
 
 if __name__ == "__main__":

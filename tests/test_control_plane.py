@@ -11,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import msgpack
@@ -58,21 +59,31 @@ async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -
 
 
 @asynccontextmanager
-async def coordinator_running(world_size: int, **options: Any) -> AsyncIterator[
-        tuple[Coordinator, list[CoordinatorEvent], TaskGroup]]:
+async def coordinator_running(
+    world_size: int, **options: Any
+) -> AsyncIterator[tuple[Coordinator, list[CoordinatorEvent], TaskGroup]]:
     events: list[CoordinatorEvent] = []
-    coordinator = Coordinator(world_size=world_size, secret=SECRET, on_event=events.append, **options)
+    coordinator = Coordinator(
+        world_size=world_size, secret=SECRET, on_event=events.append, **options
+    )
     async with anyio.create_task_group() as tg:
         await tg.start(coordinator.serve)
         yield coordinator, events, tg
         tg.cancel_scope.cancel()
 
 
-async def start_client(tg: TaskGroup, coordinator: Coordinator, rank: int, world_size: int,
-                       **options: Any) -> tuple[ControlClient, anyio.CancelScope]:
+async def start_client(
+    tg: TaskGroup, coordinator: Coordinator, rank: int, world_size: int, **options: Any
+) -> tuple[ControlClient, anyio.CancelScope]:
     """Starts a client in its own cancel scope, so a test can make it vanish without BYE."""
-    client = ControlClient(endpoint=coordinator.endpoint, secret=SECRET, rank=rank,
-                           world_size=world_size, connect_timeout=5.0, **options)
+    client = ControlClient(
+        endpoint=coordinator.endpoint,
+        secret=SECRET,
+        rank=rank,
+        world_size=world_size,
+        connect_timeout=5.0,
+        **options,
+    )
     scope = anyio.CancelScope()
 
     async def run(*, task_status: Any) -> None:
@@ -91,7 +102,8 @@ async def test_ranks_join_and_finish() -> None:
     async with coordinator_running(3) as (coordinator, events, tg):
         clients = [(await start_client(tg, coordinator, rank, 3))[0] for rank in range(3)]
         assert sorted(of_type(events, RankJoined), key=lambda e: e.rank) == [
-            RankJoined(rank=r, host=socket.gethostname(), pid=os.getpid()) for r in range(3)]
+            RankJoined(rank=r, host=socket.gethostname(), pid=os.getpid()) for r in range(3)
+        ]
         assert all(state.joined and not state.finished for state in coordinator.ranks().values())
         for client in clients:
             await client.close()
@@ -104,19 +116,19 @@ async def test_ranks_join_and_finish() -> None:
 async def test_barrier_releases_only_when_every_rank_arrived_and_is_reusable() -> None:
     async with coordinator_running(3) as (coordinator, events, tg):
         clients = [(await start_client(tg, coordinator, rank, 3))[0] for rank in range(3)]
+
+        async def arrive(rank: int, passed: list[int]) -> None:
+            await clients[rank].barrier("step", timeout=5)
+            passed.append(rank)
+
         for generation in range(2):
             passed: list[int] = []
-
-            async def arrive(rank: int) -> None:
-                await clients[rank].barrier("step", timeout=5)
-                passed.append(rank)
-
             async with anyio.create_task_group() as barrier_tasks:
-                barrier_tasks.start_soon(arrive, 0)
-                barrier_tasks.start_soon(arrive, 1)
+                barrier_tasks.start_soon(arrive, 0, passed)
+                barrier_tasks.start_soon(arrive, 1, passed)
                 await anyio.sleep(0.3)
                 assert passed == [], f"generation {generation}: released before rank 2 arrived"
-                barrier_tasks.start_soon(arrive, 2)
+                barrier_tasks.start_soon(arrive, 2, passed)
             assert sorted(passed) == [0, 1, 2]
         with pytest.raises(TimeoutError, match="barrier 'lonely'.*0.2 s"):
             await clients[0].barrier("lonely", timeout=0.2)
@@ -149,13 +161,21 @@ async def test_route_delivers_with_the_senders_rank() -> None:
         received.append((sender, body))
 
     async with coordinator_running(3) as (coordinator, events, tg):
-        clients = [(await start_client(tg, coordinator, rank, 3, on_route=on_route if rank == 2 else None))[0]
-                   for rank in range(3)]
+        clients = [
+            (
+                await start_client(
+                    tg, coordinator, rank, 3, on_route=on_route if rank == 2 else None
+                )
+            )[0]
+            for rank in range(3)
+        ]
         await clients[0].route(2, {"msg": "grad ready", "bucket": 3})
         await clients[1].route(2, {"msg": "hello", "data": b"\x01"})
         await wait_until(lambda: len(received) == 2, 5, "two routed frames")
         assert sorted(received, key=lambda r: r[0]) == [
-            (0, {"msg": "grad ready", "bucket": 3}), (1, {"msg": "hello", "data": b"\x01"})]
+            (0, {"msg": "grad ready", "bucket": 3}),
+            (1, {"msg": "hello", "data": b"\x01"}),
+        ]
 
 
 async def test_a_slow_route_handler_does_not_stall_heartbeats() -> None:
@@ -204,7 +224,11 @@ async def test_telemetry_reaches_a_subscriber_and_verifies() -> None:
             frame = FrameCodec(SECRET, "monitor").decode_published(parts)
             assert frame.kind == Kind.TELEMETRY and frame.sender == "coordinator"
             assert frame.body == {"topic": "metrics", "rank": 1, "body": {"loss": 0.5, "step": 7}}
-            forged = [parts[0], parts[1], hmac.new(b"wrong-secret-0123456789", parts[1], hashlib.sha256).digest()]
+            forged = [
+                parts[0],
+                parts[1],
+                hmac.new(b"wrong-secret-0123456789", parts[1], hashlib.sha256).digest(),
+            ]
             with pytest.raises(Exception, match="bad_signature"):
                 FrameCodec(SECRET, "monitor").decode_published(forged)
         finally:
@@ -234,15 +258,22 @@ def signed(message: object, secret: bytes = SECRET) -> list[bytes]:
 
 def bad_frames() -> dict[str, list[list[bytes]]]:
     """Frames of each rejection reason, as an attacker or a buggy peer would send them."""
-    good_payload = msgpack.packb({"v": 1, "k": "BARRIER", "s": "x", "n": 1, "b": {"name": "a" * 40}})
+    good_payload = msgpack.packb(
+        {"v": 1, "k": "BARRIER", "s": "x", "n": 1, "b": {"name": "a" * 40}}
+    )
     truncated = good_payload[:-7]
     return {
         "unsigned": [[b"\xde\xad\xbe\xef"], [b"junk", b""]],
-        "bad_signature": [[b"garbage bytes", b"\x00" * 32], [good_payload, b"short"],
-                          signed({"v": 1, "k": "BYE", "s": "x", "n": 1, "b": {}}, b"not-the-job-secret!!")],
+        "bad_signature": [
+            [b"garbage bytes", b"\x00" * 32],
+            [good_payload, b"short"],
+            signed({"v": 1, "k": "BYE", "s": "x", "n": 1, "b": {}}, b"not-the-job-secret!!"),
+        ],
         "unknown_version": [signed({"v": 99, "k": "BYE", "s": "x", "n": 1, "b": {}})],
-        "malformed": [[truncated, hmac.new(SECRET, truncated, hashlib.sha256).digest()],
-                      signed(["not", "a", "map"])],
+        "malformed": [
+            [truncated, hmac.new(SECRET, truncated, hashlib.sha256).digest()],
+            signed(["not", "a", "map"]),
+        ],
     }
 
 
@@ -269,7 +300,9 @@ async def test_bad_frames_to_the_coordinator_are_counted_and_dropped() -> None:
                 for parts in parts_list:
                     await intruder.send_multipart(parts)
             expected = {reason: len(parts_list) for reason, parts_list in frames.items()}
-            await wait_until(lambda: coordinator.rejected.total == sum(expected.values()), 5, "rejections")
+            await wait_until(
+                lambda: coordinator.rejected.total == sum(expected.values()), 5, "rejections"
+            )
             assert coordinator.rejected.counts == expected
             assert sorted(e.rank for e in of_type(events, RankJoined)) == [0, 1]
             async with anyio.create_task_group() as barrier_tasks:
@@ -286,28 +319,43 @@ async def test_bad_frames_to_a_client_are_counted_and_dropped() -> None:
     try:
         port = router.bind_to_random_port("tcp://127.0.0.1")
         coordinator_codec = FrameCodec(SECRET, "coordinator")
-        client = ControlClient(endpoint=f"tcp://127.0.0.1:{port}", secret=SECRET, rank=0, world_size=1,
-                               heartbeat_interval=5.0, connect_timeout=5.0)
+        client = ControlClient(
+            endpoint=f"tcp://127.0.0.1:{port}",
+            secret=SECRET,
+            rank=0,
+            world_size=1,
+            heartbeat_interval=5.0,
+            connect_timeout=5.0,
+        )
         async with anyio.create_task_group() as tg:
+
             async def fake_coordinator() -> None:
                 with anyio.fail_after(5):
                     identity, *parts = await router.recv_multipart()
                 assert identity == b"rank0" and coordinator_codec.decode(parts).kind == Kind.HELLO
-                await router.send_multipart([identity, *coordinator_codec.encode(Kind.WELCOME, {"world_size": 1})])
+                await router.send_multipart(
+                    [identity, *coordinator_codec.encode(Kind.WELCOME, {"world_size": 1})]
+                )
 
             tg.start_soon(fake_coordinator)
             await tg.start(client.serve)
             frames = bad_frames()
             frames["malformed"] += [
-                FrameCodec(SECRET, "rank3").encode(Kind.BARRIER_RELEASE, {"name": "b"}),  # not the coordinator
-                coordinator_codec.encode(Kind.HELLO, {"rank": 0}),  # a kind the coordinator never sends
+                FrameCodec(SECRET, "rank3").encode(
+                    Kind.BARRIER_RELEASE, {"name": "b"}
+                ),  # not the coordinator
+                coordinator_codec.encode(
+                    Kind.HELLO, {"rank": 0}
+                ),  # a kind the coordinator never sends
                 coordinator_codec.encode(Kind.ROUTE, {"from": "x", "body": 1}),
             ]
             for parts_list in frames.values():
                 for parts in parts_list:
                     await router.send_multipart([b"rank0", *parts])
             expected = {reason: len(parts_list) for reason, parts_list in frames.items()}
-            await wait_until(lambda: client.rejected.total == sum(expected.values()), 5, "rejections")
+            await wait_until(
+                lambda: client.rejected.total == sum(expected.values()), 5, "rejections"
+            )
             assert client.rejected.counts == expected
 
             async def release() -> None:
@@ -315,7 +363,13 @@ async def test_bad_frames_to_a_client_are_counted_and_dropped() -> None:
                     identity, *parts = await router.recv_multipart()
                 assert coordinator_codec.decode(parts).body == {"name": "b"}
                 await router.send_multipart(
-                    [identity, *coordinator_codec.encode(Kind.BARRIER_RELEASE, {"name": "b", "generation": 0})])
+                    [
+                        identity,
+                        *coordinator_codec.encode(
+                            Kind.BARRIER_RELEASE, {"name": "b", "generation": 0}
+                        ),
+                    ]
+                )
 
             tg.start_soon(release)
             await client.barrier("b", timeout=5)
@@ -340,8 +394,10 @@ async def test_silent_rank_is_declared_stuck_with_its_last_status() -> None:
         failure = failed[0].failure
         assert failure.kind == "stuck" and failure.rank == 1 and failure.pid == os.getpid()
         assert failure.message.startswith("no heartbeat for ")
-        assert "missed beats); last status: busy actor Foo handling Bar, pending all_reduce #3 on 4 KiB" \
-            in failure.message
+        assert (
+            "missed beats); last status: "
+            "busy actor Foo handling Bar, pending all_reduce #3 on 4 KiB" in failure.message
+        )
         await anyio.sleep(0.3)
         assert len(of_type(events, RankFailed)) == 1, "declared stuck more than once"
         assert coordinator.ranks()[1].stuck and not coordinator.ranks()[0].failed
@@ -373,7 +429,9 @@ async def test_client_aborts_when_the_coordinator_vanishes() -> None:
         coordinator_scope.cancel()
         took = await wait_until(lambda: len(aborts) == 1, 5, "on_abort")
         assert took < 1.5
-        assert aborts[0].startswith(f"lost the coordinator at {coordinator.endpoint}: no frame for ")
+        assert aborts[0].startswith(
+            f"lost the coordinator at {coordinator.endpoint}: no frame for "
+        )
         await wait_until(lambda: len(outcome) == 1, 2, "barrier aborted")
         assert str(outcome[0]) == aborts[0]
         await client.close(finished=False)
@@ -383,14 +441,23 @@ async def test_abort_reaches_every_joined_rank() -> None:
     aborts: list[tuple[int, str]] = []
     async with coordinator_running(2) as (coordinator, events, tg):
         for rank in range(2):
-            await start_client(tg, coordinator, rank, 2, on_abort=lambda reason, r=rank: aborts.append((r, reason)))
+            await start_client(
+                tg, coordinator, rank, 2, on_abort=lambda reason, r=rank: aborts.append((r, reason))
+            )
         await coordinator.abort("rank 1 failed: ValueError: boom")
         await wait_until(lambda: len(aborts) == 2, 5, "both aborted")
-        assert sorted(aborts) == [(0, "rank 1 failed: ValueError: boom"), (1, "rank 1 failed: ValueError: boom")]
+        assert sorted(aborts) == [
+            (0, "rank 1 failed: ValueError: boom"),
+            (1, "rank 1 failed: ValueError: boom"),
+        ]
 
 
 async def test_missing_ranks_are_reported_once_after_the_join_timeout() -> None:
-    async with coordinator_running(3, heartbeat_interval=0.05, join_timeout=0.3) as (coordinator, events, tg):
+    async with coordinator_running(3, heartbeat_interval=0.05, join_timeout=0.3) as (
+        coordinator,
+        events,
+        tg,
+    ):
         await start_client(tg, coordinator, 1, 3, heartbeat_interval=0.05)
         await wait_until(lambda: len(of_type(events, JoinTimeout)) == 1, 5, "JoinTimeout")
         await anyio.sleep(0.2)
@@ -399,9 +466,12 @@ async def test_missing_ranks_are_reported_once_after_the_join_timeout() -> None:
 
 async def test_hello_with_the_wrong_world_size_is_not_welcomed() -> None:
     async with coordinator_running(2) as (coordinator, events, tg):
-        client = ControlClient(endpoint=coordinator.endpoint, secret=SECRET, rank=0, world_size=3,
-                               connect_timeout=0.5)
-        with pytest.raises(ConnectionError, match=f"WELCOME from the coordinator at {coordinator.endpoint}"):
+        client = ControlClient(
+            endpoint=coordinator.endpoint, secret=SECRET, rank=0, world_size=3, connect_timeout=0.5
+        )
+        with pytest.raises(
+            ConnectionError, match=f"WELCOME from the coordinator at {coordinator.endpoint}"
+        ):
             await client.serve()
         assert coordinator.rejected.counts["malformed"] == 1 and events == []
 
@@ -409,8 +479,12 @@ async def test_hello_with_the_wrong_world_size_is_not_welcomed() -> None:
 async def test_connect_timeout_names_the_endpoint() -> None:
     with socket_free_port() as port:
         endpoint = f"tcp://127.0.0.1:{port}"
-    client = ControlClient(endpoint=endpoint, secret=SECRET, rank=0, world_size=1, connect_timeout=0.3)
-    with pytest.raises(ConnectionError, match=f"no WELCOME from the coordinator at {endpoint} within 0.3 s"):
+    client = ControlClient(
+        endpoint=endpoint, secret=SECRET, rank=0, world_size=1, connect_timeout=0.3
+    )
+    with pytest.raises(
+        ConnectionError, match=f"no WELCOME from the coordinator at {endpoint} within 0.3 s"
+    ):
         await client.serve()
 
 
@@ -446,8 +520,9 @@ import sys, anyio
 from flowtrain.control import ControlClient
 
 async def main() -> None:
-    client = ControlClient(endpoint=sys.argv[1], secret=bytes.fromhex(sys.argv[2]), rank=0, world_size=1,
-                           heartbeat_interval=0.1, heartbeat_misses=5, connect_timeout=10,
+    client = ControlClient(endpoint=sys.argv[1], secret=bytes.fromhex(sys.argv[2]), rank=0,
+                           world_size=1, heartbeat_interval=0.1, heartbeat_misses=5,
+                           connect_timeout=10,
                            status=lambda: {"busy": "actor Sleeper handling Nap"})
     await client.serve()
 
@@ -457,12 +532,21 @@ anyio.run(main)
 
 @pytest.mark.multiprocess
 async def test_a_stopped_rank_process_is_declared_stuck() -> None:
-    async with coordinator_running(1, heartbeat_interval=0.1, heartbeat_misses=5) as (coordinator, events, tg):
+    async with coordinator_running(1, heartbeat_interval=0.1, heartbeat_misses=5) as (
+        coordinator,
+        events,
+        tg,
+    ):
         env = {**os.environ, "PYTHONPATH": str(REPO), "FLOWTRAIN_CONSOLE": "off"}
-        process = subprocess.Popen([sys.executable, "-c", RANK_PROCESS, coordinator.endpoint, SECRET.hex()],
-                                   env=env, cwd=REPO)
+        process = subprocess.Popen(
+            [sys.executable, "-c", RANK_PROCESS, coordinator.endpoint, SECRET.hex()],
+            env=env,
+            cwd=REPO,
+        )
         try:
-            await wait_until(lambda: len(of_type(events, RankJoined)) == 1, 15, "the rank process joined")
+            await wait_until(
+                lambda: len(of_type(events, RankJoined)) == 1, 15, "the rank process joined"
+            )
             assert of_type(events, RankJoined)[0].pid == process.pid
             await wait_until(lambda: coordinator.ranks()[0].status != {}, 5, "first heartbeat")
             os.kill(process.pid, signal.SIGSTOP)

@@ -1,4 +1,4 @@
-"""Tests of the control-plane wire format: signing, decoding, every rejection reason, the counter."""
+"""Tests of the control-plane wire format: signing, decoding, each rejection reason, the counter."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def test_round_trip_keeps_every_field_and_counts_sequence() -> None:
     first = writer.encode(Kind.BARRIER, body)
     second = writer.encode(Kind.HEARTBEAT, {})
     assert len(first) == 2 and len(first[1]) == MAC_BYTES
-    assert reader.decode(first) == Frame(kind="BARRIER", sender="rank3", seq=1, body=body, version=SCHEMA_VERSION)
+    assert reader.decode(first) == Frame(
+        kind="BARRIER", sender="rank3", seq=1, body=body, version=SCHEMA_VERSION
+    )
     assert reader.decode(second).seq == 2
     assert msgpack.unpackb(first[0]) == {"v": 1, "k": "BARRIER", "s": "rank3", "n": 1, "b": body}
     assert first[1] == sign(first[0])
@@ -54,7 +56,9 @@ def test_round_trip_keeps_every_field_and_counts_sequence() -> None:
 
 def test_published_frame_carries_topic_and_verifies() -> None:
     codec = FrameCodec(SECRET, "coordinator")
-    parts = codec.encode_published("metrics", {"topic": "metrics", "rank": 0, "body": {"loss": 1.5}})
+    parts = codec.encode_published(
+        "metrics", {"topic": "metrics", "rank": 0, "body": {"loss": 1.5}}
+    )
     assert parts[0] == b"metrics"
     frame = FrameCodec(SECRET, "tui").decode_published(parts)
     assert frame.body == {"topic": "metrics", "rank": 0, "body": {"loss": 1.5}}
@@ -129,19 +133,22 @@ def test_unknown_version_correctly_signed() -> None:
     assert reason_of(parts) == "unknown_version"
 
 
-@pytest.mark.parametrize("message", [
-    [1, 2, 3],
-    "a string",
-    42,
-    {"k": "BYE", "s": "a", "n": 1, "b": {}},  # no version
-    {"v": True, "k": "BYE", "s": "a", "n": 1, "b": {}},  # bool is not a version
-    {"v": 1, "k": "NOPE", "s": "a", "n": 1, "b": {}},
-    {"v": 1, "k": "BYE", "s": 5, "n": 1, "b": {}},
-    {"v": 1, "k": "BYE", "s": "a", "n": "1", "b": {}},
-    {"v": 1, "k": "BYE", "s": "a", "n": 1, "b": [1]},
-    {"v": 1, "k": "BYE", "s": "a", "n": 1, "b": {}, "extra": 1},
-    {1: 1, (2,): 2},
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        [1, 2, 3],
+        "a string",
+        42,
+        {"k": "BYE", "s": "a", "n": 1, "b": {}},  # no version
+        {"v": True, "k": "BYE", "s": "a", "n": 1, "b": {}},  # bool is not a version
+        {"v": 1, "k": "NOPE", "s": "a", "n": 1, "b": {}},
+        {"v": 1, "k": "BYE", "s": 5, "n": 1, "b": {}},
+        {"v": 1, "k": "BYE", "s": "a", "n": "1", "b": {}},
+        {"v": 1, "k": "BYE", "s": "a", "n": 1, "b": [1]},
+        {"v": 1, "k": "BYE", "s": "a", "n": 1, "b": {}, "extra": 1},
+        {1: 1, (2,): 2},
+    ],
+)
 def test_wrong_shapes_correctly_signed_are_malformed(message: object) -> None:
     assert reason_of(signed(message)) == "malformed"
 
@@ -185,8 +192,13 @@ def test_counter_counts_each_reason_and_never_raises() -> None:
     for _ in range(250):
         counter.record("bad_signature", "flood", b"\xff\xfe")
     counter.record("not_a_reason", object(), object())
-    assert counter.counts == {"unsigned": 1, "bad_signature": 250, "malformed": 3,
-                              "unknown_version": 0, "not_a_reason": 1}
+    assert counter.counts == {
+        "unsigned": 1,
+        "bad_signature": 250,
+        "malformed": 3,
+        "unknown_version": 0,
+        "not_a_reason": 1,
+    }
     assert counter.total == 255
 
 

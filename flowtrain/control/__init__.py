@@ -24,7 +24,20 @@ from flowtrain.control.protocol import (
 )
 
 __all__ = [
-    "AllFinished", "ControlClient", "Coordinator", "CoordinatorEvent", "Frame", "FrameCodec",
-    "FrameRejected", "JoinTimeout", "Kind", "REJECT_REASONS", "RankFailed", "RankFinished",
-    "RankJoined", "RankState", "RejectCounter", "SCHEMA_VERSION",
+    "AllFinished",
+    "ControlClient",
+    "Coordinator",
+    "CoordinatorEvent",
+    "Frame",
+    "FrameCodec",
+    "FrameRejected",
+    "JoinTimeout",
+    "Kind",
+    "REJECT_REASONS",
+    "RankFailed",
+    "RankFinished",
+    "RankJoined",
+    "RankState",
+    "RejectCounter",
+    "SCHEMA_VERSION",
 ]

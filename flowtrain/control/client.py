@@ -9,8 +9,9 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import anyio
 import zmq
@@ -23,10 +24,12 @@ from flowtrain.control.protocol import Frame, FrameCodec, FrameRejected, Kind, R
 from flowtrain.errors import RankAborted, RankFailure
 from flowtrain.log import get_logger
 
+
 def _log() -> Any:
     # Looked up per call: a logger bound at import keeps the logging configuration of that
     # moment and would ignore configure_logging() called later by the rank or the launcher.
     return get_logger("flowtrain.control.client")
+
 
 # Routed frames wait here for on_route; bounded so a slow handler pushes back instead of
 # letting memory grow, and separate from the receive loop so heartbeats keep flowing.
@@ -54,13 +57,25 @@ class _Waiter:
 class ControlClient:
     """One rank's connection to the coordinator; use it only from the loop that runs ``serve()``."""
 
-    def __init__(self, *, endpoint: str, secret: bytes, rank: int, world_size: int, local_rank: int = 0,
-                 heartbeat_interval: float = 1.0, heartbeat_misses: int = 5, connect_timeout: float = 60.0,
-                 status: Callable[[], dict] | None = None,
-                 on_abort: Callable[[str], None] | None = None,
-                 on_route: Callable[[int, dict], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        secret: bytes,
+        rank: int,
+        world_size: int,
+        local_rank: int = 0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_misses: int = 5,
+        connect_timeout: float = 60.0,
+        status: Callable[[], dict] | None = None,
+        on_abort: Callable[[str], None] | None = None,
+        on_route: Callable[[int, dict], Awaitable[None]] | None = None,
+    ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1} for world size {world_size}, got {rank}")
+            raise ValueError(
+                f"rank must be in 0..{world_size - 1} for world size {world_size}, got {rank}"
+            )
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
         if heartbeat_misses < 1:
@@ -78,7 +93,7 @@ class ControlClient:
         self.identity = identity_of(rank)
         self.codec = FrameCodec(secret, self.identity.decode())
         self.rejected = RejectCounter(f"rank{rank}")
-        # Sends that cannot be handed to ZeroMQ within this long mean the coordinator stopped reading.
+        # A send that ZeroMQ cannot take within this long means the coordinator stopped reading.
         self.send_timeout = heartbeat_interval * heartbeat_misses
         self._dealer: zmq.asyncio.Socket | None = None
         self._scope: anyio.CancelScope | None = None
@@ -103,7 +118,9 @@ class ControlClient:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_interval * 1000)))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.send_timeout * 1000)))
-        routes_in, routes_out = anyio.create_memory_object_stream[tuple[int, dict]](ROUTE_QUEUE_SIZE)
+        routes_in, routes_out = anyio.create_memory_object_stream[tuple[int, dict]](
+            ROUTE_QUEUE_SIZE
+        )
         try:
             dealer.connect(self.endpoint)
             self._dealer = dealer
@@ -149,7 +166,7 @@ class ControlClient:
         await self._send(Kind.KV_SET, {"key": key, "value": value})
 
     async def kv_get(self, key: str, timeout: float) -> Any:
-        """The value stored under ``key``, waiting for a rank to set it; TimeoutError after ``timeout`` s."""
+        """The value under ``key``, waiting until a rank sets it; TimeoutError after ``timeout``."""
         request = next(self._requests)
         waiter = self._kv_waiters[request] = _Waiter()
         try:
@@ -176,7 +193,7 @@ class ControlClient:
         await self._send(Kind.TELEMETRY, {"topic": topic, "body": body})
 
     async def close(self, *, finished: bool = True, timeout: float = 1.0) -> None:
-        """Says BYE (when ``finished``), stops ``serve()`` and closes the socket within ``timeout`` s."""
+        """Says BYE (if ``finished``), stops ``serve()``, closes the socket within ``timeout`` s."""
         if self._dealer is None or self._scope is None:
             return
         if finished:
@@ -195,7 +212,9 @@ class ControlClient:
     async def _send(self, kind: str, body: dict) -> None:
         dealer = self._dealer
         if dealer is None:
-            raise RuntimeError(f"rank {self.rank}'s control client is not serving; run ControlClient.serve() first")
+            raise RuntimeError(
+                f"rank {self.rank}'s control client is not serving; run ControlClient.serve() first"
+            )
         parts = self.codec.encode(kind, body)
         # The usual case needs no timer: ZeroMQ takes the frame at once unless its queue is full.
         error = send_now(dealer, parts)
@@ -214,8 +233,13 @@ class ControlClient:
 
     async def _join(self, dealer: zmq.asyncio.Socket) -> None:
         """Sends HELLO and waits for WELCOME; frames other than WELCOME before it are dropped."""
-        hello = {"rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(),
-                 "pid": os.getpid(), "local_rank": self.local_rank}
+        hello = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "local_rank": self.local_rank,
+        }
         with anyio.move_on_after(self.connect_timeout) as scope:
             await dealer.send_multipart(self.codec.encode(Kind.HELLO, hello))
             while True:
@@ -235,15 +259,18 @@ class ControlClient:
         try:
             frame = self.codec.decode(parts)
             if frame.sender != COORDINATOR_SENDER:
-                raise FrameRejected("malformed", f"{frame.kind} signed by {frame.sender!r}, not the coordinator")
+                raise FrameRejected(
+                    "malformed", f"{frame.kind} signed by {frame.sender!r}, not the coordinator"
+                )
         except FrameRejected as rejection:
             self.rejected.record_rejection(rejection, self.endpoint)
             return None
         self._last_heard = time.monotonic()
         return frame
 
-    async def _receive_loop(self, dealer: zmq.asyncio.Socket,
-                            routes: MemoryObjectSendStream[tuple[int, dict]]) -> None:
+    async def _receive_loop(
+        self, dealer: zmq.asyncio.Socket, routes: MemoryObjectSendStream[tuple[int, dict]]
+    ) -> None:
         while True:
             frame = self._decode(await dealer.recv_multipart())
             if frame is None:
@@ -278,7 +305,9 @@ class ControlClient:
         elif frame.kind == Kind.ROUTE:
             sender, payload = body.get("from"), body.get("body")
             if type(sender) is not int or not isinstance(payload, dict):
-                raise FrameRejected("malformed", f"ROUTE with from={sender!r} and a {type(payload).__name__} body")
+                raise FrameRejected(
+                    "malformed", f"ROUTE with from={sender!r} and a {type(payload).__name__} body"
+                )
             return sender, payload
         elif frame.kind == Kind.ABORT:
             self._abort(str(body.get("reason", "the coordinator aborted the job")))
@@ -290,7 +319,9 @@ class ControlClient:
         # One worker keeps routed frames in arrival order, as an actor's mailbox would.
         async for sender, body in routes:
             if self.on_route is None:
-                _log().warning("ROUTE frame with no on_route handler; dropped", rank=self.rank, sender=sender)
+                _log().warning(
+                    "ROUTE frame with no on_route handler; dropped", rank=self.rank, sender=sender
+                )
                 continue
             await self.on_route(sender, body)
 
@@ -311,7 +342,9 @@ class ControlClient:
             previous = now
             silence = now - self._last_heard
             if judge and silence > silence_limit and not self._route_blocked and not self._aborted:
-                self._abort(f"lost the coordinator at {self.endpoint}: no frame for {silence:.1f} s")
+                self._abort(
+                    f"lost the coordinator at {self.endpoint}: no frame for {silence:.1f} s"
+                )
 
     def _heartbeat_parts(self) -> list[bytes]:
         if self.status is None:

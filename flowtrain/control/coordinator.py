@@ -6,22 +6,25 @@ It runs barriers, a key/value store, routes frames between ranks, and declares s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Union
+from typing import Any
 
 import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from flowtrain.control.protocol import FrameCodec, FrameRejected, Kind, RejectCounter, Frame
+from flowtrain.control.protocol import Frame, FrameCodec, FrameRejected, Kind, RejectCounter
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
+
 
 def _log() -> Any:
     # Looked up per call: a logger bound at import keeps the logging configuration of that
     # moment and would ignore configure_logging() called later by the rank or the launcher.
     return get_logger("flowtrain.control.coordinator")
+
 
 COORDINATOR_SENDER = "coordinator"
 
@@ -54,7 +57,7 @@ class AllFinished:
     pass
 
 
-CoordinatorEvent = Union[RankJoined, RankFinished, RankFailed, JoinTimeout, AllFinished]
+CoordinatorEvent = RankJoined | RankFinished | RankFailed | JoinTimeout | AllFinished
 
 
 @dataclass
@@ -97,10 +100,19 @@ def tcp_endpoint(host: str, port: int | str) -> str:
 class Coordinator:
     """Accepts ``world_size`` ranks on a ROUTER socket and supervises them with heartbeats."""
 
-    def __init__(self, *, world_size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 pub_port: int = 0, heartbeat_interval: float = 1.0, heartbeat_misses: int = 5,
-                 join_timeout: float = 300.0,
-                 on_event: Callable[[CoordinatorEvent], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        pub_port: int = 0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_misses: int = 5,
+        join_timeout: float = 300.0,
+        on_event: Callable[[CoordinatorEvent], None] | None = None,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if heartbeat_interval <= 0:
@@ -132,7 +144,7 @@ class Coordinator:
     # ----------------------------------------------------------------- public API
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Binds both sockets, reports started, and serves until cancelled; closes sockets on exit."""
+        """Binds both sockets, reports started, serves until cancelled; closes the sockets."""
         context = zmq.asyncio.Context()
         router = context.socket(zmq.ROUTER)
         pub = context.socket(zmq.PUB)
@@ -143,8 +155,10 @@ class Coordinator:
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Protocol heartbeats drop dead TCP connections; app-level beats decide who is stuck.
             router.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_interval * 1000)))
-            router.setsockopt(zmq.HEARTBEAT_TIMEOUT,
-                              max(1, int(self.heartbeat_interval * self.heartbeat_misses * 1000)))
+            router.setsockopt(
+                zmq.HEARTBEAT_TIMEOUT,
+                max(1, int(self.heartbeat_interval * self.heartbeat_misses * 1000)),
+            )
             if ":" in self.host:
                 router.setsockopt(zmq.IPV6, 1)
                 pub.setsockopt(zmq.IPV6, 1)
@@ -154,8 +168,12 @@ class Coordinator:
             self.pub_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router, self._pub = router, pub
             started = time.monotonic()
-            _log().info("coordinator listening", endpoint=self.endpoint, pub_endpoint=self.pub_endpoint,
-                      world_size=self.world_size)
+            _log().info(
+                "coordinator listening",
+                endpoint=self.endpoint,
+                pub_endpoint=self.pub_endpoint,
+                world_size=self.world_size,
+            )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._receive_loop, router)
                 tg.start_soon(self._tick_loop, started)
@@ -174,7 +192,9 @@ class Coordinator:
         _log().warning("coordinator aborted the job", reason=reason)
 
     def ranks(self) -> dict[int, RankState]:
-        return {rank: replace(state, status=dict(state.status)) for rank, state in self._states.items()}
+        return {
+            rank: replace(state, status=dict(state.status)) for rank, state in self._states.items()
+        }
 
     # ------------------------------------------------------------------ plumbing
 
@@ -184,7 +204,9 @@ class Coordinator:
         try:
             self.on_event(event)
         except Exception:
-            _log().exception("on_event raised; the coordinator carries on", coordinator_event=repr(event))
+            _log().exception(
+                "on_event raised; the coordinator carries on", coordinator_event=repr(event)
+            )
 
     def _send(self, rank: int, kind: str, body: dict) -> bool:
         """Sends without waiting; a rank that vanished or stopped reading is logged, not fatal."""
@@ -197,13 +219,17 @@ class Coordinator:
             return True
         self.undeliverable += 1
         if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
-            # A vanished rank is reported by the heartbeat check; one line per beat would only add noise.
+            # The heartbeat check reports a vanished rank; a line per beat would only add noise.
             log = _log().debug if kind == Kind.HEARTBEAT else _log().warning
             log("rank is not connected; frame dropped", rank=rank, kind=kind)
         elif isinstance(error, zmq.Again):
-            _log().warning("rank is not reading (send queue full); frame dropped", rank=rank, kind=kind)
+            _log().warning(
+                "rank is not reading (send queue full); frame dropped", rank=rank, kind=kind
+            )
         else:
-            _log().error("sending to rank failed; frame dropped", rank=rank, kind=kind, error=repr(error))
+            _log().error(
+                "sending to rank failed; frame dropped", rank=rank, kind=kind, error=repr(error)
+            )
         return False
 
     async def _receive_loop(self, router: zmq.asyncio.Socket) -> None:
@@ -224,10 +250,14 @@ class Coordinator:
         """The joined rank that sent this frame; FrameRejected if it is not one."""
         name = identity.decode("utf-8", "backslashreplace")
         if frame.sender != name:
-            raise FrameRejected("malformed", f"{frame.kind} signed by {frame.sender!r} arrived from socket {name!r}")
+            raise FrameRejected(
+                "malformed", f"{frame.kind} signed by {frame.sender!r} arrived from socket {name!r}"
+            )
         rank = _parse_rank(name)
         if rank is None or rank not in self._states or not self._states[rank].joined:
-            raise FrameRejected("malformed", f"{frame.kind} from {name!r}, which has not joined with HELLO")
+            raise FrameRejected(
+                "malformed", f"{frame.kind} from {name!r}, which has not joined with HELLO"
+            )
         return rank
 
     def _handle(self, identity: bytes, frame: Frame) -> None:
@@ -252,7 +282,9 @@ class Coordinator:
         elif kind == Kind.FAILURE:
             self._on_failure(rank, _field(body, "failure", dict, kind))
         elif kind == Kind.TELEMETRY:
-            self._on_telemetry(rank, _field(body, "topic", str, kind), _field(body, "body", dict, kind))
+            self._on_telemetry(
+                rank, _field(body, "topic", str, kind), _field(body, "body", dict, kind)
+            )
         elif kind == Kind.BYE:
             self._on_bye(rank)
         else:
@@ -264,20 +296,30 @@ class Coordinator:
         rank = _field(body, "rank", int, Kind.HELLO)
         world_size = _field(body, "world_size", int, Kind.HELLO)
         if not 0 <= rank < self.world_size:
-            raise FrameRejected("malformed", f"HELLO from rank {rank}; ranks of this job are 0..{self.world_size - 1}")
+            raise FrameRejected(
+                "malformed",
+                f"HELLO from rank {rank}; ranks of this job are 0..{self.world_size - 1}",
+            )
         if world_size != self.world_size:
-            raise FrameRejected("malformed", f"HELLO from rank {rank} says world size {world_size}; this job has {self.world_size}")
+            raise FrameRejected(
+                "malformed",
+                f"HELLO from rank {rank} says world size {world_size}; "
+                f"this job has {self.world_size}",
+            )
         if frame.sender != name or identity != identity_of(rank):
             raise FrameRejected(
                 "malformed",
-                f"HELLO for rank {rank} signed by {frame.sender!r} from socket {name!r}; both must be 'rank{rank}'",
+                f"HELLO for rank {rank} signed by {frame.sender!r} from socket {name!r}; "
+                f"both must be 'rank{rank}'",
             )
         state = self._states[rank]
         rejoin = state.joined
         state.joined = True
         state.host = str(body.get("host", ""))
         state.pid = body.get("pid", 0) if isinstance(body.get("pid"), int) else 0
-        state.local_rank = body.get("local_rank", 0) if isinstance(body.get("local_rank"), int) else 0
+        state.local_rank = (
+            body.get("local_rank", 0) if isinstance(body.get("local_rank"), int) else 0
+        )
         state.last_seen = time.monotonic()
         self._send(rank, Kind.WELCOME, {"world_size": self.world_size})
         if rejoin:
@@ -312,12 +354,20 @@ class Coordinator:
         to = body.get("to")
         payload = _field(body, "body", dict, Kind.ROUTE)
         if type(to) is not int or not 0 <= to < self.world_size:
-            raise FrameRejected("malformed", f"ROUTE from rank {rank} to {to!r}; destinations are 0..{self.world_size - 1}")
+            raise FrameRejected(
+                "malformed",
+                f"ROUTE from rank {rank} to {to!r}; destinations are 0..{self.world_size - 1}",
+            )
         target = self._states[to]
         if not target.joined or target.finished:
             self.undeliverable += 1
-            _log().warning("ROUTE to a rank that is not joined or has finished; dropped",
-                         sender=rank, to=to, joined=target.joined, finished=target.finished)
+            _log().warning(
+                "ROUTE to a rank that is not joined or has finished; dropped",
+                sender=rank,
+                to=to,
+                joined=target.joined,
+                finished=target.finished,
+            )
             return
         self._send(to, Kind.ROUTE, {"from": rank, "body": payload})
 
@@ -325,9 +375,13 @@ class Coordinator:
         try:
             failure = RankFailure(**raw)
         except TypeError as exc:
-            raise FrameRejected("malformed", f"FAILURE from rank {rank} is not a RankFailure: {exc}") from None
+            raise FrameRejected(
+                "malformed", f"FAILURE from rank {rank} is not a RankFailure: {exc}"
+            ) from None
         self._states[rank].failed = True
-        _log().error("rank reported a failure", rank=rank, kind=failure.kind, message=failure.message)
+        _log().error(
+            "rank reported a failure", rank=rank, kind=failure.kind, message=failure.message
+        )
         self._emit(RankFailed(rank=rank, failure=failure))
 
     def _on_telemetry(self, rank: int, topic: str, body: dict) -> None:
@@ -335,7 +389,7 @@ class Coordinator:
         if pub is None:
             return
         parts = self.codec.encode_published(topic, {"topic": topic, "rank": rank, "body": body})
-        # PUB never blocks; with no subscriber or a slow one, ZeroMQ drops, which telemetry tolerates.
+        # PUB never blocks: with no or slow subscribers ZeroMQ drops, which telemetry tolerates.
         send_now(pub, parts)
 
     def _on_bye(self, rank: int) -> None:
@@ -372,17 +426,29 @@ class Coordinator:
                 missing = [s.rank for s in self._states.values() if not s.joined]
                 if missing:
                     self._join_reported = True
-                    _log().error("ranks did not join in time", missing=missing, join_timeout=self.join_timeout)
+                    _log().error(
+                        "ranks did not join in time",
+                        missing=missing,
+                        join_timeout=self.join_timeout,
+                    )
                     self._emit(JoinTimeout(missing=missing))
 
     def _declare_stuck(self, state: RankState, silence: float) -> None:
         state.failed = state.stuck = True
         missed = int(silence / self.heartbeat_interval)
-        message = (f"no heartbeat for {silence:.1f} s ({missed} missed beats); "
-                   f"last status: {format_status(state.status)}")
+        message = (
+            f"no heartbeat for {silence:.1f} s ({missed} missed beats); "
+            f"last status: {format_status(state.status)}"
+        )
         _log().error("rank is stuck", rank=state.rank, message=message)
-        failure = RankFailure(rank=state.rank, kind="stuck", message=message, timestamp=time.time(),
-                              host=state.host, pid=state.pid)
+        failure = RankFailure(
+            rank=state.rank,
+            kind="stuck",
+            message=message,
+            timestamp=time.time(),
+            host=state.host,
+            pid=state.pid,
+        )
         self._emit(RankFailed(rank=state.rank, failure=failure))
 
 

@@ -27,6 +27,7 @@ MAC_BYTES = hashlib.sha256().digest_size
 
 REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version")
 
+
 def _log() -> Any:
     # Looked up per call: a logger bound at import keeps the logging configuration of that
     # moment and would ignore configure_logging() called later by the rank or the launcher.
@@ -50,10 +51,23 @@ class Kind:
     ABORT = "ABORT"
     BYE = "BYE"
 
-    ALL = frozenset({
-        HELLO, WELCOME, HEARTBEAT, BARRIER, BARRIER_RELEASE, KV_SET, KV_GET, KV_VALUE,
-        ROUTE, FAILURE, TELEMETRY, ABORT, BYE,
-    })
+    ALL = frozenset(
+        {
+            HELLO,
+            WELCOME,
+            HEARTBEAT,
+            BARRIER,
+            BARRIER_RELEASE,
+            KV_SET,
+            KV_GET,
+            KV_VALUE,
+            ROUTE,
+            FAILURE,
+            TELEMETRY,
+            ABORT,
+            BYE,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -115,11 +129,19 @@ class FrameCodec:
             raise ValueError(f"unknown frame kind {kind!r}; expected one of {sorted(Kind.ALL)}")
         if not isinstance(body, dict):
             raise TypeError(f"the body of a {kind} frame must be a dict, got {type(body).__name__}")
-        message = {"v": SCHEMA_VERSION, "k": kind, "s": self.sender, "n": next(self._seq), "b": body}
+        message = {
+            "v": SCHEMA_VERSION,
+            "k": kind,
+            "s": self.sender,
+            "n": next(self._seq),
+            "b": body,
+        }
         try:
             payload = msgpack.packb(message, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise TypeError(f"the body of a {kind} frame cannot be packed with msgpack: {exc}") from exc
+            raise TypeError(
+                f"the body of a {kind} frame cannot be packed with msgpack: {exc}"
+            ) from exc
         return [payload, self._sign(payload)]
 
     def decode(self, parts: list[bytes]) -> Frame:
@@ -132,28 +154,43 @@ class FrameCodec:
         if len(mac) != MAC_BYTES:
             raise FrameRejected("bad_signature", f"mac is {len(mac)} bytes, expected {MAC_BYTES}")
         if not hmac.compare_digest(mac, self._sign(payload)):
-            raise FrameRejected("bad_signature", "mac does not match the payload under this job's secret")
+            raise FrameRejected(
+                "bad_signature", "mac does not match the payload under this job's secret"
+            )
         if len(payload) > MAX_PAYLOAD_BYTES:
-            raise FrameRejected("malformed", f"payload is {len(payload)} bytes, limit {MAX_PAYLOAD_BYTES}")
+            raise FrameRejected(
+                "malformed", f"payload is {len(payload)} bytes, limit {MAX_PAYLOAD_BYTES}"
+            )
         try:
             message = msgpack.unpackb(
-                payload, raw=False, strict_map_key=False, use_list=True,
-                max_str_len=MAX_PAYLOAD_BYTES, max_bin_len=MAX_PAYLOAD_BYTES,
-                max_ext_len=MAX_PAYLOAD_BYTES, max_array_len=MAX_CONTAINER_ITEMS,
+                payload,
+                raw=False,
+                strict_map_key=False,
+                use_list=True,
+                max_str_len=MAX_PAYLOAD_BYTES,
+                max_bin_len=MAX_PAYLOAD_BYTES,
+                max_ext_len=MAX_PAYLOAD_BYTES,
+                max_array_len=MAX_CONTAINER_ITEMS,
                 max_map_len=MAX_CONTAINER_ITEMS,
             )
-        except Exception as exc:  # msgpack raises several types (ExtraData, ValueError, StackError, ...)
-            raise FrameRejected("malformed", f"payload is not one msgpack object: {type(exc).__name__}: {exc}") from None
+        except (
+            Exception
+        ) as exc:  # msgpack raises several types (ExtraData, ValueError, StackError, ...)
+            raise FrameRejected(
+                "malformed", f"payload is not one msgpack object: {type(exc).__name__}: {exc}"
+            ) from None
         return _check_message(message)
 
     def encode_published(self, topic: str, body: dict) -> list[bytes]:
-        """Returns ``[topic, payload, mac]`` for a PUB socket; the topic is repeated in the signed body."""
+        """``[topic, payload, mac]`` for a PUB socket; the topic is repeated in the signed body."""
         return [topic.encode(), *self.encode(Kind.TELEMETRY, body)]
 
     def decode_published(self, parts: list[bytes]) -> Frame:
-        """Verifies ``[topic, payload, mac]`` from a SUB socket; the topic must match the signed one."""
+        """Verifies ``[topic, payload, mac]`` from a SUB socket; the topic must match the body's."""
         if len(parts) != 3:
-            raise FrameRejected("unsigned", f"expected 3 parts [topic, payload, mac], got {len(parts)}")
+            raise FrameRejected(
+                "unsigned", f"expected 3 parts [topic, payload, mac], got {len(parts)}"
+            )
         frame = self.decode(parts[1:])
         try:
             topic = bytes(parts[0]).decode()
@@ -173,22 +210,32 @@ def _check_message(message: Any) -> Frame:
         raise FrameRejected("malformed", f"payload is a {type(message).__name__}, expected a map")
     version = message.get("v")
     if not _is_int(version):
-        raise FrameRejected("malformed", f"field 'v' (schema version) is {version!r}, expected an int")
+        raise FrameRejected(
+            "malformed", f"field 'v' (schema version) is {version!r}, expected an int"
+        )
     # A newer schema may change the other fields, so the version is judged before them.
     if version != SCHEMA_VERSION:
-        raise FrameRejected("unknown_version", f"schema version {version}, this side speaks {SCHEMA_VERSION}")
+        raise FrameRejected(
+            "unknown_version", f"schema version {version}, this side speaks {SCHEMA_VERSION}"
+        )
     kind, sender, seq, body = message.get("k"), message.get("s"), message.get("n"), message.get("b")
     if not isinstance(kind, str) or kind not in Kind.ALL:
-        raise FrameRejected("malformed", f"field 'k' (kind) is {kind!r}, expected one of {sorted(Kind.ALL)}")
+        raise FrameRejected(
+            "malformed", f"field 'k' (kind) is {kind!r}, expected one of {sorted(Kind.ALL)}"
+        )
     if not isinstance(sender, str):
         raise FrameRejected("malformed", f"field 's' (sender) is {sender!r}, expected a str")
     if not _is_int(seq):
         raise FrameRejected("malformed", f"field 'n' (sequence) is {seq!r}, expected an int")
     if not isinstance(body, dict):
-        raise FrameRejected("malformed", f"field 'b' (body) is a {type(body).__name__}, expected a map")
+        raise FrameRejected(
+            "malformed", f"field 'b' (body) is a {type(body).__name__}, expected a map"
+        )
     if len(message) != 5:
         extra = sorted(str(key) for key in message if key not in ("v", "k", "s", "n", "b"))
-        raise FrameRejected("malformed", f"unexpected fields {extra}; a frame has exactly v, k, s, n, b")
+        raise FrameRejected(
+            "malformed", f"unexpected fields {extra}; a frame has exactly v, k, s, n, b"
+        )
     return Frame(kind=kind, sender=sender, seq=seq, body=body, version=version)
 
 
@@ -216,8 +263,12 @@ class RejectCounter:
                 if isinstance(peer, (bytes, bytearray)):
                     peer = bytes(peer).decode("utf-8", "backslashreplace")
                 _log().warning(
-                    "control frame rejected", owner=self.owner, peer=str(peer), reason=reason,
-                    detail=str(detail)[:300], count=count,
+                    "control frame rejected",
+                    owner=self.owner,
+                    peer=str(peer),
+                    reason=reason,
+                    detail=str(detail)[:300],
+                    count=count,
                 )
         except Exception:  # a broken logger must not take the control plane down
             pass
