@@ -193,3 +193,48 @@ def test_hostfile_failure_ends_the_whole_job(tmp_path: Path, outdir: Path) -> No
     assert run.ended - _fault_time(tmp_path) < 8.0
     assert "rank 1" in run.err and f"ValueError: {message}" in run.err
     assert run.job["root_cause"]["rank"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_large_output_does_not_block(tmp_path: Path) -> None:
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(DATA / "chatty.py")])
+    assert run.returncode == 0, run.err[-2000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: rank {rank} done" in run.out
+        assert (run.run_dir / f"rank{rank}.out").stat().st_size > 8_000_000
+
+
+@pytest.mark.timeout(60)
+def test_module_and_no_python(tmp_path: Path) -> None:
+    (tmp_path / "my_entry.py").write_text(
+        "import os, sys\nprint('module rank', os.environ['RANK'], sys.argv[1:], __name__)\n")
+    run = launch(tmp_path, ["--nproc-per-node", "2", "-m", "my_entry", "--lr", "3"])
+    assert run.returncode == 0, run.text
+    assert "[rank1]: module rank 1 ['--lr', '3'] __main__" in run.out
+    (run.run_dir / "job.json").unlink()
+    run = launch(tmp_path, ["--nproc-per-node", "2", "--no-python", str(DATA / "hello.sh"), "a b"])
+    assert run.returncode == 0, run.text
+    assert "[rank0]: shell rank 0 of 2 args a b" in run.out
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
+    from flowtrain.launch.args import free_port
+
+    port = free_port()
+    env = _env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(tmp_path / "run"),
+         *common, "--node-rank", "1", str(JOB), "ok", str(outdir)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run = launch(tmp_path, [*common, "--node-rank", "0", str(JOB), "ok", str(outdir)], env=env)
+        out1, _ = node1.communicate(timeout=30)
+        assert run.returncode == 0 and node1.returncode == 0, run.text + out1
+        assert "[rank1]: rank 1 all-reduced 3.0" in out1
+        assert json.loads((outdir / "rank1.json").read_text())["env"]["GROUP_RANK"] == "1"
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate(timeout=10)
