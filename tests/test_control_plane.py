@@ -437,15 +437,28 @@ async def test_client_aborts_when_the_coordinator_vanishes() -> None:
         await client.close(finished=False)
 
 
-async def test_abort_reaches_every_joined_rank() -> None:
+async def test_abort_reaches_every_joined_rank_even_when_the_coordinator_stops_at_once() -> None:
     aborts: list[tuple[int, str]] = []
-    async with coordinator_running(2) as (coordinator, events, tg):
+    coordinator = Coordinator(world_size=2, secret=SECRET)
+    coordinator_scope = anyio.CancelScope()
+
+    async def run_coordinator(*, task_status: Any) -> None:
+        with coordinator_scope:
+            await coordinator.serve(task_status=task_status)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_coordinator)
+        clients = []
         for rank in range(2):
-            await start_client(
+            client, _ = await start_client(
                 tg, coordinator, rank, 2, on_abort=lambda reason, r=rank: aborts.append((r, reason))
             )
+            clients.append(client)
         await coordinator.abort("rank 1 failed: ValueError: boom")
+        coordinator_scope.cancel()  # the launcher tears the coordinator down right away
         await wait_until(lambda: len(aborts) == 2, 5, "both aborted")
+        for client in clients:
+            await client.close(finished=False, timeout=0.1)
         assert sorted(aborts) == [
             (0, "rank 1 failed: ValueError: boom"),
             (1, "rank 1 failed: ValueError: boom"),

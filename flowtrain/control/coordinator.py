@@ -27,6 +27,8 @@ def _log() -> Any:
 
 
 COORDINATOR_SENDER = "coordinator"
+# Seconds that frames still queued when the coordinator stops may take to go out.
+CLOSE_LINGER = 0.5
 
 
 @dataclass(frozen=True)
@@ -180,9 +182,12 @@ class Coordinator:
                 task_status.started()
         finally:
             self._router = self._pub = None
-            router.close(linger=0)
+            # A bounded linger lets an ABORT sent just before shutdown still reach the ranks.
+            router.close(linger=int(CLOSE_LINGER * 1000))
             pub.close(linger=0)
-            context.term()
+            with anyio.CancelScope(shield=True):
+                # term() waits out the linger; a thread keeps the loop free meanwhile.
+                await anyio.to_thread.run_sync(context.term)
 
     async def abort(self, reason: str) -> None:
         """Sends ABORT to every joined rank that has not said BYE."""
