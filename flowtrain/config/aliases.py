@@ -21,6 +21,7 @@ def _rename(section: dict[str, Any], old: str, new: str, where: str, problems: l
     if new in section:
         problems.append(f"{where}{old} and {where}{new} are both set; {old} is an old name "
                         f"of {new}: keep only {new}")
+        del section[old]  # reported once here, not again as an unknown key
         return
     section[new] = section.pop(old)
     if deprecated:

@@ -53,6 +53,9 @@ class AutoContext:
 class AutoResult:
     problems: list[str] = field(default_factory=list)
     batch_auto: set[str] = field(default_factory=set)  # batch keys that were "auto"
+    # Key paths whose "auto" could not be resolved; the value stays "auto", and the loader
+    # drops the type error it causes, since the problem above already explains it.
+    unresolved: set[str] = field(default_factory=set)
 
 
 def _auto_paths(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -88,6 +91,7 @@ def resolve_auto(raw: dict[str, Any], ctx: AutoContext) -> AutoResult:
         problem = _resolve_one(raw, path, parent, ctx, result)
         if problem:
             result.problems.append(problem)
+            result.unresolved.add(dotted)
     return result
 
 

@@ -72,7 +72,7 @@ def _validator(desc: str, check: Callable[[Any], Any], optional: bool) -> Before
 
 def Int(*, ge: int | None = None, le: int | None = None, optional: bool = False) -> Any:
     """An integer; integral floats such as 5e8 are accepted because DeepSpeed configs use them."""
-    desc = _bounds("an integer", ge, le, None) + (" or null" if optional else "")
+    desc = _bounds("an integer", ge, le, None)
 
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -92,7 +92,7 @@ def Int(*, ge: int | None = None, le: int | None = None, optional: bool = False)
 def Float(*, ge: float | None = None, le: float | None = None, gt: float | None = None,
           optional: bool = False) -> Any:
     """A finite number (integers are accepted and converted)."""
-    desc = _bounds("a number", ge, le, gt) + (" or null" if optional else "")
+    desc = _bounds("a number", ge, le, gt)
 
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -120,7 +120,7 @@ Bool = Annotated[bool, BeforeValidator(_bool_check)]
 
 
 def Str(*, optional: bool = False) -> Any:
-    desc = "a string" + (" or null" if optional else "")
+    desc = "a string"
 
     def check(value: Any) -> str:
         if not isinstance(value, str):

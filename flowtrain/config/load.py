@@ -53,9 +53,12 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
     normalize(raw, problems)
     auto = resolve_auto(raw, ctx)
     problems += auto.problems
-    cfg, bad_locs = _validate(raw, problems)
+    later: list[str] = []
+    cfg, bad_locs = _validate(raw, later)
     if cfg is not None:
-        cfg = _check_sections(cfg, problems)
+        cfg = _check_sections(cfg, ctx, later)
+    problems += [p for p in later if p.split(":", 1)[0] not in auto.unresolved]
+    if cfg is not None:
         batch_broken = any(loc and loc[0] in BATCH_KEYS for loc in bad_locs)
         if not batch_broken:
             sizes, batch_problems = resolve_batch(
@@ -154,8 +157,10 @@ def _validate(raw: dict[str, Any],
     return None, all_locs
 
 
-def _check_sections(cfg: FlowtrainConfig, problems: list[str]) -> FlowtrainConfig:
-    """Checks that span keys: precision exclusivity, optimizer and scheduler params by type."""
+def _check_sections(cfg: FlowtrainConfig, ctx: AutoContext,
+                    problems: list[str]) -> FlowtrainConfig:
+    """Checks that span keys: precision exclusivity, optimizer and scheduler params by type
+    (skipped when the caller passes its own optimizer/scheduler: the params are then unused)."""
     update: dict[str, Any] = {}
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true; enable at most one of them")
@@ -163,13 +168,14 @@ def _check_sections(cfg: FlowtrainConfig, problems: list[str]) -> FlowtrainConfi
         canon = canonical_optimizer(cfg.optimizer.type)
         if canon is None:
             problems.append(optimizer_type_problem(cfg.optimizer.type))
+            update["optimizer"] = None  # already reported; keeps the support gate quiet
         else:
             schema = OPTIMIZER_PARAMS.get(canon)
-            if schema is not None:
+            if schema is not None and not ctx.optimizer_given:
                 _, more = check_params(schema, cfg.optimizer.params, "optimizer.params")
                 problems += more
             update["optimizer"] = cfg.optimizer.model_copy(update={"type": canon})
-    if cfg.scheduler is not None:
+    if cfg.scheduler is not None and not ctx.scheduler_given:
         filled, more = check_params(SCHEDULER_PARAMS[cfg.scheduler.type], cfg.scheduler.params,
                                     "scheduler.params")
         problems += more
