@@ -1,0 +1,231 @@
+"""Every real DeepSpeed config in shared/data/ds_configs is handled as its README's "what flowtrain
+should do" column says: accepted (naming the features not supported yet) or a ConfigError."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowtrain.config import ConfigError, ConfigWarning, load_config, unsupported_features
+
+DS_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
+pytestmark = pytest.mark.skipif(not DS_CONFIGS.is_dir(),
+                                reason=f"real DeepSpeed configs not found at {DS_CONFIGS} "
+                                       f"(shared/ sits beside the repo checkout in CI)")
+
+STAGE2 = "zero_optimization.stage 2: ZeRO stage 2 is not supported yet; use stage 0"
+STAGE3 = "zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0"
+CPU_OPT = ('zero_optimization.offload_optimizer.device cpu: CPU offload is not supported yet; '
+           'use "none"')
+CPU_PARAM = ('zero_optimization.offload_param.device cpu: CPU offload is not supported yet; '
+             'use "none"')
+
+
+class HFLikeModel(torch.nn.Module):
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.config = type("Cfg", (), {"hidden_size": hidden})()
+
+
+def path(name: str) -> Path:
+    return DS_CONFIGS / name
+
+
+def load(name: str, **kwargs):
+    return load_config(path(name), **kwargs)
+
+
+def problems(name: str, **kwargs) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load(name, **kwargs)
+    assert str(info.value).startswith(f"config file {path(name)}: ")
+    return info.value.problems
+
+
+def test_every_file_has_a_test():
+    names = {p.name for p in DS_CONFIGS.glob("*.json")}
+    assert names == set(EXPECTED), "a config was added or removed; add a case below"
+
+
+def case_hf_zero2():
+    cfg = load("hf_zero2.json", world_size=2, model=HFLikeModel(), micro_batch_size=4,
+               check_supported=False)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (8, 4, 1)
+    assert cfg.precision == "fp32" and cfg.gradient_clipping == 1.0
+    assert cfg.optimizer.type == "AdamW"
+    assert cfg.optimizer.params == {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
+                                    "weight_decay": 0.01}
+    assert cfg.scheduler.params["warmup_max_lr"] == 0.001
+    assert cfg.scheduler.params["warmup_num_steps"] == 0
+    assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
+    assert unsupported_features(cfg) == [STAGE2, CPU_OPT]
+    # As the HF Trainer uses it: it passes its optimizer/scheduler and says fp16.
+    cfg = load("hf_zero2.json", micro_batch_size=4, optimizer_given=True, scheduler_given=True,
+               auto_values={"fp16.enabled": True, "gradient_accumulation_steps": 2},
+               check_supported=False)
+    assert cfg.precision == "fp16" and cfg.train_batch_size == 8
+    assert cfg.optimizer.params == {} and cfg.scheduler.params == {}
+    assert problems("hf_zero2.json") == [
+        "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with a "
+        "batch size (load_config(micro_batch_size=...)), or set it in the config",
+        STAGE2, CPU_OPT]
+
+
+def case_hf_zero3():
+    with pytest.warns(ConfigWarning, match="stage3_gather_fp16_weights_on_model_save is "
+                                           "deprecated"):
+        found = problems("hf_zero3.json", micro_batch_size=2, check_supported=False)
+    assert found == ["zero_optimization.reduce_bucket_size: expected an integer > 0, got 0"]
+    with pytest.warns(ConfigWarning):
+        found = problems("hf_zero3.json", micro_batch_size=2)
+    assert found == ["zero_optimization.reduce_bucket_size: expected an integer > 0, got 0",
+                     STAGE3, CPU_OPT, CPU_PARAM]
+
+
+def case_hf_zero3_bf16():
+    with pytest.warns(ConfigWarning, match="stage3_gather_fp16_weights_on_model_save"):
+        cfg = load("hf_zero3_bf16.json", model=HFLikeModel(64), micro_batch_size=2,
+                   total_num_steps=10, check_supported=False,
+                   auto_values={"bf16.enabled": True})
+    assert cfg.precision == "bf16" and cfg.communication_dtype == torch.bfloat16
+    z = cfg.zero_optimization
+    assert z.stage3_gather_16bit_weights_on_model_save is True
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size,
+            z.stage3_param_persistence_threshold) == (4096, 3686, 640)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (2, 1)
+    assert unsupported_features(cfg) == [STAGE3, CPU_OPT, CPU_PARAM]
+
+
+def case_dse_megatron_zero2():
+    cfg = load("dse_megatron_zero2.json", check_supported=False)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (16, 16, 1)
+    assert cfg.precision == "fp16" and cfg.dynamic_loss_scale
+    assert cfg.activation_checkpointing.partition_activations is True
+    assert unsupported_features(cfg) == [STAGE2]
+    assert problems("dse_megatron_zero2.json") == [STAGE2]
+
+
+def case_dse_megatron_zero2_cpu_offload():
+    with pytest.warns(ConfigWarning, match="zero_optimization.cpu_offload is deprecated"):
+        cfg = load("dse_megatron_zero2_cpu_offload.json", check_supported=False)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert unsupported_features(cfg) == [STAGE2, CPU_OPT]
+
+
+def case_dse_megatron_zero_offload_10B():
+    with pytest.warns(ConfigWarning):
+        found = problems("dse_megatron_zero_offload_10B.json", check_supported=False)
+    assert found == ["zero_optimization.comm_overlap: unknown key; did you mean overlap_comm?"]
+
+
+def case_dse_megatron_v115_zero3():
+    assert problems("dse_megatron_v115_zero3.json", check_supported=False) == [
+        "zero_optimization.stage3_param_persitence_threshold: unknown key; did you mean "
+        "stage3_param_persistence_threshold?"]
+
+
+def case_dse_megatron_v115_infinity():
+    found = problems("dse_megatron_v115_infinity.json")
+    assert found == [
+        "zero_optimization.stage3_param_persitance_threshold: unknown key; did you mean "
+        "stage3_param_persistence_threshold?",
+        STAGE3,
+        'zero_optimization.offload_optimizer.device nvme: offloading to NVMe is not supported '
+        'by flowtrain; use "cpu" or "none"',
+        'zero_optimization.offload_param.device nvme: offloading to NVMe is not supported by '
+        'flowtrain; use "cpu" or "none"',
+    ]
+
+
+def case_dse_cifar():
+    with pytest.warns(ConfigWarning, match="cpu_offload"):
+        cfg = load("dse_cifar.json", check_supported=False)
+    assert cfg.fp16.fp16_master_weights_and_grads is True
+    assert cfg.fp16.initial_scale_power == 15 and cfg.fp16.loss_scale_window == 500
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (4, 4, 1)
+    assert cfg.scheduler.params["warmup_num_steps"] == 1000
+    assert unsupported_features(cfg) == [STAGE2, CPU_OPT]
+
+
+def case_dse_bing_bert_adam4096():
+    # DeepSpeed's engine also refuses max_grad_norm as an optimizer param at initialize().
+    assert problems("dse_bing_bert_adam4096.json") == [
+        "optimizer.params.max_grad_norm: unknown key; did you mean gradient_clipping "
+        "(a top-level key)?"]
+
+
+def case_dse_qanet_onecycle():
+    cfg = load("dse_qanet_onecycle.json")
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (512, 32, 16)
+    assert cfg.scheduler.type == "OneCycle"
+    p = cfg.scheduler.params
+    assert (p["cycle_first_stair_count"], p["cycle_second_stair_count"]) == (100, 100)
+    assert (p["cycle_min_lr"], p["cycle_max_lr"], p["decay_lr_rate"]) == (0.004, 0.015, 0.01)
+    assert p["cycle_momentum"] is True  # DeepSpeed's default, filled in
+    assert unsupported_features(cfg) == []
+
+
+def case_dse_cifar_onebitlamb():
+    assert problems("dse_cifar_onebitlamb.json") == [
+        "optimizer OneBitLamb is not available; flowtrain has: Adam, AdamW, SGD, Lion"]
+    cfg = load("dse_cifar_onebitlamb.json", check_supported=False)
+    assert cfg.optimizer.type == "OneBitLamb" and cfg.gradient_accumulation_steps == 64
+
+
+def case_dse_autotuning_fp16_z2():
+    found = problems("dse_autotuning_fp16_z2.json", check_supported=False)
+    assert found == [
+        "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with a "
+        "batch size (load_config(micro_batch_size=...)), or set it in the config"]
+    cfg = load("dse_autotuning_fp16_z2.json", micro_batch_size=8, world_size=4,
+               check_supported=False)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (32, 8, 1)
+    assert unsupported_features(cfg) == [STAGE2]
+
+
+EXPECTED = {
+    "hf_zero2.json": case_hf_zero2,
+    "hf_zero3.json": case_hf_zero3,
+    "hf_zero3_bf16.json": case_hf_zero3_bf16,
+    "dse_megatron_zero2.json": case_dse_megatron_zero2,
+    "dse_megatron_zero2_cpu_offload.json": case_dse_megatron_zero2_cpu_offload,
+    "dse_megatron_zero_offload_10B.json": case_dse_megatron_zero_offload_10B,
+    "dse_megatron_v115_zero3.json": case_dse_megatron_v115_zero3,
+    "dse_megatron_v115_infinity.json": case_dse_megatron_v115_infinity,
+    "dse_cifar.json": case_dse_cifar,
+    "dse_bing_bert_adam4096.json": case_dse_bing_bert_adam4096,
+    "dse_qanet_onecycle.json": case_dse_qanet_onecycle,
+    "dse_cifar_onebitlamb.json": case_dse_cifar_onebitlamb,
+    "dse_autotuning_fp16_z2.json": case_dse_autotuning_fp16_z2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_config(name):
+    EXPECTED[name]()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_accepted_configs_round_trip(name):
+    """A config that loads (with what its case passes) reloads from its own to_dict()."""
+    kwargs: dict = dict(model=HFLikeModel(), total_num_steps=10, check_supported=False)
+    raw = path(name).read_text()
+    if '"auto"' in raw and "train_micro_batch_size_per_gpu" in raw:
+        kwargs["micro_batch_size"] = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        try:
+            cfg = load(name, **kwargs)
+        except ConfigError:
+            pytest.skip(f"{name} is refused by design (see test_real_config)")
+    assert load_config(cfg.to_dict(), check_supported=False) == cfg
