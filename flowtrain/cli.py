@@ -30,61 +30,72 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
-def _run_launch(ns: argparse.Namespace, argv: list[str]) -> int:
-    from flowtrain.launch.args import resolve
-    from flowtrain.launch.hostfile import LaunchInputError
+def _launch_entry() -> tuple[AddArguments, Run]:
+    from flowtrain.launch.args import add_launch_arguments
 
-    try:
-        config = resolve(ns, argv)
-    except LaunchInputError as exc:
-        raise UsageError("flowtrain launch", str(exc)) from None
-    from flowtrain.launch.job import run_launch
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from flowtrain.launch.args import resolve
+        from flowtrain.launch.hostfile import LaunchInputError
 
-    try:
-        return run_launch(config)
-    except LaunchInputError as exc:
-        raise UsageError("flowtrain launch", str(exc)) from None
+        try:
+            config = resolve(ns, argv)
+            from flowtrain.launch.job import run_launch
 
+            return run_launch(config)
+        except LaunchInputError as exc:
+            raise UsageError("flowtrain launch", str(exc)) from None
 
-def _run_report(ns: argparse.Namespace, argv: list[str]) -> int:
-    from flowtrain.report import main as report_main
-
-    return report_main(as_json=ns.json)
+    return add_launch_arguments, run
 
 
-def build_parser() -> OneLineParser:
+def _report_entry() -> tuple[AddArguments, Run]:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from flowtrain.report import main as report_main
+
+        return report_main(as_json=ns.json)
+
+    return add, run
+
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace, list[str]], int]
+
+# name -> (one-line help, loader). A loader imports its module only when its subcommand runs and
+# returns (add_arguments, run). New subcommands (simulate, monitor, trace) add an entry here.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
+    "launch": ("start and supervise the ranks of a training job (torchrun-style)", _launch_entry),
+    "report": ("versions and availability of what flowtrain uses (like ds_report)", _report_entry),
+}
+
+
+def build_parser(chosen: str | None = None) -> OneLineParser:
+    """The parser; only the chosen subcommand's module is imported to add its arguments."""
+    from flowtrain import __version__
+
     parser = OneLineParser(
         prog="flowtrain",
         description="Train PyTorch models across processes as an actor/event pipeline.",
     )
-    from flowtrain import __version__
-
     parser.add_argument("--version", action="version", version=f"flowtrain {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-
-    launch = sub.add_parser(
-        "launch", help="start and supervise the ranks of a training job (torchrun-style)",
-        description="Start the ranks of a training script, supervise them, and name the root "
-        "cause when one fails.",
-    )
-    from flowtrain.launch.args import add_launch_arguments
-
-    add_launch_arguments(launch)
-    launch.set_defaults(handler=_run_launch)
-
-    report = sub.add_parser("report", help="versions and availability of what flowtrain uses "
-                            "(like ds_report)", description="Report the environment: python, torch, "
-                            "CUDA/NCCL/gloo, numba, ZeroMQ, libraries, CPU and memory.")
-    report.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    report.set_defaults(handler=_run_report)
+    for name, (help_text, loader) in SUBCOMMANDS.items():
+        child = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        if name == chosen:
+            add_arguments, run = loader()
+            add_arguments(child)
+            child.set_defaults(handler=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    chosen = next((a for a in args if not a.startswith("-")), None)
+    parser = build_parser(chosen)
     try:
         ns = parser.parse_args(args)
         handler: Callable[[argparse.Namespace, list[str]], int] | None = getattr(ns, "handler", None)

@@ -19,7 +19,6 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.launch")
@@ -167,7 +166,9 @@ class Supervisor:
 
     def _pump(self, child: Child, stream: BinaryIO, sink: Any, out_file: BinaryIO,
               file_lock: threading.Lock) -> None:
-        """Copies one pipe line by line, continuously, so a chatty rank never blocks on a full pipe."""
+        """Copies one pipe line by line, continuously, so a chatty rank never blocks on a full
+        pipe, even when the launcher's own stdout or the output file stops accepting data."""
+        sink_ok = file_ok = True
         try:
             for line in iter(stream.readline, b""):
                 if line.startswith(NODE_RESULT_MARKER):
@@ -176,18 +177,27 @@ class Supervisor:
                     except ValueError:
                         pass
                     continue
-                with file_lock:
-                    out_file.write(line)
-                    out_file.flush()
-                data = child.prefix + line if child.prefix else line
-                with self._out_lock:
+                if file_ok:
                     try:
-                        sink.buffer.write(data)
-                        sink.flush()
-                    except (AttributeError, ValueError, OSError):
-                        sink.write(data.decode("utf-8", "replace"))
+                        with file_lock:
+                            out_file.write(line)
+                            out_file.flush()
+                    except (OSError, ValueError):
+                        file_ok = False  # disk full or closed: keep draining the pipe
+                if sink_ok:
+                    data = child.prefix + line if child.prefix else line
+                    try:
+                        with self._out_lock:
+                            buffer = getattr(sink, "buffer", None)
+                            if buffer is not None:
+                                buffer.write(data)
+                            else:
+                                sink.write(data.decode("utf-8", "replace"))
+                            sink.flush()
+                    except (OSError, ValueError):
+                        sink_ok = False  # e.g. `flowtrain launch ... | head`: keep draining
         except (OSError, ValueError):
-            pass  # the file was closed under a stray grandchild's output: nothing left to copy
+            pass
         finally:
             stream.close()
 
