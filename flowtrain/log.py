@@ -99,10 +99,10 @@ def configure_logging(
 
 
 def get_logger(name: str | None = None, **fields: Any) -> Any:
-    """A structlog logger; unconfigured processes log plain lines to stderr at INFO."""
+    """A structlog logger. It is a lazy proxy: a module may create it at import time and it
+    still follows a later ``configure_logging`` (file, console, level)."""
     if not _configured:
         configure_logging(console="plain")
-    log = structlog.get_logger()
     if name is not None:
-        fields["logger"] = name
-    return log.bind(**fields) if fields else log
+        fields["component"] = name
+    return structlog.get_logger(**fields)
