@@ -1,0 +1,412 @@
+"""The training engine with DeepSpeed's surface: ``engine(batch)``, ``backward(loss)``,
+``step()``, checkpoints. Data parallel runs as actors: gradients land in flat buckets and the
+BucketReducer reduces each bucket while backward goes on."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowtrain import comm
+from flowtrain.engine import checkpoint as ckpt
+from flowtrain.engine.buckets import GradBuckets
+from flowtrain.engine.dataloader import DistributedLoader, rng_state, set_rng_state
+from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
+from flowtrain.engine.reducer import BucketReady, BucketReducer, Flush
+from flowtrain.engine.stages import MicroBatchEnd, MicroBatchStart, Stages, StepDone
+from flowtrain.engine.timing import StepTimer
+from flowtrain.log import get_logger
+from flowtrain.plan import StepPlan, build_step_plan
+from flowtrain.precision import build_loss_scaler, has_inf_or_nan
+
+log = get_logger("flowtrain.engine")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FlowtrainEngine(torch.nn.Module):
+    """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any, *,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+                 bucket_numel: int = 25 * 2**20 // 4, rank: Any = None) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self._rank = rank
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.precision = config.precision
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._global_grad_norm: float | None = None
+        self._losses: list[torch.Tensor] = []
+        self._no_sync = False
+        self.stages = Stages()
+        self.timer = StepTimer()
+
+        model_dtype = _DTYPES[self.precision]
+        if model_dtype != torch.float32:
+            model.to(model_dtype)
+        self._broadcast_model()
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
+        self._names = _param_names(model, self.trainable)
+
+        self.master = MasterWeights(self.trainable) if model_dtype != torch.float32 else None
+        if self.master is not None:
+            self.master.replace_in_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        fp16 = config.fp16
+        self.loss_scaler = build_loss_scaler(
+            enabled=self.precision == "fp16", loss_scale=fp16.loss_scale,
+            initial_scale_power=fp16.initial_scale_power, loss_scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_loss_scale=fp16.min_loss_scale)
+
+        self.comm_dtype = config.communication_dtype
+        self.bucket_numel = int(bucket_numel)
+        self.plan = self._make_plan(order=None)
+        self.buckets = self._make_buckets(self.plan)
+        self._order_settled = self.world_size == 1
+        self.reducer = None
+        if self.world_size > 1:
+            reducer = BucketReducer(self.buckets, world_size=self.world_size,
+                                    comm_dtype=self.comm_dtype,
+                                    predivide=config.gradient_predivide_factor,
+                                    prescale=config.prescale_gradients, stages=self.stages)
+            self.reducer = self._runtime.spawn(reducer, "bucket-reducer")
+            self._reducer_actor = reducer
+
+        self.training_dataloader = None
+        if training_data is not None:
+            self.training_dataloader = DistributedLoader(
+                training_data, batch_size=config.train_micro_batch_size_per_gpu,
+                rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
+                seed=getattr(config, "seed", 0) or 0)
+
+    # -- setup helpers --------------------------------------------------------------------------
+
+    @property
+    def _runtime(self) -> Any:
+        if self._rank is None:
+            from flowtrain.runtime.rank import current_rank
+
+            self._rank = current_rank()
+        return self._rank.runtime
+
+    def _broadcast_model(self) -> None:
+        """Every rank starts from rank 0's weights and buffers, as DDP does."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
+        return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.element_size())
+                for name, p in zip(self._names, self.trainable)]
+
+    def _make_plan(self, order: list[int] | None) -> StepPlan:
+        return build_step_plan(
+            self._param_specs(), world_size=self.world_size,
+            gradient_accumulation_steps=self.config.gradient_accumulation_steps,
+            micro_batch_size=self.config.train_micro_batch_size_per_gpu,
+            bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
+            comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order)
+
+    def _make_buckets(self, plan: StepPlan) -> GradBuckets:
+        buckets = GradBuckets(self.trainable, plan.buckets)
+        buckets.install_hooks()
+        if self.master is not None:
+            self.master.layout_grads(buckets)
+        return buckets
+
+    def _settle_bucket_order(self) -> None:
+        """After the first step: rebuild the buckets in the order gradients actually arrived
+        (rank 0's observation, broadcast so every rank uses the same plan)."""
+        self._order_settled = True
+        seen: list[int] = []
+        marks = set()
+        for i in self.buckets.observed_order:
+            if i not in marks:
+                marks.add(i)
+                seen.append(i)
+        seen += [i for i in range(len(self.trainable)) if i not in marks]
+        order = torch.tensor(seen, dtype=torch.int64)
+        dist.broadcast(order, src=0)
+        order_list = order.tolist()
+        if order_list == [s.index for b in self.plan.buckets for s in b.slots]:
+            return
+        self.buckets.remove_hooks()
+        self.plan = self._make_plan(order=order_list)
+        self.buckets = self._make_buckets(self.plan)
+        self._reducer_actor.use_buckets(self.buckets)
+        log.debug("buckets rebuilt in observed gradient order", buckets=len(self.plan.buckets))
+
+    # -- the DeepSpeed surface ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
+        with self.timer.span("forward"):
+            if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
+                args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
+            return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block do not reduce gradients (DDP's no_sync)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Scales the loss (loss scale, 1/gradient_accumulation_steps) and runs backward; on the
+        accumulation boundary each full gradient bucket starts its all-reduce at once."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"backward needs a scalar loss tensor, got {type(loss).__name__}"
+                             f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
+        self._losses.append(loss.detach())
+        if not self.buckets.views_intact():
+            self.buckets.attach_views()  # the user cleared .grad (e.g. zero_grad(set_to_none))
+        boundary = self.is_gradient_accumulation_boundary()
+        reduce_now = boundary and self.reducer is not None and not self._no_sync
+        self.buckets.reset_arrivals()
+        self.buckets.on_bucket_ready = self._bucket_ready if reduce_now else None
+        self.buckets.record_order = reduce_now and not self._order_settled
+        scale = self.loss_scaler.loss_scale
+        if scale_wrt_gas:
+            scale = scale / self.config.gradient_accumulation_steps
+        with self.timer.span("backward"):
+            (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self.buckets.on_bucket_ready = None
+        self.buckets.record_order = False
+        self._send_stage("micro_batch", MicroBatchEnd(self.global_steps, self.micro_steps))
+        return loss
+
+    def _bucket_ready(self, index: int) -> None:
+        self.reducer.send_from_thread(BucketReady(index, self.global_steps))
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Acts only at the accumulation boundary: waits for the gradient reduces, unscales,
+        checks for overflow, clips, steps the optimizer and the LR scheduler."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        if self.reducer is not None and not self._no_sync:
+            with self.timer.span("comm"):
+                report = self.reducer.ask_from_thread(Flush(self.global_steps))
+            self.timer.record_spans(report.spans)
+        with self.timer.span("optimizer"):
+            skipped = self._optimizer_step()
+        if not self._order_settled and self.reducer is not None and not self._no_sync:
+            self._settle_bucket_order()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        loss = torch.stack(self._losses).float().mean().item() if self._losses else None
+        self._losses.clear()
+        lr = self.get_lr()[0] if self.get_lr() else 0.0
+        self.timer.end_step()
+        self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
+                                                self._global_grad_norm, self.loss_scaler.loss_scale))
+        if self.global_rank == 0 and self.config.steps_per_print and \
+                self.global_steps % self.config.steps_per_print == 0:
+            self._log_step(loss, lr)
+
+    def _optimizer_step(self) -> bool:
+        if self.master is not None:
+            self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
+            grads = self.master.flat
+        else:
+            grads = self.buckets.flat
+        overflow = self.precision == "fp16" and has_inf_or_nan(self.buckets.flat)
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self._global_grad_norm = None
+            self._zero_grads()
+            return True
+        norm = total_grad_norm(grads)
+        self._global_grad_norm = float(norm)
+        clip = self.config.gradient_clipping
+        if clip and clip > 0:
+            clip_(grads, norm, clip)
+        self.optimizer.step()
+        if self.master is not None:
+            self.master.copy_to_model()
+        self._zero_grads()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return False
+
+    def _zero_grads(self) -> None:
+        self.buckets.zero_()
+        if self.master is not None:
+            for flat in self.master.flat:
+                flat.zero_()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zeroes gradients in place (the buckets stay the gradients' memory)."""
+        self._zero_grads()
+
+    def _send_stage(self, point: str, message: Any) -> None:
+        for ref in self.stages[point]:
+            ref.send_from_thread(message)
+
+    def add_stage(self, actor: Any, at: str, name: str | None = None) -> Any:
+        """Wires a user actor into the step at ``at`` (see flowtrain.engine.stages); it is
+        spawned on this rank's runtime and supervised like the built-in actors."""
+        ref = self._runtime.spawn(actor, name)
+        self.stages.add(ref, at)
+        return ref
+
+    def _log_step(self, loss: float | None, lr: float) -> None:
+        breakdown = self.timer.breakdown(self.config.steps_per_print)
+        samples_per_s = (self.config.train_batch_size / breakdown["step_s"]
+                         if breakdown.get("step_s") else None)
+        log.info("step", step=self.global_steps, loss=loss, lr=lr,
+                 loss_scale=self.loss_scaler.loss_scale, skipped=self.skipped_steps,
+                 grad_norm=self._global_grad_norm, samples_per_s=samples_per_s,
+                 **({k: v for k, v in breakdown.items()} if self.config.wall_clock_breakdown
+                    else {"step_s": breakdown.get("step_s")}))
+
+    # -- accessors DeepSpeed scripts use ---------------------------------------------------------
+
+    def train(self, mode: bool = True) -> FlowtrainEngine:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> FlowtrainEngine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
+        and random generators; every rank must call it."""
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        shared = None
+        if self.global_rank == 0:
+            module_state = self.module.state_dict()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                module_state = {k: v for k, v in module_state.items() if k not in frozen}
+            shared = {
+                "module": module_state,
+                "optimizer": self.optimizer.state_dict(),
+                "master_weights": self.master.state_dict() if self.master is not None else None,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None
+                else None,
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
+                "dataloader": self.training_dataloader.state_dict()
+                if self.training_dataloader is not None else None,
+                "world_size": self.world_size,
+                "config": self.config.to_dict(),
+                "client_state": client_state or {},
+            }
+        per_rank = {"rng": rng_state(), "rank": self.global_rank}
+        path = ckpt.save(save_dir, tag, rank=self.global_rank, shared=shared, per_rank=per_rank,
+                         barrier=self._barrier, save_latest=save_latest)
+        return str(path)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+        """Loads a checkpoint saved by ``save_checkpoint``; returns (path, client_state), or
+        (None, None) when ``load_dir`` holds none, as DeepSpeed does."""
+        path = ckpt.resolve(load_dir, tag)
+        if path is None:
+            log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))
+            return None, None
+        shared, per_rank = ckpt.load(path, self.global_rank)
+        if custom_load_fn is not None:
+            custom_load_fn(src=shared["module"], dst=self.module)
+        else:
+            self.module.load_state_dict(shared["module"], strict=load_module_strict)
+        if not load_module_only:
+            if load_optimizer_states:
+                self.optimizer.load_state_dict(shared["optimizer"])
+                if self.master is not None and shared.get("master_weights") is not None:
+                    self.master.load_state_dict(shared["master_weights"])
+                self.loss_scaler.load_state_dict(shared["loss_scaler"])
+            if load_lr_scheduler_states and self.lr_scheduler is not None and \
+                    shared.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+            self.global_steps = shared["global_steps"]
+            self.global_samples = shared["global_samples"]
+            self.skipped_steps = shared["skipped_steps"]
+            self.micro_steps = shared["micro_steps"]
+            if self.training_dataloader is not None and shared.get("dataloader") is not None:
+                self.training_dataloader.load_state_dict(shared["dataloader"])
+            if per_rank is not None:
+                set_rng_state(per_rank["rng"])
+        elif self.master is not None:
+            self.master.load_state_dict([p.detach().float() for p in self.trainable])
+        self._zero_grads()
+        return str(path), shared.get("client_state", {})
+
+    def _barrier(self, name: str) -> None:
+        if self.world_size > 1:
+            from flowtrain.runtime.rank import current_rank
+
+            current_rank().barrier(name)
+
+    def destroy(self) -> None:
+        """Stops the engine's actors and removes its hooks."""
+        self.buckets.remove_hooks()
+
+
+def _param_names(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

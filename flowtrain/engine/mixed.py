@@ -1,0 +1,92 @@
+"""fp32 master weights for fp16/bf16 training: the optimizer steps fp32 copies whose gradients
+are the reduced half-precision buckets, unscaled in one pass per bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flowtrain.engine.buckets import GradBuckets
+
+
+class MasterWeights:
+    """fp32 copies of the model's half-precision parameters.
+
+    The master gradients mirror the bucket layout (one fp32 flat buffer per bucket, each master
+    parameter's ``.grad`` a view into it), so moving reduced gradients over is one cast-and-copy
+    per bucket and the loss-scale division rides along.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.model_params = list(params)
+        self.master = [torch.nn.Parameter(p.detach().clone().float()) for p in self.model_params]
+        self.flat: list[torch.Tensor] = []
+
+    def layout_grads(self, buckets: GradBuckets) -> None:
+        """(Re)creates the fp32 gradient buffers in the buckets' layout."""
+        self.flat = []
+        for bucket in buckets.plan:
+            flat = torch.zeros(bucket.numel, dtype=torch.float32, device=buckets.flat[bucket.index].device)
+            self.flat.append(flat)
+            for slot in bucket.slots:
+                self.master[slot.index].grad = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def load_grads(self, buckets: GradBuckets, loss_scale: float) -> None:
+        """master grad = reduced half grad / loss_scale, bucket by bucket."""
+        for master, half in zip(self.flat, buckets.flat):
+            master.copy_(half)
+            if loss_scale != 1.0:
+                master.mul_(1.0 / loss_scale)
+
+    def copy_to_model(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.model_params], self.master)
+
+    def replace_in_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Points the optimizer's parameter groups at the master copies instead of the model's
+        half-precision parameters (as DeepSpeed's fp16 optimizer wrapper does)."""
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        for group in optimizer.param_groups:
+            replaced = []
+            for p in group["params"]:
+                i = index.get(id(p))
+                if i is None:
+                    raise ValueError("the optimizer holds a parameter that is not a trainable "
+                                     "parameter of the model")
+                replaced.append(self.master[i])
+            group["params"] = replaced
+        if optimizer.state:
+            moved = {}
+            for p, state in optimizer.state.items():
+                i = index.get(id(p))
+                moved[self.master[i] if i is not None else p] = state
+            optimizer.state.clear()
+            optimizer.state.update(moved)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [m.detach().clone() for m in self.master]
+
+    def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != len(self.master):
+            raise ValueError(f"checkpoint has {len(tensors)} master weights, the model has "
+                             f"{len(self.master)} trainable parameters")
+        with torch.no_grad():
+            for m, t in zip(self.master, tensors):
+                m.copy_(t)
+        self.copy_to_model()
+
+
+def total_grad_norm(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all gradients together, computed per flat buffer then combined (the
+    same reduction order torch.nn.utils.clip_grad_norm_ uses: per-tensor norms, then their norm)."""
+    if not flats:
+        return torch.zeros(())
+    norms = torch._foreach_norm([f.float() if f.dtype != torch.float32 else f for f in flats], 2.0)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_(flats: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scales gradients by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_ does."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(list(flats), coef)

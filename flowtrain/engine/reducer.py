@@ -1,0 +1,125 @@
+"""The BucketReducer actor: launches each full gradient bucket's all-reduce the moment it is
+ready, in bucket order, while backward goes on; ``Flush`` waits for all of them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowtrain import comm
+from flowtrain.engine.buckets import GradBuckets
+from flowtrain.engine.stages import BucketFull, BucketReduced, Stages
+from flowtrain.runtime.actor import Actor, handler
+
+
+@dataclass(frozen=True)
+class BucketReady:
+    index: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Flush:
+    step: int
+
+
+@dataclass(frozen=True)
+class ReduceReport:
+    """What the reduces of one step did, for the throughput log and the span recorder."""
+
+    spans: tuple[tuple[str, float, float], ...]  # (task name, launch time, done time)
+
+
+class BucketReducer(Actor):
+    """Reduces gradient buckets across the data-parallel group.
+
+    Buckets launch strictly in index order, so every rank issues the same collectives in the same
+    order even if a bucket completes early on one rank. Scaling follows DeepSpeed's rule: with
+    ``prescale_gradients`` the bucket is divided by the world size before the sum; otherwise it
+    is multiplied by 1/gradient_predivide_factor before and by predivide/world_size after.
+    """
+
+    mailbox_size = 4096
+
+    def __init__(self, buckets: GradBuckets, *, world_size: int, comm_dtype: torch.dtype,
+                 predivide: float = 1.0, prescale: bool = False, group: Any = None,
+                 stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT) -> None:
+        self.buckets = buckets
+        self.world_size = world_size
+        self.comm_dtype = comm_dtype
+        self.predivide = predivide
+        self.prescale = prescale
+        self.group = group
+        self.stages = stages or Stages()
+        self.timeout = timeout
+        self._next = 0
+        self._ready: set[int] = set()
+        self._inflight: list[tuple[int, Any, torch.Tensor, float]] = []
+        self._spans: list[tuple[str, float, float]] = []
+        self._comm_buffers: dict[int, torch.Tensor] = {}
+        self._step = 0
+
+    def use_buckets(self, buckets: GradBuckets) -> None:
+        """Switches to a new bucket layout (after the gradient order was observed)."""
+        self.buckets = buckets
+        self._comm_buffers.clear()
+
+    @handler
+    async def ready(self, msg: BucketReady) -> None:
+        self._step = msg.step
+        self._ready.add(msg.index)
+        while self._next in self._ready:
+            await self._launch(self._next)
+            self._next += 1
+
+    @handler
+    async def flush(self, msg: Flush) -> ReduceReport:
+        self._step = msg.step
+        # Buckets with a parameter that got no gradient this step never filled: reduce them now
+        # (their missing gradients are zero), still in bucket order.
+        while self._next < len(self.buckets.flat):
+            await self._launch(self._next)
+            self._next += 1
+        for index, work, buffer, launched in self._inflight:
+            await comm.wait(work, f"all_reduce of gradient bucket {index} "
+                                  f"({buffer.numel()} x {buffer.dtype})", self.timeout)
+            self._finish(index, buffer)
+            self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
+            for ref in self.stages["after_reduce"]:
+                await ref.ask(BucketReduced(index, self.buckets.flat[index], self._step))
+        report = ReduceReport(tuple(self._spans))
+        self._inflight.clear()
+        self._spans.clear()
+        self._ready.clear()
+        self._next = 0
+        return report
+
+    async def _launch(self, index: int) -> None:
+        grad = self.buckets.flat[index]
+        for ref in self.stages["bucket_full"]:
+            await ref.ask(BucketFull(index, grad, self._step))
+        if self.comm_dtype == grad.dtype:
+            buffer = grad
+        else:
+            buffer = self._comm_buffers.get(index)
+            if buffer is None:
+                buffer = self._comm_buffers[index] = torch.empty_like(grad, dtype=self.comm_dtype)
+            buffer.copy_(grad)
+        pre = 1.0 / self.world_size if self.prescale else 1.0 / self.predivide
+        if pre != 1.0:
+            buffer.mul_(pre)
+        launched = time.perf_counter()
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self._inflight.append((index, work, buffer, launched))
+
+    def _finish(self, index: int, buffer: torch.Tensor) -> None:
+        grad = self.buckets.flat[index]
+        post = 1.0 if self.prescale else self.predivide / self.world_size
+        if buffer is not grad:
+            grad.copy_(buffer)
+        if post != 1.0:
+            grad.mul_(post)

@@ -1,0 +1,55 @@
+"""Wall-clock spans of each step (forward, backward, exposed communication, optimizer), for the
+throughput log and, with the same task names as the StepPlan, for comparison with the simulator."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+PHASES = ("forward", "backward", "comm", "optimizer")
+
+
+class StepTimer:
+    """Sums each phase's time per step and keeps the last steps for averages."""
+
+    def __init__(self, history: int = 1000, synchronize: bool = False) -> None:
+        self._current = dict.fromkeys(PHASES, 0.0)
+        self._steps: deque[dict[str, float]] = deque(maxlen=history)
+        self._step_start = time.perf_counter()
+        self._synchronize = synchronize and torch.cuda.is_available()
+        self.spans: deque[tuple[str, float, float]] = deque(maxlen=10_000)
+
+    @contextlib.contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._synchronize:
+                torch.cuda.synchronize()
+            end = time.perf_counter()
+            self._current[phase] += end - start
+            self.spans.append((phase, start, end))
+
+    def record_spans(self, spans: tuple[tuple[str, float, float], ...]) -> None:
+        self.spans.extend(spans)
+
+    def end_step(self) -> None:
+        now = time.perf_counter()
+        self._current["step_s"] = now - self._step_start
+        self._steps.append(self._current)
+        self._current = dict.fromkeys(PHASES, 0.0)
+        self._step_start = now
+
+    def breakdown(self, last: int) -> dict[str, float]:
+        """Mean seconds per step of each phase over the last ``last`` steps."""
+        steps = list(self._steps)[-max(1, last):]
+        if not steps:
+            return {}
+        keys = PHASES + ("step_s",)
+        return {(k if k == "step_s" else f"{k}_s"): sum(s.get(k, 0.0) for s in steps) / len(steps)
+                for k in keys}

@@ -1,0 +1,118 @@
+"""``flowtrain.initialize``: DeepSpeed's entry point with the same arguments and return value,
+plus ``add_config_arguments`` and ``init_distributed`` for scripts written for DeepSpeed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowtrain import comm
+
+# Used when the config leaves zero_optimization.reduce_bucket_size unset: DeepSpeed's default
+# (5e8 elements) puts a whole model in one bucket, which leaves nothing to overlap.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int | None = None, verbose: bool = True,
+                     timeout: Any = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialises torch.distributed (and this rank's runtime) like ``deepspeed.init_distributed``."""
+    if distributed_port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    if rank >= 0:
+        os.environ.setdefault("RANK", str(rank))
+    if world_size > 0:
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else comm.DEFAULT_TIMEOUT
+    comm.init_distributed(dist_backend, timeout=seconds, init_method=init_method or "env://")
+    from flowtrain.runtime.rank import current_rank
+
+    current_rank()
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's command-line arguments (``--deepspeed``, ``--deepspeed_config``) and a
+    ``--local_rank`` that defaults to the LOCAL_RANK the launcher set."""
+    group = parser.add_argument_group("flowtrain", "flowtrain/DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (accepted for DeepSpeed scripts)")
+    group.add_argument("--deepspeed_config", "--flowtrain_config", default=None, type=str,
+                       help="path to a DeepSpeed JSON config")
+    existing = {a for action in parser._actions for a in action.option_strings}
+    if "--local_rank" not in existing and "--local-rank" not in existing:
+        group.add_argument("--local_rank", "--local-rank", type=int,
+                           default=int(os.environ.get("LOCAL_RANK", 0)),
+                           help="this process's rank on its node (set by the launcher)")
+    return parser
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None,
+               ) -> tuple[Any, Any, Any, Any]:
+    """Builds the training engine; returns ``(engine, optimizer, training_dataloader,
+    lr_scheduler)`` as ``deepspeed.initialize`` does."""
+    from flowtrain.config import load_config
+    from flowtrain.engine.engine import FlowtrainEngine
+    from flowtrain.optimizers import build_optimizer
+    from flowtrain.schedulers import build_scheduler
+
+    if model is None:
+        raise ValueError("initialize needs model=, the torch.nn.Module to train")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("mpu= and mesh_param= (model parallelism) are not supported yet")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "flowtrain_config", None)
+    if config is None:
+        raise ValueError("initialize needs a config: config='ds_config.json' (or a dict), "
+                         "config_params=, or args.deepspeed_config")
+
+    init_distributed(distributed_port=distributed_port)
+    world_size = dist.get_world_size()
+    micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
+    cfg = load_config(config, world_size=world_size, model=model,
+                      optimizer_given=optimizer is not None,
+                      scheduler_given=lr_scheduler is not None,
+                      micro_batch_size=micro_batch)
+
+    params = list(model_parameters) if model_parameters is not None else \
+        [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ValueError("no optimizer: pass optimizer= or give the config an "
+                             "'optimizer' section")
+        optimizer = build_optimizer(cfg.optimizer.type, params, dict(cfg.optimizer.params))
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+
+    bucket_numel = _bucket_numel(cfg, model)
+    engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
+                             collate_fn=collate_fn, bucket_numel=bucket_numel)
+    # The scheduler is built on the optimizer as the engine left it (master weights in place).
+    if lr_scheduler is None and cfg.scheduler is not None:
+        lr_scheduler = build_scheduler(cfg.scheduler.type, engine.optimizer,
+                                       dict(cfg.scheduler.params))
+    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(engine.optimizer)
+    engine.lr_scheduler = lr_scheduler
+    return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+
+
+def _bucket_numel(cfg: Any, model: torch.nn.Module) -> int:
+    zero = cfg.zero_optimization
+    if "reduce_bucket_size" in zero.model_fields_set:
+        return int(zero.reduce_bucket_size)
+    elem = next((p.element_size() for p in model.parameters()), 4)
+    return DEFAULT_BUCKET_BYTES // elem

@@ -1,0 +1,166 @@
+"""Gradient buckets and the task graph of a data-parallel step.
+
+Bucket membership and order are decided here, once, from the parameters' sizes and the order in
+which their gradients become ready; the engine's BucketReducer and the simulator both read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# The first bucket is kept small so that the first all-reduce starts early in backward (the
+# same reasoning as DDP's 1 MiB first bucket).
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in its bucket."""
+
+    index: int  # position in model.parameters()
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # element offset inside the bucket's flat buffer
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """A flat buffer of gradients reduced by one collective."""
+
+    index: int
+    dtype: str  # the gradients' dtype, e.g. "float32"
+    slots: tuple[ParamSlot, ...]
+    numel: int
+
+    @property
+    def task_name(self) -> str:
+        return f"reduce/bucket{self.index}"
+
+    @property
+    def param_indices(self) -> tuple[int, ...]:
+        return tuple(s.index for s in self.slots)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A unit of work of the step, as both executors name it."""
+
+    name: str
+    kind: str  # "forward" | "backward" | "reduce" | "optimizer"
+    resource: str  # "compute" | "comm:dp" | "host"
+    deps: tuple[str, ...] = ()
+    flops: float = 0.0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one optimizer step does, in order, with its dependencies."""
+
+    world_size: int
+    gradient_accumulation_steps: int
+    micro_batch_size: int
+    comm_dtype: str
+    buckets: tuple[BucketPlan, ...]
+    tasks: tuple[Task, ...] = field(default=())
+
+    def bucket_of(self) -> dict[int, int]:
+        """Parameter index -> bucket index."""
+        return {s.index: b.index for b in self.buckets for s in b.slots}
+
+    def task(self, name: str) -> Task:
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise KeyError(f"no task named {name!r} in the step plan")
+
+
+def plan_buckets(
+    params: Sequence[tuple[str, tuple[int, ...], str, int]],
+    bucket_numel: int,
+    order: Sequence[int] | None = None,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+) -> tuple[BucketPlan, ...]:
+    """Groups parameters into buckets.
+
+    Args:
+        params: (name, shape, dtype name, element size in bytes) of each trainable parameter,
+            in ``model.parameters()`` order.
+        bucket_numel: the most elements a bucket holds (``reduce_bucket_size``); a parameter
+            larger than that gets a bucket of its own.
+        order: parameter indices in gradient-ready order (observed on a first step); by default
+            the reverse of ``model.parameters()``, which is roughly when backward produces them.
+        first_bucket_bytes: the first bucket's cap in bytes, so communication starts early.
+    """
+    if bucket_numel < 1:
+        raise ValueError(f"reduce_bucket_size must be at least 1 element, got {bucket_numel}")
+    n = len(params)
+    order = list(range(n - 1, -1, -1)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise ValueError(f"gradient order must be a permutation of 0..{n - 1}, got {order}")
+    buckets: list[BucketPlan] = []
+    slots: list[ParamSlot] = []
+    filled = 0
+    dtype = None
+
+    def close() -> None:
+        nonlocal slots, filled
+        if slots:
+            buckets.append(BucketPlan(len(buckets), str(dtype), tuple(slots), filled))
+        slots, filled = [], 0
+
+    for index in order:
+        name, shape, param_dtype, elem_size = params[index]
+        numel = 1
+        for d in shape:
+            numel *= d
+        cap = bucket_numel if buckets else min(bucket_numel, max(1, first_bucket_bytes // elem_size))
+        # Buckets hold one dtype: a single flat buffer and one collective per bucket.
+        if slots and (param_dtype != dtype or filled + numel > cap):
+            close()
+        dtype = param_dtype
+        slots.append(ParamSlot(index, name, tuple(shape), numel, filled))
+        filled += numel
+    close()
+    return tuple(buckets)
+
+
+def build_step_plan(
+    params: Sequence[tuple[str, tuple[int, ...], str, int]],
+    *,
+    world_size: int,
+    gradient_accumulation_steps: int,
+    micro_batch_size: int,
+    bucket_numel: int,
+    comm_dtype: str,
+    comm_elem_size: int,
+    order: Sequence[int] | None = None,
+    forward_flops: float = 0.0,
+) -> StepPlan:
+    """The plan of one data-parallel step: forward/backward per micro-batch, the reduce of each
+    bucket after the last micro-batch's backward (none inside the accumulation window), then the
+    optimizer step once every bucket is reduced."""
+    buckets = plan_buckets(params, bucket_numel, order)
+    tasks: list[Task] = []
+    previous: tuple[str, ...] = ()
+    gas = gradient_accumulation_steps
+    for mb in range(gas):
+        fwd = Task(f"forward/mb{mb}", "forward", "compute", previous, forward_flops)
+        bwd = Task(f"backward/mb{mb}", "backward", "compute", (fwd.name,), 2 * forward_flops)
+        tasks += [fwd, bwd]
+        previous = (bwd.name,)
+    reduces: list[str] = []
+    if world_size > 1:
+        after = previous  # the last backward; buckets launch as it produces them
+        for bucket in buckets:
+            deps = after + ((reduces[-1],) if reduces else ())  # launched in bucket order
+            task = Task(bucket.task_name, "reduce", "comm:dp", deps,
+                        bytes=bucket.numel * comm_elem_size)
+            tasks.append(task)
+            reduces.append(task.name)
+    total = sum(b.numel for b in buckets)
+    tasks.append(Task("optimizer/step", "optimizer", "compute", previous + tuple(reduces),
+                      bytes=total * 16))
+    return StepPlan(world_size, gas, micro_batch_size, comm_dtype, buckets, tuple(tasks))
