@@ -27,6 +27,15 @@ def init_distributed(*args: Any, **kwargs: Any) -> None:
     _init(*args, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    # DeepSpeed scripts use deepspeed.checkpointing.checkpoint(...) and deepspeed.comm; load on use.
+    if name in ("checkpointing", "comm", "actors"):
+        import importlib
+
+        return importlib.import_module(f"flowtrain.{name}")
+    raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")
+
+
 def add_config_arguments(parser: Any) -> Any:
     """Adds ``--deepspeed``, ``--deepspeed_config`` and ``--local_rank`` to an argparse parser."""
     from flowtrain.initialize import add_config_arguments as _add

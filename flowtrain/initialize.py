@@ -97,6 +97,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
 
+    from flowtrain import checkpointing
+
+    checkpointing.configure(deepspeed_config=cfg)
     bucket_numel = _bucket_numel(cfg, model)
     engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
                              collate_fn=collate_fn, bucket_numel=bucket_numel)
