@@ -177,6 +177,11 @@ def run_launch(cfg: LaunchConfig) -> int:
                             build_children=build_children, endpoint_for=endpoint_for,
                             watch_stdin=cfg.from_parent)
     supervisor.run()
+    if supervisor.start_error:
+        record.update(end_time=time.time(), status="failed", exit_code=2, root_cause=None)
+        rd.write_job(record)
+        raise LaunchInputError(supervisor.start_error + "; is another job using that port? "
+                               "pick another --master-port")
     outcome = collect_outcome(supervisor, rd, started=started, join_timeout=cfg.join_timeout)
     record.update(end_time=time.time(), status=outcome.status, exit_code=outcome.exit_code,
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,

@@ -82,6 +82,7 @@ class Supervisor:
         self.teardown_time: float | None = None
         self.interrupted: int | None = None  # the signal that stopped the launcher itself
         self.parent_lost = False
+        self.start_error: str | None = None  # set when the job could not start at all
         self._out_lock = threading.Lock()
         self._send: Any = None
         self._token: Any = None
@@ -114,8 +115,14 @@ class Supervisor:
             tg.start_soon(self._watch_signals)
             if self.make_coordinator is not None:
                 self.coordinator = self.make_coordinator(self._on_coordinator_event)
-                with anyio.fail_after(30):
-                    await tg.start(self.coordinator.serve)
+                try:
+                    with anyio.fail_after(30):
+                        await tg.start(self.coordinator.serve)
+                except Exception as exc:  # a taken port, an unknown address: say so and stop
+                    self.start_error = (f"cannot start the coordinator on {self.coordinator.host}:"
+                                        f"{self.coordinator.port or 'any port'}: {exc}")
+                    tg.cancel_scope.cancel()
+                    return
             self.children = self.build_children(self.endpoint_for(self.coordinator))
             for child in self.children:
                 self._spawn(child)
