@@ -40,14 +40,25 @@ class _Tee:
         self._write_lock = threading.Lock()
 
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+        # The file gets everything; the console gets warnings and errors, plus the lines a
+        # caller marked console=True (the job's progress), so a run's terminal stays readable.
+        show = bool(event.pop("console", False))
         with self._write_lock:
             if self._json_file is not None:
                 self._json_file.write(self._json(logger, method, dict(event)) + "\n")
                 self._json_file.flush()
-            if self._console != "off" and _level_no(method) >= logging.INFO:
+            if self._console != "off" and _level_no(method) >= (logging.INFO if show else
+                                                                _console_level()):
                 line = self._human(logger, method, dict(event))
                 print(line, file=sys.stderr, flush=True)
         raise structlog.DropEvent
+
+
+def _console_level() -> int:
+    """FLOWTRAIN_CONSOLE_LEVEL (debug, info, warning, error) lowers or raises the bar."""
+    name = os.environ.get("FLOWTRAIN_CONSOLE_LEVEL", "warning").upper()
+    level = logging.getLevelName(name)
+    return level if isinstance(level, int) else logging.WARNING
 
 
 def _level_no(method: str) -> int:

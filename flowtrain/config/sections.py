@@ -155,6 +155,9 @@ class FlowtrainSection(Section):
     # Order in which gradient buckets are formed: as first seen in backward, or reverse
     # parameter order (DeepSpeed's choice, a good guess before the first backward).
     bucket_order: Choice("observed", "reverse") = "observed"
+    # What carries gradient reduces: "shm" (shared memory, every rank on one host, CPU tensors)
+    # or "torch" (gloo/NCCL); null picks shm when it can be used, torch otherwise.
+    data_channel: Choice("shm", "torch", optional=True) = None
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
     heartbeat_interval: Float(gt=0, optional=True) = None
     seed: Int(ge=0, optional=True) = None

@@ -77,13 +77,16 @@ class FlowtrainEngine(torch.nn.Module):
         self.bucket_numel = int(bucket_numel)
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
-        self._order_settled = self.world_size == 1
+        self._order_settled = self.world_size == 1 or config.flowtrain.bucket_order == "reverse"
         self.reducer = None
+        self.channel = None
         if self.world_size > 1:
+            self.channel = self._open_channel(config.flowtrain.data_channel)
             reducer = BucketReducer(self.buckets, world_size=self.world_size,
                                     comm_dtype=self.comm_dtype,
                                     predivide=config.gradient_predivide_factor,
-                                    prescale=config.prescale_gradients, stages=self.stages)
+                                    prescale=config.prescale_gradients, stages=self.stages,
+                                    channel=self.channel)
             self.reducer = self._runtime.spawn(reducer, "bucket-reducer")
             self._reducer_actor = reducer
 
@@ -92,7 +95,7 @@ class FlowtrainEngine(torch.nn.Module):
             self.training_dataloader = DistributedLoader(
                 training_data, batch_size=config.train_micro_batch_size_per_gpu,
                 rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
-                seed=getattr(config, "seed", 0) or 0)
+                seed=config.flowtrain.seed or 0)
 
     # -- setup helpers --------------------------------------------------------------------------
 
@@ -111,6 +114,32 @@ class FlowtrainEngine(torch.nn.Module):
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(tensor.data, src=0)
+
+    def _open_channel(self, choice: str | None) -> Any:
+        """The shared-memory channel when every rank is on this host and tensors are on the
+        CPU ("auto" or "shm"); None means torch.distributed (gloo/NCCL) carries the reduces."""
+        from flowtrain import shm
+
+        rank = self._rank if self._rank is not None else None
+        if rank is None:
+            from flowtrain.runtime.rank import current_rank
+
+            rank = self._rank = current_rank()
+        on_cpu = all(p.device.type == "cpu" for p in self.module.parameters())
+        single_host = rank.env.local_world_size == self.world_size
+        if choice is None:
+            choice = "shm" if on_cpu and single_host and shm.available() else "torch"
+        if choice != "shm":
+            return None
+        if not (on_cpu and single_host):
+            raise ValueError("flowtrain.data_channel 'shm' needs every rank on one host and the "
+                             f"model on the CPU; world size {self.world_size}, ranks on this "
+                             f"host {rank.env.local_world_size}, model on "
+                             f"{next(self.module.parameters()).device}")
+        slot = max(b.numel for b in self.plan.buckets) * \
+            torch.empty((), dtype=self.comm_dtype).element_size()
+        return shm.open_channel(rank, slot_bytes=min(slot, 64 * 2**20) + 64,
+                                timeout=comm.DEFAULT_TIMEOUT)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.element_size())
@@ -280,7 +309,7 @@ class FlowtrainEngine(torch.nn.Module):
         breakdown = self.timer.breakdown(self.config.steps_per_print)
         samples_per_s = (self.config.train_batch_size / breakdown["step_s"]
                          if breakdown.get("step_s") else None)
-        log.info("step", step=self.global_steps, loss=loss, lr=lr,
+        log.info("step", console=True, step=self.global_steps, loss=loss, lr=lr,
                  loss_scale=self.loss_scaler.loss_scale, skipped=self.skipped_steps,
                  grad_norm=self._global_grad_norm, samples_per_s=samples_per_s,
                  **({k: v for k, v in breakdown.items()} if self.config.wall_clock_breakdown
@@ -393,8 +422,10 @@ class FlowtrainEngine(torch.nn.Module):
             current_rank().barrier(name)
 
     def destroy(self) -> None:
-        """Stops the engine's actors and removes its hooks."""
+        """Removes the engine's hooks and closes its data channel."""
         self.buckets.remove_hooks()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def _param_names(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[str]:

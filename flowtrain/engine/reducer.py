@@ -3,6 +3,7 @@ ready, in bucket order, while backward goes on; ``Flush`` waits for all of them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,8 @@ class BucketReducer(Actor):
 
     def __init__(self, buckets: GradBuckets, *, world_size: int, comm_dtype: torch.dtype,
                  predivide: float = 1.0, prescale: bool = False, group: Any = None,
-                 stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT) -> None:
+                 stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT,
+                 channel: Any = None) -> None:
         self.buckets = buckets
         self.world_size = world_size
         self.comm_dtype = comm_dtype
@@ -56,6 +58,7 @@ class BucketReducer(Actor):
         self.group = group
         self.stages = stages or Stages()
         self.timeout = timeout
+        self.channel = channel  # a ShmChannel for ranks of one host, else torch.distributed
         self._next = 0
         self._ready: set[int] = set()
         self._inflight: list[tuple[int, Any, torch.Tensor, float]] = []
@@ -85,8 +88,15 @@ class BucketReducer(Actor):
             await self._launch(self._next)
             self._next += 1
         for index, work, buffer, launched in self._inflight:
-            await comm.wait(work, f"all_reduce of gradient bucket {index} "
-                                  f"({buffer.numel()} x {buffer.dtype})", self.timeout)
+            what = f"all_reduce of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
+            if self.channel is not None:
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
+                except TimeoutError:
+                    raise comm.CollectiveTimeout(f"{what} did not finish within "
+                                                 f"{self.timeout:g} s") from None
+            else:
+                await comm.wait(work, what, self.timeout)
             self._finish(index, buffer)
             self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
             for ref in self.stages["after_reduce"]:
@@ -113,7 +123,10 @@ class BucketReducer(Actor):
         if pre != 1.0:
             buffer.mul_(pre)
         launched = time.perf_counter()
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        if self.channel is not None:
+            work = self.channel.all_reduce_async(buffer)
+        else:
+            work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self._inflight.append((index, work, buffer, launched))
 
     def _finish(self, index: int, buffer: torch.Tensor) -> None:

@@ -102,7 +102,7 @@ def run_launch(cfg: LaunchConfig) -> int:
     if "OMP_NUM_THREADS" not in base_env and mode != "hostfile":
         threads = max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
         base_env["OMP_NUM_THREADS"] = str(threads)
-        log.warning("OMP_NUM_THREADS was not set; setting it for every rank to avoid "
+        log.info("OMP_NUM_THREADS was not set; setting it for every rank to avoid "
                     "oversubscribing the CPUs; set it yourself to tune", OMP_NUM_THREADS=threads)
     for local_rank in range(cfg.nproc_per_node):
         # A stale error file from an earlier run in the same directory would win as root cause.
@@ -170,7 +170,7 @@ def run_launch(cfg: LaunchConfig) -> int:
         "end_time": None, "status": "running", "exit_code": None, "root_cause": None, "ranks": [],
     }
     rd.write_job(record)
-    log.info("job starting", job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,
+    log.info("job starting", console=True, job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,
              nproc_per_node=cfg.nproc_per_node, run_dir=str(rd.path))
     supervisor = Supervisor(grace_period=cfg.grace_period,
                             make_coordinator=make_coordinator if hosting else None,
@@ -187,7 +187,7 @@ def run_launch(cfg: LaunchConfig) -> int:
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
                   ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records])
     rd.write_job(record)
-    log.info("job ended", status=outcome.status, exit_code=outcome.exit_code,
+    log.info("job ended", console=True, status=outcome.status, exit_code=outcome.exit_code,
              root_cause=record["root_cause"])
     if cfg.from_parent:
         _report_to_parent(outcome)

@@ -200,7 +200,9 @@ class Rank:
             return
         self.aborted = reason
         log.error("rank aborting", reason=reason)
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Aimed at the main thread: a process-wide signal may land on another thread, and then
+        # a main thread blocked in sleep() or a wait would not run the handler until it wakes.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
         threading.Thread(target=_hard_exit_after, args=(ABORT_GRACE,), daemon=True,
                          name="flowtrain-abort-watchdog").start()
 

@@ -1,0 +1,89 @@
+"""One rank of benchmarks/dp_vs_ddp.py: trains the benchmark GPT with flowtrain, torch DDP, or
+no communication at all, and writes samples/s and peak RSS as JSON lines to --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["flowtrain", "ddp", "nocomm", "plain"], required=True)
+    parser.add_argument("--comm-dtype", default="fp32", help="flowtrain's communication_data_type")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=256, help="model width")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--out", required=True, help="file to append the result line to")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, block_size=args.seq_len, n_layer=args.n_layer,
+                       n_head=8, n_embd=args.n_embd)
+    model = GPT(config)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    batch = torch.randint(0, 96, (args.micro_batch, args.seq_len + 1),
+                          generator=torch.Generator().manual_seed(rank))
+    x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    if args.mode == "flowtrain":
+        import flowtrain
+
+        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch,
+                     "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                     "steps_per_print": int(os.environ.get("BENCH_PRINT", 10**9)), "wall_clock_breakdown": True, "communication_data_type": args.comm_dtype,
+                     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}}
+        engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config)
+
+        def step() -> None:
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+    else:
+        if args.mode == "ddp":
+            dist.init_process_group("gloo")
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+
+        def step() -> None:
+            _, loss = model(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    elapsed = time.perf_counter() - start
+    result = {"mode": args.mode, "rank": rank, "world": world,
+              "samples_per_s": args.steps * args.micro_batch * world / elapsed,
+              "step_s": elapsed / args.steps,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "params": sum(p.numel() for p in model.parameters())}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The shared-memory channel: sums equal torch's, are bit-identical on every rank, large tensors
+go through in chunks, and a missing peer ends in a timeout that names it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowtrain.shm import ShmChannel, ShmTimeout, available
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not available(), reason="/dev/shm is not writable here")]
+
+SIZES = [1, 7, 1000, 40_003]  # 40_003 floats > the 64 KiB slot: several chunks
+SLOT = 64 * 1024
+
+
+def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(n, generator=g).to(dtype) for n in SIZES]
+
+
+def _peer(path: str, rank: int, world: int, dtype: torch.dtype, out: str) -> None:
+    channel = ShmChannel(path, rank=rank, world_size=world, slot_bytes=SLOT, create=False,
+                         timeout=20)
+    results = [channel.all_reduce(t) for t in _tensors(rank, dtype)]
+    torch.save(results, out)
+    channel.close()
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32),
+                                         (2, torch.bfloat16)])
+def test_all_reduce_matches_torch_sum_on_every_rank(tmp_path: Path, world: int,
+                                                    dtype: torch.dtype) -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-{world}"
+    channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_peer, args=(str(path), r, world, dtype, str(tmp_path / f"{r}.pt")))
+             for r in range(1, world)]
+    try:
+        for p in procs:
+            p.start()
+        mine = [channel.all_reduce(t) for t in _tensors(0, dtype)]
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+        for p in procs:
+            p.kill()
+    inputs = [_tensors(r, dtype) for r in range(world)]
+    for i in range(len(SIZES)):
+        expected = inputs[0][i] + inputs[1][i]
+        for r in range(2, world):
+            expected = expected + inputs[r][i]
+        assert torch.equal(mine[i], expected)
+        for r in range(1, world):
+            assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], mine[i])  # bit-identical
+
+
+def test_missing_peer_times_out_naming_it() -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-timeout"
+    channel = ShmChannel(path, rank=0, world_size=2, slot_bytes=SLOT, create=True, timeout=0.3)
+    try:
+        with pytest.raises(ShmTimeout, match=r"ranks \[1\] did not write its contribution"):
+            channel.all_reduce(torch.ones(4))
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+
+
+def test_bad_tensors_and_sizes_are_refused(tmp_path: Path) -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-bad"
+    channel = ShmChannel(path, rank=0, world_size=2, slot_bytes=SLOT, create=True)
+    try:
+        with pytest.raises(ValueError, match="contiguous CPU tensors"):
+            channel.all_reduce_async(torch.ones(4, 4).t())
+        with pytest.raises(ValueError, match="ranks disagree on the channel size"):
+            ShmChannel(path, rank=1, world_size=2, slot_bytes=2 * SLOT, create=False)
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
