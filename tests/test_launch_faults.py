@@ -142,6 +142,15 @@ def test_sigkill_is_the_root_cause(tmp_path: Path, outdir: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_sigkill_during_collectives_outranks_the_peers_connection_error(
+        tmp_path: Path, outdir: Path) -> None:
+    run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "sigkill-busy", str(outdir)])
+    assert run.returncode == 1, run.text
+    root = run.job["root_cause"]
+    assert root["rank"] == 1 and root["kind"] == "signal" and "SIGKILL" in root["message"], run.text
+
+
+@pytest.mark.timeout(60)
 def test_sigstopped_rank_is_declared_stuck(tmp_path: Path, outdir: Path) -> None:
     run = launch(tmp_path, ["--nproc-per-node", "2", "--heartbeat-interval", "0.2",
                             "--heartbeat-misses", "5", str(JOB), "sigstop", str(outdir)])

@@ -52,6 +52,29 @@ def _exit_record(child: Child) -> Record:
     return Record(failure, child.label, "exit", secondary=kind == "aborted")
 
 
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "CollectiveTimeout", "ShmTimeout", "lost the coordinator")
+
+
+def _is_peer_loss(failure: RankFailure) -> bool:
+    text = f"{failure.message}\n{failure.traceback[-2000:]}"
+    return any(marker in text for marker in _PEER_LOSS)
+
+
+def choose_root(records: list[Record]) -> Record | None:
+    """Sorts ``records`` by time and returns the root cause: the earliest primary failure.
+
+    A rank whose collective broke because a peer died can report before the launcher sees that
+    death; such consequences are marked secondary whenever a failure of another kind exists."""
+    records.sort(key=lambda r: r.failure.timestamp)
+    if any(not _is_peer_loss(r.failure) for r in records):
+        for r in records:
+            if _is_peer_loss(r.failure):
+                r.secondary = True
+    primary = [r for r in records if not r.secondary]
+    return (primary or records or [None])[0]
+
+
 def collect_outcome(sup: Supervisor, rd: RunDir, *, started: float, join_timeout: float) -> Outcome:
     from flowtrain.control.coordinator import JoinTimeout, RankFailed
 
@@ -95,9 +118,7 @@ def collect_outcome(sup: Supervisor, rd: RunDir, *, started: float, join_timeout
                                           message="lost the launcher that started this node"),
                               "launcher", "launcher"))
     ranks.sort(key=lambda r: int(r.get("rank", -1)))
-    records.sort(key=lambda r: r.failure.timestamp)
-    primary = [r for r in records if not r.secondary]
-    root = (primary or records or [None])[0]
+    root = choose_root(records)
     if sup.interrupted is not None:
         status, code = "interrupted", 128 + sup.interrupted
     elif records:

@@ -1,7 +1,7 @@
 """A tiny rank script for the launcher tests: ``rank_job.py ACTION OUTDIR``.
 
 Every rank joins a gloo group and all-reduces; then rank 1 does ACTION (ok, raise, sigkill,
-sigstop) while the other ranks wait to be torn down (or finish, for ok).
+sigstop, sigkill-busy) while the other ranks wait to be torn down (or finish, for ok).
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ if action == "ok":
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(0)
+
+if action == "sigkill-busy":
+    # Rank 0 sits in collectives when rank 1 dies, so its gloo error races the launcher's
+    # view of rank 1's death; the death must still be named the root cause.
+    deadline = time.time() + 0.5
+    while rank != 1 or time.time() < deadline:
+        dist.all_reduce(t)
+    action = "sigkill"
 
 if rank == 1:
     time.sleep(0.5)
