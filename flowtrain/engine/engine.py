@@ -271,11 +271,17 @@ class FlowtrainEngine(torch.nn.Module):
             self._global_grad_norm = None
             self._zero_grads()
             return True
-        norm = total_grad_norm(grads)
-        self._global_grad_norm = float(norm)
         clip = self.config.gradient_clipping
-        if clip and clip > 0:
-            clip_(grads, norm, clip)
+        printing = bool(self.config.steps_per_print) and \
+            (self.global_steps + 1) % self.config.steps_per_print == 0
+        if (clip and clip > 0) or printing:
+            # The norm costs a pass over every gradient: only when clipping or logging needs it.
+            norm = total_grad_norm(grads)
+            self._global_grad_norm = float(norm)
+            if clip and clip > 0:
+                clip_(grads, norm, clip)
+        else:
+            self._global_grad_norm = None
         self.optimizer.step()
         if self.master is not None:
             self.master.copy_to_model()
