@@ -3,7 +3,8 @@
 Modes (argv[1]):
   dp OUT NAMES                comma-separated SCENARIOS: the engine and torch DDP on the same
                               model and data; custom stages (bucket_full halving, after_step)
-  resume OUT CKPT PHASE       PHASE full (20 steps), first (10 steps, save), second (load, 11-20)
+  resume OUT CKPT PHASE [P]   PHASE full (20 steps), first (10 steps, save), second (load, 11-20);
+                              P: dropout probability (0.3)
   crash OUT CKPT PHASE        single process; PHASE crash (save at 5, die mid-save at 10) or load
 """
 
@@ -203,10 +204,10 @@ def mode_dp(out: str, names: str) -> None:
 # -- resume ---------------------------------------------------------------------------------------
 
 
-def mode_resume(out: str, ckpt_dir: str, phase: str) -> None:
+def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> None:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model(rank_seed(rank), dropout=0.3)
+    model = make_model(rank_seed(rank), dropout=float(dropout))
     cfg = config(world=world, clip=1.0, bucket=64,
                  scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
                                                            "warmup_max_lr": LR,
@@ -294,7 +295,7 @@ def main() -> None:
     if mode == "dp":
         mode_dp(sys.argv[2], sys.argv[3])
     elif mode == "resume":
-        mode_resume(*sys.argv[2:5])
+        mode_resume(*sys.argv[2:6])
     elif mode == "crash":
         mode_crash(*sys.argv[2:5])
     else:
