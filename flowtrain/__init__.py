@@ -14,15 +14,15 @@ __all__ = ["__version__", "add_config_arguments", "init_distributed", "initializ
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:
-    """Builds the training engine; see ``flowtrain.initialize.initialize``."""
-    from flowtrain.initialize import initialize as _initialize
+    """Builds the training engine; see ``flowtrain.api.initialize``."""
+    from flowtrain.api import initialize as _initialize
 
     return _initialize(*args, **kwargs)
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> None:
     """Initialises torch.distributed and this rank's runtime (``deepspeed.init_distributed``)."""
-    from flowtrain.initialize import init_distributed as _init
+    from flowtrain.api import init_distributed as _init
 
     _init(*args, **kwargs)
 
@@ -38,6 +38,6 @@ def __getattr__(name: str) -> Any:
 
 def add_config_arguments(parser: Any) -> Any:
     """Adds ``--deepspeed``, ``--deepspeed_config`` and ``--local_rank`` to an argparse parser."""
-    from flowtrain.initialize import add_config_arguments as _add
+    from flowtrain.api import add_config_arguments as _add
 
     return _add(parser)
