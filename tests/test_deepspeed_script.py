@@ -45,7 +45,7 @@ def _run(tmp_path: Path, *prefix: Path) -> tuple[dict[str, Any], Path]:
     script = prefix[0] if prefix else SCRIPT
     args = [str(SCRIPT)] if prefix else []
     ec.launch(2, script, *args, "--deepspeed", "--deepspeed_config", str(config),
-              "--save_dir", str(save_dir), "--result", str(result))
+              "--save_dir", str(save_dir), "--result", str(result), run_dir=tmp_path / "run")
     return json.loads(result.read_text()), save_dir
 
 

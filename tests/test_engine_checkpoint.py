@@ -36,7 +36,8 @@ def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             for phase, ckpt in (("full", root / "unused"), ("first", root / "ckpt"),
                                 ("second", root / "ckpt")):
                 out = root / phase
-                ec.launch(WORLD, WORKER, "resume", str(out), str(ckpt), phase, dropout)
+                ec.launch(WORLD, WORKER, "resume", str(out), str(ckpt), phase, dropout,
+                          run_dir=root / f"run-{phase}")
                 results[phase] = _read(out)
             cache[dropout] = (results["full"], results["first"], results["second"],
                               root / "ckpt")

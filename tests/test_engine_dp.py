@@ -32,7 +32,7 @@ def dp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def run(names: str) -> list[dict[str, Any]]:
         if names not in cache:
             out = tmp_path_factory.mktemp("dp") / "out"
-            ec.launch(WORLD, WORKER, "dp", str(out), names)
+            ec.launch(WORLD, WORKER, "dp", str(out), names, run_dir=out.parent / "run")
             cache[names] = [json.loads(Path(f"{out}.rank{r}.json").read_text())
                             for r in range(WORLD)]
         return cache[names]
@@ -141,7 +141,7 @@ def test_second_engine_on_the_same_ranks(dp_run: Any) -> None:
 
 
 def _initialize(**kwargs: Any) -> Any:
-    from flowtrain.initialize import initialize
+    from flowtrain.api import initialize
 
     return initialize(**kwargs)
 
