@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 import engine_common as ec  # noqa: E402
 
 SCRIPT = ec.DATA / "ds_style_train.py"
-WORKAROUND = ec.DATA / "ds_shadow_workaround.py"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,21 +29,11 @@ DS_CONFIG = {
     "fp16": {"enabled": False},
     "zero_optimization": {"stage": 0},
 }
-SHADOW_BUG = (
-    "flowtrain/__init__.py defines initialize() as a lazy wrapper around the submodule "
-    "flowtrain/initialize.py; the first `from flowtrain.initialize import ...` (inside "
-    "deepspeed.add_config_arguments / init_distributed / initialize) makes the import system set "
-    "the package attribute flowtrain.initialize to the submodule, so a later "
-    "deepspeed.initialize(...) raises TypeError: 'module' object is not callable")
-
-
-def _run(tmp_path: Path, *prefix: Path) -> tuple[dict[str, Any], Path]:
+def _run(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(DS_CONFIG))
     save_dir, result = tmp_path / "ckpt", tmp_path / "result.json"
-    script = prefix[0] if prefix else SCRIPT
-    args = [str(SCRIPT)] if prefix else []
-    ec.launch(2, script, *args, "--deepspeed", "--deepspeed_config", str(config),
+    ec.launch(2, SCRIPT, "--deepspeed", "--deepspeed_config", str(config),
               "--save_dir", str(save_dir), "--result", str(result), run_dir=tmp_path / "run")
     return json.loads(result.read_text()), save_dir
 
@@ -65,20 +54,16 @@ def _check(result: dict[str, Any], save_dir: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_ds_style_script_trains_and_checkpoints(tmp_path: Path) -> None:
-    """The script as written, with only the import-shadowing bug below worked around."""
-    _check(*_run(tmp_path, WORKAROUND))
-
-
-@pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason=SHADOW_BUG)
-def test_ds_style_script_runs_as_written(tmp_path: Path) -> None:
     _check(*_run(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason=SHADOW_BUG)
 def test_initialize_attribute_survives_add_config_arguments() -> None:
+    # Regression: flowtrain.initialize was once a submodule too, and importing it replaced the
+    # package's initialize function ('module' object is not callable in DeepSpeed scripts).
     code = ("import argparse, flowtrain as deepspeed\n"
             "deepspeed.add_config_arguments(argparse.ArgumentParser())\n"
+            "deepspeed.init_distributed\n"
+            "import flowtrain.engine.engine\n"
             "print(type(deepspeed.initialize).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ec.REPO, env=ec.child_env(),
                           capture_output=True, text=True, timeout=60)

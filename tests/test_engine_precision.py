@@ -28,7 +28,7 @@ def world1() -> Any:
 
 def _engine(precision: dict[str, Any], scheduler: dict[str, Any] | None = None,
             **extra: Any) -> tuple[Any, nn.Module]:
-    from flowtrain.initialize import initialize
+    from flowtrain import initialize
 
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO,
                            "optimizer": {"type": "Adam", "params": {"lr": LR}},

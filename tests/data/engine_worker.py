@@ -26,9 +26,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_common import dataset, flat_params, make_model, micro_batch  # noqa: E402
 
-# flowtrain.initialize (the package attribute) is shadowed by the flowtrain.initialize submodule
-# once anything imports it (see test_deepspeed_script.py), so the function is imported directly.
-from flowtrain.initialize import init_distributed, initialize  # noqa: E402
+import flowtrain  # noqa: E402
 from flowtrain.engine.stages import BucketFull, StepDone  # noqa: E402
 from flowtrain.runtime.actor import Actor, handler  # noqa: E402
 
@@ -71,7 +69,8 @@ def run_engine(gas: int, clip: float, channel: str | None = None,
     cfg = config(gas=gas, world=world, clip=clip, steps_per_print=steps_per_print)
     if channel is not None:
         cfg["flowtrain"] = {"data_channel": channel}
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
+                                           config=cfg)
     losses, norms = [], []
     for step in range(STEPS):
         local = []
@@ -156,7 +155,7 @@ def run_stage(halve: bool, gas: int = 2, steps: int = 3) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(rank_seed(rank))
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
-    engine, _, _, _ = initialize(model=model,
+    engine, _, _, _ = flowtrain.initialize(model=model,
                                            config=config(gas=gas, world=world, optimizer=sgd))
     before = flat_params(model)
     halver = engine.add_stage(Halve(), at="bucket_full") if halve else None
@@ -190,7 +189,7 @@ SCENARIOS = {
 
 
 def mode_dp(out: str, names: str) -> None:
-    init_distributed()
+    flowtrain.init_distributed()
     result: dict[str, Any] = {}
     for name in names.split(","):
         try:
@@ -205,7 +204,7 @@ def mode_dp(out: str, names: str) -> None:
 
 
 def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> None:
-    init_distributed()
+    flowtrain.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(rank_seed(rank), dropout=float(dropout))
     cfg = config(world=world, clip=1.0, bucket=64,
@@ -213,7 +212,7 @@ def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> No
                                                            "warmup_max_lr": LR,
                                                            "warmup_num_steps": 8,
                                                            "warmup_type": "linear"}})
-    engine, _, loader, _ = initialize(model=model, model_parameters=model.parameters(),
+    engine, _, loader, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset(), config=cfg)
     start = 0
     if phase == "second":
@@ -244,7 +243,7 @@ def mode_crash(out: str, ckpt_dir: str, phase: str) -> None:
     import flowtrain.engine.checkpoint as ckpt
 
     model = make_model(SEED)
-    engine, _, _, _ = initialize(model=model, config=config())
+    engine, _, _, _ = flowtrain.initialize(model=model, config=config())
 
     def train(n: int) -> None:
         for _ in range(n):
