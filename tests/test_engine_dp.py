@@ -266,7 +266,7 @@ def test_bad_config_raises_config_error_before_training(world1: Any, case: str) 
 
 @pytest.mark.xfail(strict=True, reason=(
     "flowtrain/engine/engine.py: bucket_full (and after_reduce) stages are only called by the "
-    "BucketReducer, which is spawned only when world_size > 1 (engine.py:82); at world size 1 a "
+    "BucketReducer, which is spawned only when world_size > 1 (engine.py:83-90); at world size 1 a "
     "stage added with add_stage(at='bucket_full') is never asked, so its gradient change "
     "silently does not happen"))
 def test_bucket_full_stage_runs_at_world_size_1(world1: Any) -> None:
