@@ -74,12 +74,6 @@ def test_resume_without_dropout_continues_exactly(resume_runs: Any) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason=(
-    "flowtrain/engine/dataloader.py:62 DistributedLoader.__iter__ builds a torch DataLoader "
-    "without a generator; starting its iterator draws a base seed from the global torch RNG. "
-    "The resumed run starts an iterator mid-epoch (step 10) where the uninterrupted run did not, "
-    "so after load_checkpoint restores the RNG one extra draw shifts it and dropout masks (and "
-    "losses from step 11 on) differ from the uninterrupted run"))
 def test_resume_with_dropout_is_bit_identical(resume_runs: Any) -> None:
     _check_resume(resume_runs("0.3"), rng=True)
 

@@ -127,10 +127,6 @@ def test_custom_stages_bucket_full_halves_update_and_after_step_counts(dp_run: A
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason=(
-    "flowtrain/engine/engine.py:90 spawns the BucketReducer under the fixed actor name "
-    "'bucket-reducer' and FlowtrainEngine.destroy() never stops it, so a second engine on the "
-    "same rank (world > 1) fails: ValueError: an actor named 'bucket-reducer' already runs"))
 def test_second_engine_on_the_same_ranks(dp_run: Any) -> None:
     ranks = dp_run("gas4,gas4_ddp,second_engine")
     second = scenario(ranks, "second_engine")
@@ -264,11 +260,6 @@ def test_bad_config_raises_config_error_before_training(world1: Any, case: str) 
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "flowtrain/engine/engine.py: bucket_full (and after_reduce) stages are only called by the "
-    "BucketReducer, which is spawned only when world_size > 1 (engine.py:83-90); at world size 1 a "
-    "stage added with add_stage(at='bucket_full') is never asked, so its gradient change "
-    "silently does not happen"))
 def test_bucket_full_stage_runs_at_world_size_1(world1: Any) -> None:
     from engine_worker import Halve, HowMany
 

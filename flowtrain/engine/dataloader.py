@@ -45,6 +45,7 @@ class DistributedLoader:
         self.pin_memory = pin_memory
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.seed = seed
         self.epoch = 0
         self.batches_taken = 0  # in the current epoch
         self._exhausted = False
@@ -59,7 +60,10 @@ class DistributedLoader:
             self.batches_taken = 0
             self._exhausted = False
         self.sampler.set_epoch(self.epoch)
-        loader = DataLoader(self.dataset, batch_size=self.batch_size,
+        # A generator of its own: starting an iterator must not draw from the global torch RNG,
+        # or a run resumed mid-epoch would see different dropout masks than the original.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, generator=generator,
                             sampler=_SkippingSampler(self.sampler, self.batches_taken * self.batch_size),
                             collate_fn=self.collate_fn, drop_last=self.drop_last,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)

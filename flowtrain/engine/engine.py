@@ -5,6 +5,7 @@ BucketReducer reduces each bucket while backward goes on."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,14 @@ from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader, rng_state, set_rng_state
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
 from flowtrain.engine.reducer import BucketReady, BucketReducer, Flush
-from flowtrain.engine.stages import MicroBatchEnd, MicroBatchStart, Stages, StepDone
+from flowtrain.engine.stages import (
+    BucketFull,
+    BucketReduced,
+    MicroBatchEnd,
+    MicroBatchStart,
+    Stages,
+    StepDone,
+)
 from flowtrain.engine.timing import StepTimer
 from flowtrain.log import get_logger
 from flowtrain.plan import StepPlan, build_step_plan
@@ -41,6 +49,8 @@ class FlowtrainEngine(torch.nn.Module):
         self._rank = rank
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = next(model.parameters()).device
         self.precision = config.precision
         self.global_steps = 0
         self.global_samples = 0
@@ -87,7 +97,7 @@ class FlowtrainEngine(torch.nn.Module):
                                     predivide=config.gradient_predivide_factor,
                                     prescale=config.prescale_gradients, stages=self.stages,
                                     channel=self.channel)
-            self.reducer = self._runtime.spawn(reducer, "bucket-reducer")
+            self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
             self._reducer_actor = reducer
 
         self.training_dataloader = None
@@ -242,6 +252,13 @@ class FlowtrainEngine(torch.nn.Module):
             with self.timer.span("comm"):
                 report = self.reducer.ask_from_thread(Flush(self.global_steps))
             self.timer.record_spans(report.spans)
+        elif self.stages["bucket_full"] or self.stages["after_reduce"]:
+            # One rank has no reducer; the stages still see every bucket, in the same order.
+            for index, grad in enumerate(self.buckets.flat):
+                for ref in self.stages["bucket_full"]:
+                    ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
+                for ref in self.stages["after_reduce"]:
+                    ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
         with self.timer.span("optimizer"):
             skipped = self._optimizer_step()
         if not self._order_settled and self.reducer is not None and not self._no_sync:
@@ -428,10 +445,17 @@ class FlowtrainEngine(torch.nn.Module):
             current_rank().barrier(name)
 
     def destroy(self) -> None:
-        """Removes the engine's hooks and closes its data channel."""
+        """Stops the engine's actors, removes its hooks and closes its data channel, so another
+        engine can be built in the same process."""
         self.buckets.remove_hooks()
+        refs = ([self.reducer] if self.reducer is not None else []) + \
+            [ref for point in self.stages.at.values() for ref in point]
+        for ref in refs:
+            self._runtime.stop_actor(ref.name)
+        self.reducer = None
         if self.channel is not None:
             self.channel.close()
+            self.channel = None
 
 
 def _param_names(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[str]:

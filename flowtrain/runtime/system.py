@@ -232,6 +232,20 @@ class Runtime:
             raise KeyError(f"no actor named {name!r} on runtime {self.name!r}; running: {known}")
         return slot.actor.ref
 
+    def stop_actor(self, name: str, timeout: float = 10.0) -> None:
+        """Stops one actor: its mailbox closes, it handles what is queued, runs on_stop, ends.
+        From any thread other than the loop's; returns once it has ended."""
+        slot = self._actors.get(name)
+        if slot is None:
+            return
+        slot.mailbox.close()
+        deadline = time.monotonic() + timeout
+        while name in self._actors:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor {name!r} did not stop within {timeout} s; "
+                                   f"busy with {self._busy.get(name, 'nothing')}")
+            time.sleep(0.001)
+
     def actor_names(self) -> list[str]:
         return sorted(self._actors)
 
