@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -105,24 +105,13 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
     with _pending_lock:
         _pending[key] = f"#{key} {description}"
 
-    def _on_done(fut: torch.futures.Future[Any]) -> None:
-        error: BaseException | None = None
-        try:
-            fut.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            error = exc
-        try:
-            loop.call_soon_threadsafe(_finish, done, error)
-        except RuntimeError:
-            pass  # the loop has closed: nobody is waiting any more
-
     try:
         try:
-            work.get_future().add_done_callback(_on_done)
+            work.get_future().add_done_callback(lambda fut: _hand_over(fut.wait, loop, done))
         except RuntimeError:
             # Some backend/op pairs (gloo's reduce-scatter) have no future: a helper thread
             # waits on the work handle instead, so the loop still does not block.
-            threading.Thread(target=_wait_in_thread, args=(work, loop, done), daemon=True,
+            threading.Thread(target=_hand_over, args=(work.wait, loop, done), daemon=True,
                              name="flowtrain-collective-wait").start()
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout)
@@ -134,17 +123,18 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
             _pending.pop(key, None)
 
 
-def _wait_in_thread(work: dist.Work, loop: asyncio.AbstractEventLoop,
-                    done: asyncio.Future[None]) -> None:
+def _hand_over(wait: Callable[[], Any], loop: asyncio.AbstractEventLoop,
+               done: asyncio.Future[None]) -> None:
+    """Runs on the backend's (or a helper) thread: waits, then passes the outcome to the loop."""
     error: BaseException | None = None
     try:
-        work.wait()
+        wait()
     except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
         error = exc
     try:
         loop.call_soon_threadsafe(_finish, done, error)
     except RuntimeError:
-        pass
+        pass  # the loop has closed: nobody is waiting any more
 
 
 def _finish(done: asyncio.Future[None], error: BaseException | None) -> None:
