@@ -103,6 +103,11 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
             return None
         tag = latest.read_text(encoding="utf-8").strip()
     path = root / validate_tag(tag)
+    replaced = root / f".{tag}.replaced"
+    if not path.exists() and (replaced / MODEL_FILE).is_file():
+        # A crash while re-saving the same tag, between moving the old copy aside and
+        # publishing the new one: the old copy is still whole.
+        path = replaced
     if not (path / MODEL_FILE).is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete or missing: no {MODEL_FILE}")
     return path

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
-from flowtrain.engine import checkpoint as ckpt
 from flowtrain.engine.buckets import GradBuckets
-from flowtrain.engine.dataloader import DistributedLoader, rng_state, set_rng_state
+from flowtrain.engine.dataloader import DistributedLoader
+from flowtrain.engine.engine_state import load_engine, save_engine
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
 from flowtrain.engine.reducer import BucketReady, BucketReducer, Flush
 from flowtrain.engine.stages import (
@@ -373,33 +373,9 @@ class FlowtrainEngine(torch.nn.Module):
                         client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
-        and random generators; every rank must call it."""
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
-        shared = None
-        if self.global_rank == 0:
-            module_state = self.module.state_dict()
-            if exclude_frozen_parameters:
-                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-                module_state = {k: v for k, v in module_state.items() if k not in frozen}
-            shared = {
-                "module": module_state,
-                "optimizer": self.optimizer.state_dict(),
-                "master_weights": self.master.state_dict() if self.master is not None else None,
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None
-                else None,
-                "loss_scaler": self.loss_scaler.state_dict(),
-                "global_steps": self.global_steps, "global_samples": self.global_samples,
-                "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
-                "dataloader": self.training_dataloader.state_dict()
-                if self.training_dataloader is not None else None,
-                "world_size": self.world_size,
-                "config": self.config.to_dict(),
-                "client_state": client_state or {},
-            }
-        per_rank = {"rng": rng_state(), "rank": self.global_rank}
-        path = ckpt.save(save_dir, tag, rank=self.global_rank, shared=shared, per_rank=per_rank,
-                         barrier=self._barrier, save_latest=save_latest)
-        return str(path)
+        and random generators atomically; every rank must call it."""
+        return save_engine(self, save_dir, tag, client_state, save_latest,
+                           exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -407,36 +383,8 @@ class FlowtrainEngine(torch.nn.Module):
                         custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
         """Loads a checkpoint saved by ``save_checkpoint``; returns (path, client_state), or
         (None, None) when ``load_dir`` holds none, as DeepSpeed does."""
-        path = ckpt.resolve(load_dir, tag)
-        if path is None:
-            log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))
-            return None, None
-        shared, per_rank = ckpt.load(path, self.global_rank)
-        if custom_load_fn is not None:
-            custom_load_fn(src=shared["module"], dst=self.module)
-        else:
-            self.module.load_state_dict(shared["module"], strict=load_module_strict)
-        if not load_module_only:
-            if load_optimizer_states:
-                self.optimizer.load_state_dict(shared["optimizer"])
-                if self.master is not None and shared.get("master_weights") is not None:
-                    self.master.load_state_dict(shared["master_weights"])
-                self.loss_scaler.load_state_dict(shared["loss_scaler"])
-            if load_lr_scheduler_states and self.lr_scheduler is not None and \
-                    shared.get("lr_scheduler") is not None:
-                self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
-            self.global_steps = shared["global_steps"]
-            self.global_samples = shared["global_samples"]
-            self.skipped_steps = shared["skipped_steps"]
-            self.micro_steps = shared["micro_steps"]
-            if self.training_dataloader is not None and shared.get("dataloader") is not None:
-                self.training_dataloader.load_state_dict(shared["dataloader"])
-            if per_rank is not None:
-                set_rng_state(per_rank["rng"])
-        elif self.master is not None:
-            self.master.load_state_dict([p.detach().float() for p in self.trainable])
-        self._zero_grads()
-        return str(path), shared.get("client_state", {})
+        return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                           load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def _barrier(self, name: str) -> None:
         if self.world_size > 1:
