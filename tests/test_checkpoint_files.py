@@ -1,0 +1,53 @@
+"""Checkpoint files on disk: the staging/rename protocol, the latest pointer, bad tags, and the
+copy set aside while a tag is re-saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowtrain.engine import checkpoint as ckpt
+
+
+def _save(root: Path, tag: str, value: int) -> Path:
+    return ckpt.save(root, tag, rank=0, shared={"v": value}, per_rank={"r": value},
+                     barrier=lambda name: None)
+
+
+def test_save_publishes_and_moves_latest_last(tmp_path: Path) -> None:
+    _save(tmp_path, "a", 1)
+    _save(tmp_path, "b", 2)
+    assert (tmp_path / "latest").read_text() == "b"
+    shared, mine = ckpt.load(ckpt.resolve(tmp_path, None), 0)
+    assert shared == {"v": 2} and mine == {"r": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest"]  # no leftovers
+
+
+def test_leftover_staging_is_replaced_and_resave_of_a_tag_works(tmp_path: Path) -> None:
+    (tmp_path / ".a.partial").mkdir()
+    (tmp_path / ".a.partial" / "junk").write_text("from a crash")
+    _save(tmp_path, "a", 1)
+    _save(tmp_path, "a", 3)
+    assert ckpt.load(ckpt.resolve(tmp_path, "a"), 0)[0] == {"v": 3}
+    assert not (tmp_path / ".a.partial").exists() and not (tmp_path / ".a.replaced").exists()
+
+
+def test_crash_between_renames_of_a_resave_loads_the_old_copy(tmp_path: Path) -> None:
+    _save(tmp_path, "a", 1)
+    (tmp_path / "a").rename(tmp_path / ".a.replaced")  # the state a crash there leaves
+    assert ckpt.load(ckpt.resolve(tmp_path, None), 0)[0] == {"v": 1}
+
+
+def test_missing_and_bad_checkpoints(tmp_path: Path) -> None:
+    assert ckpt.resolve(tmp_path, None) is None
+    (tmp_path / "broken").mkdir()
+    with pytest.raises(FileNotFoundError, match="incomplete or missing"):
+        ckpt.resolve(tmp_path, "broken")
+    for bad in ("", "../x", ".hidden", "latest"):
+        with pytest.raises(ValueError, match="plain directory name"):
+            ckpt.validate_tag(bad)
+    torch.save({}, tmp_path / "x.pt")  # loadable files alone do not make a checkpoint
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve(tmp_path, "x.pt")
