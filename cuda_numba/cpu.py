@@ -1,0 +1,264 @@
+"""CPU kernels (``@njit(parallel=True)``) over flat 1-D arrays; same names and arguments as
+``cuda_numba.cuda``. fp16/bf16 data arrives as uint16 bits with a kind code (0 f32, 1 f16, 2 bf16).
+"""
+
+import math
+import types
+
+import numpy as np
+from numba import njit, prange
+
+from . import _bits
+
+# Below this many elements a parallel region costs more than it saves (thread wake-up is a
+# few microseconds), so each kernel also has a serial build from the same source.
+PARALLEL_MIN = 1 << 15
+# Reductions work in fixed blocks so each block's partial sum is independent of thread count.
+BLOCK = 1 << 14
+
+_opts = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
+
+f32_as_u32 = _bits.f32_as_u32
+_f16_to_f32 = njit(**_opts)(_bits.f16_to_f32)
+_bf16_to_f32 = njit(**_opts)(_bits.bf16_to_f32)
+_f32_to_f16 = njit(**_opts)(_bits.f32_to_f16)
+_f32_to_bf16 = njit(**_opts)(_bits.f32_to_bf16)
+
+
+@njit(**_opts)
+def _load(arr, i, kind):
+    if kind == 1:
+        return _f16_to_f32(arr[i])
+    if kind == 2:
+        return _bf16_to_f32(arr[i])
+    return np.float32(arr[i])
+
+
+@njit(**_opts)
+def _store(x, kind):
+    if kind == 1:
+        return _f32_to_f16(x)
+    return _f32_to_bf16(x)
+
+
+def _adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2,
+          eps, weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled):
+    f32 = np.float32
+    # Scalars are rounded to float32 once, as torch does when a Python float meets a float32
+    # tensor; the loop body is then pure float32.
+    b1 = f32(beta1)
+    omb1 = f32(1.0 - beta1)
+    b2 = f32(beta2)
+    omb2 = f32(1.0 - beta2)
+    wd = f32(weight_decay)
+    l2 = (not decoupled) and weight_decay != 0.0
+    decay = f32(1.0 - lr * weight_decay) if decoupled else f32(1.0)
+    step_size = f32(lr / bias_correction1)
+    bc2_sqrt = f32(math.sqrt(bias_correction2))
+    epsf = f32(eps)
+    inv = f32(inv_scale)
+    for i in prange(param.shape[0]):
+        g = _load(grad, i, grad_kind) * inv
+        p = param[i]
+        if l2:
+            g = g + wd * p
+        p = p * decay
+        m = b1 * exp_avg[i] + omb1 * g
+        v = b2 * exp_avg_sq[i] + omb2 * (g * g)
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        denom = np.sqrt(v) / bc2_sqrt + epsf
+        p = p - step_size * (m / denom)
+        param[i] = p
+        if out_kind != 0:
+            model_out[i] = _store(p, out_kind)
+
+
+def _lion(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
+          inv_scale):
+    f32 = np.float32
+    b1 = f32(beta1)
+    omb1 = f32(1.0 - beta1)
+    b2 = f32(beta2)
+    omb2 = f32(1.0 - beta2)
+    decay = f32(1.0 - lr * weight_decay)
+    lrf = f32(lr)
+    inv = f32(inv_scale)
+    one = f32(1.0)
+    for i in prange(param.shape[0]):
+        g = _load(grad, i, grad_kind) * inv
+        m = exp_avg[i]
+        c = b1 * m + omb1 * g
+        # torch.sign: +-1, and 0 / NaN pass through
+        s = c
+        if c > 0:
+            s = one
+        elif c < 0:
+            s = -one
+        p = param[i] * decay - lrf * s
+        param[i] = p
+        exp_avg[i] = b2 * m + omb2 * g
+        if out_kind != 0:
+            model_out[i] = _store(p, out_kind)
+
+
+def _sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
+         weight_decay, nesterov, first_step, inv_scale):
+    f32 = np.float32
+    lrf = f32(lr)
+    mom = f32(momentum)
+    omd = f32(1.0 - dampening)
+    wd = f32(weight_decay)
+    use_wd = weight_decay != 0.0
+    use_mom = momentum != 0.0
+    inv = f32(inv_scale)
+    for i in prange(param.shape[0]):
+        g = _load(grad, i, grad_kind) * inv
+        p = param[i]
+        if use_wd:
+            g = g + wd * p
+        if use_mom:
+            if first_step:
+                buf = g
+            else:
+                buf = mom * momentum_buf[i] + omd * g
+            momentum_buf[i] = buf
+            if nesterov:
+                g = g + mom * buf
+            else:
+                g = buf
+        p = p - lrf * g
+        param[i] = p
+        if out_kind != 0:
+            model_out[i] = _store(p, out_kind)
+
+
+def _unscale_check(grad, grad_kind, out, inv_scale):
+    n = grad.shape[0]
+    inv = np.float32(inv_scale)
+    nb = (n + BLOCK - 1) // BLOCK
+    bad = np.zeros(nb, np.int64)
+    for b in prange(nb):
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        acc = 0
+        for i in range(lo, hi):
+            x = _load(grad, i, grad_kind)
+            out[i] = x * inv
+            # all-ones exponent == inf or NaN; an integer OR vectorizes, a float test would not
+            acc |= np.int64((np.int64(f32_as_u32(x)) & 0x7F800000) == 0x7F800000)
+        bad[b] = acc
+    return bad.sum() != 0
+
+
+def _sum_squares(grad, grad_kind):
+    n = grad.shape[0]
+    nb = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(nb, np.float64)
+    for b in prange(nb):
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        # Eight independent float64 chains hide the add latency without fastmath reordering.
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+        i = lo
+        while i + 8 <= hi:
+            x0 = np.float64(_load(grad, i, grad_kind))
+            x1 = np.float64(_load(grad, i + 1, grad_kind))
+            x2 = np.float64(_load(grad, i + 2, grad_kind))
+            x3 = np.float64(_load(grad, i + 3, grad_kind))
+            x4 = np.float64(_load(grad, i + 4, grad_kind))
+            x5 = np.float64(_load(grad, i + 5, grad_kind))
+            x6 = np.float64(_load(grad, i + 6, grad_kind))
+            x7 = np.float64(_load(grad, i + 7, grad_kind))
+            a0 += x0 * x0
+            a1 += x1 * x1
+            a2 += x2 * x2
+            a3 += x3 * x3
+            a4 += x4 * x4
+            a5 += x5 * x5
+            a6 += x6 * x6
+            a7 += x7 * x7
+            i += 8
+        while i < hi:
+            x0 = np.float64(_load(grad, i, grad_kind))
+            a0 += x0 * x0
+            i += 1
+        partial[b] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    total = 0.0
+    for b in range(nb):
+        total += partial[b]
+    return total
+
+
+def _cast(src, src_kind, dst, dst_kind):
+    for i in prange(src.shape[0]):
+        if src_kind == dst_kind:
+            dst[i] = src[i]  # same kind: a bit copy, NaN payloads included
+        elif dst_kind == 0:
+            dst[i] = _load(src, i, src_kind)
+        else:
+            dst[i] = _store(_load(src, i, src_kind), dst_kind)
+
+
+def _build(fn):
+    # numba's on-disk cache is keyed by qualified name and line, not by the parallel flag, so
+    # the serial build gets its own name or the two would load each other's machine code.
+    serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+                                fn.__defaults__, fn.__closure__)
+    serial.__qualname__ = fn.__qualname__ + "_serial"
+    serial.__module__ = fn.__module__
+    return njit(parallel=True, **_opts)(fn), njit(parallel=False, **_opts)(serial)
+
+
+_adam_par, _adam_ser = _build(_adam)
+_lion_par, _lion_ser = _build(_lion)
+_sgd_par, _sgd_ser = _build(_sgd)
+_unscale_par, _unscale_ser = _build(_unscale_check)
+_sumsq_par, _sumsq_ser = _build(_sum_squares)
+_cast_par, _cast_ser = _build(_cast)
+
+# name -> (parallel dispatcher, serial dispatcher); warm_up and kernel_status walk this.
+KERNELS = {
+    "adam": (_adam_par, _adam_ser),
+    "lion": (_lion_par, _lion_ser),
+    "sgd": (_sgd_par, _sgd_ser),
+    "unscale_check": (_unscale_par, _unscale_ser),
+    "sum_squares": (_sumsq_par, _sumsq_ser),
+    "cast": (_cast_par, _cast_ser),
+}
+
+
+def adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2,
+         eps, weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled):
+    k = _adam_par if param.shape[0] >= PARALLEL_MIN else _adam_ser
+    k(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2, eps,
+      weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled)
+
+
+def lion(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
+         inv_scale):
+    k = _lion_par if param.shape[0] >= PARALLEL_MIN else _lion_ser
+    k(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
+      inv_scale)
+
+
+def sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
+        weight_decay, nesterov, first_step, inv_scale):
+    k = _sgd_par if param.shape[0] >= PARALLEL_MIN else _sgd_ser
+    k(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
+      weight_decay, nesterov, first_step, inv_scale)
+
+
+def unscale_check(grad, grad_kind, out, inv_scale):
+    k = _unscale_par if grad.shape[0] >= PARALLEL_MIN else _unscale_ser
+    return bool(k(grad, grad_kind, out, inv_scale))
+
+
+def sum_squares(grad, grad_kind):
+    k = _sumsq_par if grad.shape[0] >= PARALLEL_MIN else _sumsq_ser
+    return float(k(grad, grad_kind))
+
+
+def cast(src, src_kind, dst, dst_kind):
+    k = _cast_par if src.shape[0] >= PARALLEL_MIN else _cast_ser
+    k(src, src_kind, dst, dst_kind)
