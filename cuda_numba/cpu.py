@@ -6,7 +6,8 @@ import math
 import types
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types as nbtypes
+from numba.extending import overload
 
 from . import _bits
 
@@ -15,6 +16,11 @@ from . import _bits
 PARALLEL_MIN = 1 << 15
 # Reductions work in fixed blocks so each block's partial sum is independent of thread count.
 BLOCK = 1 << 14
+
+# numba's disk cache keys a kernel by the content of its own file only, so kernels here would
+# keep stale machine code after an edit of _bits.py. Recording _bits.py's hash in this file
+# makes such an edit change this file too (tests/test_kernels_cpu.py checks it is current).
+BITS_SHA256 = "160a0c364fa0bbc2"
 
 _opts = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 
@@ -25,13 +31,23 @@ _f32_to_f16 = njit(**_opts)(_bits.f32_to_f16)
 _f32_to_bf16 = njit(**_opts)(_bits.f32_to_bf16)
 
 
-@njit(**_opts)
 def _load(arr, i, kind):
-    if kind == 1:
-        return _f16_to_f32(arr[i])
-    if kind == 2:
+    """Element i as float32; arr is float32 or uint16 bits of kind 1 (f16) / 2 (bf16)."""
+
+
+@overload(_load, jit_options=_opts)
+def _load_impl(arr, i, kind):
+    # Chosen by the array's dtype at compile time: a float32 array needs no per-element kind
+    # test, which keeps the fp32 loops branch-free so LLVM vectorizes them.
+    if arr.dtype == nbtypes.float32:
+        return lambda arr, i, kind: arr[i]
+
+    def bits(arr, i, kind):
+        if kind == 1:
+            return _f16_to_f32(arr[i])
         return _bf16_to_f32(arr[i])
-    return np.float32(arr[i])
+
+    return bits
 
 
 @njit(**_opts)
