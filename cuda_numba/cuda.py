@@ -78,6 +78,8 @@ def _f16_to_f32(h):
             f = -f
         return f
     if e == 31:
+        if m != 0:
+            m = m | 0x200  # NaN comes out quiet, as the hardware conversions do
         return _u2f(sign | 0x7F800000 | (m << 13))
     return _u2f(sign | ((e + 112) << 23) | (m << 13))
 
