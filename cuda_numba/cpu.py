@@ -57,6 +57,23 @@ def _store(x, kind):
     return _f32_to_bf16(x)
 
 
+@njit(inline="always", **_opts)
+def _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+               step_size, bc2_sqrt, epsf, inv):
+    g = _load(grad, i, grad_kind) * inv
+    p = param[i]
+    if l2:
+        g = g + wd * p
+    p = p * decay
+    m = b1 * exp_avg[i] + omb1 * g
+    v = b2 * exp_avg_sq[i] + omb2 * (g * g)
+    exp_avg[i] = m
+    exp_avg_sq[i] = v
+    p = p - step_size * (m / (np.sqrt(v) / bc2_sqrt + epsf))
+    param[i] = p
+    return p
+
+
 def _adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2,
           eps, weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled):
     f32 = np.float32
@@ -73,20 +90,22 @@ def _adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, 
     bc2_sqrt = f32(math.sqrt(bias_correction2))
     epsf = f32(eps)
     inv = f32(inv_scale)
-    for i in prange(param.shape[0]):
-        g = _load(grad, i, grad_kind) * inv
-        p = param[i]
+    n = param.shape[0]
+    # The two loop-invariant switches get a loop each: a branch left inside the loop stops
+    # LLVM from vectorizing it (measured: 2x slower at 50M parameters).
+    if out_kind == 0:
         if l2:
-            g = g + wd * p
-        p = p * decay
-        m = b1 * exp_avg[i] + omb1 * g
-        v = b2 * exp_avg_sq[i] + omb2 * (g * g)
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
-        denom = np.sqrt(v) / bc2_sqrt + epsf
-        p = p - step_size * (m / denom)
-        param[i] = p
-        if out_kind != 0:
+            for i in prange(n):
+                _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2,
+                           wd, True, decay, step_size, bc2_sqrt, epsf, inv)
+        else:
+            for i in prange(n):
+                _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2,
+                           wd, False, decay, step_size, bc2_sqrt, epsf, inv)
+    else:
+        for i in prange(n):
+            p = _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2,
+                           wd, l2, decay, step_size, bc2_sqrt, epsf, inv)
             model_out[i] = _store(p, out_kind)
 
 
