@@ -41,14 +41,16 @@ def _cpu_samples() -> dict[str, list[tuple]]:
     return out
 
 
-def warm_up() -> float:
-    """Compile (or load from the disk cache) every CPU kernel for every signature ops uses,
-    so no training step pays for compilation; returns the seconds it took."""
+def warm_up(names: tuple[str, ...] | None = None) -> float:
+    """Compile (or load from the disk cache) the CPU kernels ``names`` (all by default) for
+    every signature ops uses, so no training step pays for compilation; returns the seconds."""
     from . import cpu
 
     t0 = time.perf_counter()
     samples = _cpu_samples()
     for name, builds in cpu.KERNELS.items():
+        if names is not None and name not in names:
+            continue
         for k in builds:
             for args in samples[name]:
                 k(*args)

@@ -100,6 +100,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     from flowtrain import checkpointing
 
     checkpointing.configure(deepspeed_config=cfg)
+    _warm_up_kernels(optimizer)
     bucket_numel = _bucket_numel(cfg, model)
     engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
                              collate_fn=collate_fn, bucket_numel=bucket_numel)
@@ -111,6 +112,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+
+
+def _warm_up_kernels(optimizer: Any) -> None:
+    """Compiles (or loads from numba's disk cache) the fused optimizer's CPU kernel now, so the
+    first training step is not charged for it."""
+    from cuda_numba.optim import FusedAdam, FusedLion, FusedSGD
+
+    names = {FusedAdam: "adam", FusedLion: "lion", FusedSGD: "sgd"}
+    name = names.get(type(optimizer))
+    if name is not None:
+        import cuda_numba
+
+        cuda_numba.warm_up((name,))
 
 
 def _bucket_numel(cfg: Any, model: torch.nn.Module) -> int:

@@ -137,18 +137,23 @@ def _build_adam(name: str, params: Any, cfg: dict[str, Any]) -> Optimizer:
     torch_adam = bool(cfg.pop("torch_adam", False))
     adam_w_mode = bool(cfg.pop("adam_w_mode", ADAM_W_MODE_DEFAULT))
     decoupled = name == "adamw" or adam_w_mode
-    if not cfg.pop("bias_correction", True):
-        raise ValueError(
-            f"optimizer {name!r}: bias_correction=False is not supported; remove the key or set it "
-            "to true (bias-corrected Adam is what torch.optim.Adam/AdamW implement)"
-        )
-    if not torch_adam:
-        # Without torch_adam DeepSpeed builds FusedAdam, whose weight_decay default is 0 for
-        # both modes; torch.optim.AdamW would otherwise silently add 0.01.
-        cfg.setdefault("weight_decay", _FUSED_ADAM_WEIGHT_DECAY)
+    bias_correction = bool(cfg.pop("bias_correction", True))
     _betas(cfg)
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    return cls(params, **cfg)
+    if torch_adam or cfg.get("amsgrad"):
+        if not bias_correction:
+            raise ValueError(
+                f"optimizer {name!r}: bias_correction=False needs flowtrain's fused Adam; "
+                "remove torch_adam/amsgrad or set bias_correction to true")
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(params, **cfg)
+    # Without torch_adam DeepSpeed builds FusedAdam, whose weight_decay default is 0 for both
+    # modes (torch.optim.AdamW would silently add 0.01). flowtrain's fused Adam is the Numba
+    # kernel: one pass over each parameter, on CPU or GPU.
+    from cuda_numba.optim import FusedAdam
+
+    cfg.setdefault("weight_decay", _FUSED_ADAM_WEIGHT_DECAY)
+    cfg.pop("amsgrad", None)
+    return FusedAdam(params, adamw=decoupled, bias_correction=bias_correction, **cfg)
 
 
 def build_optimizer(
