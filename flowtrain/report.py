@@ -119,7 +119,15 @@ def report() -> dict[str, Any]:
         "pyzmq": _guard(_zmq),
         "libraries": {name: _version(name) for name in LIBRARIES},
         "system": _guard(_system),
+        "kernels": _guard(_kernels),
     }
+
+
+def _kernels() -> dict[str, Any]:
+    """Each cuda_numba kernel and whether its CPU and CUDA versions compile (or load) here."""
+    import cuda_numba
+
+    return {"available": True, "rows": cuda_numba.kernel_status()}
 
 
 def _yes(value: Any) -> str:
@@ -160,6 +168,12 @@ def format_report(data: dict[str, Any]) -> str:
                  else f"not available: {z.get('error')}"))
     for name, version in data["libraries"].items():
         rows.append((name, version or "not installed"))
+    rows.append("kernels (cuda_numba): CPU | CUDA")
+    k = data["kernels"]
+    if k.get("available"):
+        rows += [(row["kernel"], f"{row['cpu']} | {row['cuda']}") for row in k["rows"]]
+    else:
+        rows.append(("cuda_numba", f"not available: {k.get('error')}"))
     rows.append("system")
     rows += [("OS", str(s.get("os"))), ("CPU count", str(s.get("cpu_count"))),
              ("memory total", _gib(s.get("memory_total_bytes"))),
