@@ -1,0 +1,107 @@
+"""Checks that need a CUDA GPU: NCCL through flowtrain.comm, the CUDA kernels on real tensors
+against torch, and a real engine step. Each is skipped, saying so, where there is no GPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="no CUDA GPU on this machine (GPU checks run on a lent device)")
+pytestmark = [needs_gpu, pytest.mark.timeout(300)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nccl_all_reduce_through_comm(tmp_path: Path) -> None:
+    script = tmp_path / "nccl.py"
+    script.write_text(textwrap.dedent("""
+        import anyio, torch
+        from flowtrain import comm
+        assert comm.init_distributed() == "nccl"
+        t = torch.arange(1024, device="cuda", dtype=torch.float32)
+        anyio.run(comm.all_reduce, t)
+        assert torch.equal(t.cpu(), torch.arange(1024, dtype=torch.float32))
+        print("NCCL OK")
+    """))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0 and "NCCL OK" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_adam_kernel_matches_torch(grad_dtype: torch.dtype) -> None:
+    from cuda_numba import adam_step
+
+    torch.manual_seed(0)
+    n = 1_000_003
+    param = torch.randn(n, device="cuda")
+    ref = param.clone().requires_grad_(True)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01, foreach=False)
+    for step in range(1, 6):
+        grad = torch.randn(n, device="cuda").to(grad_dtype)
+        adam_step(param, grad, exp_avg, exp_avg_sq, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.01, step=step, adamw=True)
+        ref.grad = grad.float()
+        opt.step()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(param, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_unscale_check_and_norm_match_torch() -> None:
+    from cuda_numba import l2_norm, unscale_and_check
+
+    g = torch.randn(333_333, device="cuda")
+    out = torch.empty_like(g)
+    assert unscale_and_check(g, out, 0.5) is False
+    torch.testing.assert_close(out, g * 0.5)
+    g[1234] = float("inf")
+    assert unscale_and_check(g, out, 0.5) is True
+    h = torch.randn(100_000, device="cuda")
+    torch.testing.assert_close(l2_norm([h]).cpu(), torch.linalg.vector_norm(h).cpu(),
+                               rtol=1e-5, atol=0)
+
+
+def test_engine_trains_on_the_gpu(tmp_path: Path) -> None:
+    script = tmp_path / "step.py"
+    script.write_text(textwrap.dedent("""
+        import torch, flowtrain
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 1)).cuda()
+        ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                  torch.nn.Linear(256, 1)).cuda()
+        ref.load_state_dict(model.state_dict())
+        cfg = {"train_micro_batch_size_per_gpu": 32, "gradient_clipping": 0.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
+                                          config=cfg)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+        for _ in range(10):
+            x = torch.randn(32, 64, device="cuda"); y = torch.randn(32, 1, device="cuda")
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss); engine.step()
+            rl = torch.nn.functional.mse_loss(ref(x), y)
+            ropt.zero_grad(); rl.backward(); ropt.step()
+            assert abs(loss.item() - rl.item()) < 1e-4, (loss.item(), rl.item())
+        print("GPU STEP OK", loss.item())
+    """))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0 and "GPU STEP OK" in proc.stdout, proc.stderr[-4000:]
