@@ -34,6 +34,12 @@ class FusedAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, adamw=adamw,
                                       bias_correction=bias_correction))
+        self._model_copies: dict[torch.Tensor, torch.Tensor] = {}
+
+    def write_model_copies(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """For mixed precision: after each step, write every (fp32 param -> fp16/bf16 model
+        tensor) pair's rounded new value in the same pass as the update."""
+        self._model_copies = dict(pairs)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -63,7 +69,8 @@ class FusedAdam(torch.optim.Optimizer):
                 ops.adam_step(p, _grad("FusedAdam", p), state["exp_avg"], state["exp_avg_sq"],
                               lr=group["lr"], betas=group["betas"], eps=group["eps"],
                               weight_decay=group["weight_decay"], step=int(state["step"].item()),
-                              adamw=group["adamw"], bias_correction=group["bias_correction"])
+                              adamw=group["adamw"], bias_correction=group["bias_correction"],
+                              model_out=self._model_copies.get(p))
         return loss
 
 

@@ -181,3 +181,19 @@ def test_half_precision_tracks_fp32(world1: Any, precision: str) -> None:
     assert sum(losses[-5:]) < sum(losses[:5])
     if precision == "bf16":
         assert engine.loss_scale == 1.0
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True}}])
+def test_fused_adam_writes_the_half_model_copy_in_its_pass(world1: Any,
+                                                           precision: dict[str, Any]) -> None:
+    from cuda_numba.optim import FusedAdam
+
+    engine, model = _engine(precision)
+    assert isinstance(engine.optimizer, FusedAdam) and engine.master.fused_copy
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        _train_step(engine, step)
+    for p, m, b in zip(model.parameters(), engine.master.master, before):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))  # the model is the rounded master
+        assert not torch.equal(p.detach(), b)  # and it moved

@@ -300,7 +300,7 @@ class FlowtrainEngine(torch.nn.Module):
         else:
             self._global_grad_norm = None
         self.optimizer.step()
-        if self.master is not None:
+        if self.master is not None and not self.master.fused_copy:
             self.master.copy_to_model()
         self._zero_grads()
         if self.lr_scheduler is not None:

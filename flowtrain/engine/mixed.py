@@ -22,6 +22,7 @@ class MasterWeights:
         self.model_params = list(params)
         self.master = [torch.nn.Parameter(p.detach().clone().float()) for p in self.model_params]
         self.flat: list[torch.Tensor] = []
+        self.fused_copy = False
 
     def layout_grads(self, buckets: GradBuckets) -> None:
         """(Re)creates the fp32 gradient buffers in the buckets' layout."""
@@ -56,6 +57,11 @@ class MasterWeights:
                                      "parameter of the model")
                 replaced.append(self.master[i])
             group["params"] = replaced
+        # A fused optimizer writes the half-precision model copy in its own pass.
+        self.fused_copy = hasattr(optimizer, "write_model_copies") and all(
+            p.data.is_contiguous() for p in self.model_params)
+        if self.fused_copy:
+            optimizer.write_model_copies(zip(self.master, (p.data for p in self.model_params)))
         if optimizer.state:
             moved = {}
             for p, state in optimizer.state.items():
