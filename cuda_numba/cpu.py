@@ -25,10 +25,27 @@ BITS_SHA256 = "160a0c364fa0bbc2"
 _opts = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 
 f32_as_u32 = _bits.f32_as_u32
+u32_as_f32 = _bits.u32_as_f32
 _f16_to_f32 = njit(**_opts)(_bits.f16_to_f32)
 _bf16_to_f32 = njit(**_opts)(_bits.bf16_to_f32)
 _f32_to_f16 = njit(**_opts)(_bits.f32_to_f16)
 _f32_to_bf16 = njit(**_opts)(_bits.f32_to_bf16)
+
+_U32 = np.uint32
+
+
+@njit(inline="always", **_opts)
+def _f16_to_f32_select(h):
+    """_bits.f16_to_f32 with the inf/NaN case as a select instead of a branch, so loops over
+    fp16 data vectorize; bit-identical results (NaN quieted, payload kept)."""
+    w = _U32(h)
+    sign = (w & _U32(0x8000)) << _U32(16)
+    body = (w & _U32(0x7FFF)) << _U32(13)
+    mag = f32_as_u32(u32_as_f32(body) * np.float32(5.192296858534828e33))
+    special = body | _U32(0x7F800000)
+    special = special | (_U32(0x00400000) if (body & _U32(0x007FE000)) != _U32(0) else _U32(0))
+    is_special = (body & _U32(0x0F800000)) == _U32(0x0F800000)
+    return u32_as_f32(sign | (special if is_special else mag))
 
 
 def _load(arr, i, kind):
@@ -38,13 +55,14 @@ def _load(arr, i, kind):
 @overload(_load, jit_options=_opts)
 def _load_impl(arr, i, kind):
     # Chosen by the array's dtype at compile time: a float32 array needs no per-element kind
-    # test, which keeps the fp32 loops branch-free so LLVM vectorizes them.
+    # test, which keeps the fp32 loops branch-free so LLVM vectorizes them. Kernels that care
+    # call it with a constant kind inside a loop per kind, so the test folds away there too.
     if arr.dtype == nbtypes.float32:
         return lambda arr, i, kind: arr[i]
 
     def bits(arr, i, kind):
         if kind == 1:
-            return _f16_to_f32(arr[i])
+            return _f16_to_f32_select(arr[i])
         return _bf16_to_f32(arr[i])
 
     return bits
@@ -109,6 +127,21 @@ def _adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, 
             model_out[i] = _store(p, out_kind)
 
 
+@njit(inline="always", **_opts)
+def _lion_elem(i, param, grad, grad_kind, exp_avg, b1, omb1, b2, omb2, decay, lrf, inv):
+    one = np.float32(1.0)
+    g = _load(grad, i, grad_kind) * inv
+    m = exp_avg[i]
+    c = b1 * m + omb1 * g
+    # torch.sign: +-1, and 0 / NaN pass through (selects, not branches)
+    s = one if c > 0 else c
+    s = -one if c < 0 else s
+    p = param[i] * decay - lrf * s
+    param[i] = p
+    exp_avg[i] = b2 * m + omb2 * g
+    return p
+
+
 def _lion(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
           inv_scale):
     f32 = np.float32
@@ -119,22 +152,38 @@ def _lion(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2
     decay = f32(1.0 - lr * weight_decay)
     lrf = f32(lr)
     inv = f32(inv_scale)
-    one = f32(1.0)
-    for i in prange(param.shape[0]):
-        g = _load(grad, i, grad_kind) * inv
-        m = exp_avg[i]
-        c = b1 * m + omb1 * g
-        # torch.sign: +-1, and 0 / NaN pass through
-        s = c
-        if c > 0:
-            s = one
-        elif c < 0:
-            s = -one
-        p = param[i] * decay - lrf * s
-        param[i] = p
-        exp_avg[i] = b2 * m + omb2 * g
-        if out_kind != 0:
+    n = param.shape[0]
+    # out_kind is loop-invariant: one loop per case keeps the fp32 loop branch-free.
+    if out_kind == 0:
+        for i in prange(n):
+            _lion_elem(i, param, grad, grad_kind, exp_avg, b1, omb1, b2, omb2, decay, lrf, inv)
+    else:
+        for i in prange(n):
+            p = _lion_elem(i, param, grad, grad_kind, exp_avg, b1, omb1, b2, omb2, decay, lrf,
+                           inv)
             model_out[i] = _store(p, out_kind)
+
+
+@njit(inline="always", **_opts)
+def _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, use_wd, use_mom,
+              first_step, nesterov, inv):
+    g = _load(grad, i, grad_kind) * inv
+    p = param[i]
+    if use_wd:
+        g = g + wd * p
+    if use_mom:
+        if first_step:
+            buf = g
+        else:
+            buf = mom * momentum_buf[i] + omd * g
+        momentum_buf[i] = buf
+        if nesterov:
+            g = g + mom * buf
+        else:
+            g = buf
+    p = p - lrf * g
+    param[i] = p
+    return p
 
 
 def _sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
@@ -147,78 +196,108 @@ def _sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum
     use_wd = weight_decay != 0.0
     use_mom = momentum != 0.0
     inv = f32(inv_scale)
-    for i in prange(param.shape[0]):
-        g = _load(grad, i, grad_kind) * inv
-        p = param[i]
-        if use_wd:
-            g = g + wd * p
-        if use_mom:
-            if first_step:
-                buf = g
+    n = param.shape[0]
+    # The steady-state cases (no model copy, not the first momentum step) get a loop each with
+    # constant switches, as in _adam; the rest share one loop that tests them per element.
+    if out_kind == 0 and not (use_mom and first_step):
+        if not use_mom:
+            if use_wd:
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, True,
+                              False, False, False, inv)
             else:
-                buf = mom * momentum_buf[i] + omd * g
-            momentum_buf[i] = buf
-            if nesterov:
-                g = g + mom * buf
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, False,
+                              False, False, False, inv)
+        elif nesterov:
+            if use_wd:
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, True,
+                              True, False, True, inv)
             else:
-                g = buf
-        p = p - lrf * g
-        param[i] = p
-        if out_kind != 0:
-            model_out[i] = _store(p, out_kind)
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, False,
+                              True, False, True, inv)
+        else:
+            if use_wd:
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, True,
+                              True, False, False, inv)
+            else:
+                for i in prange(n):
+                    _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, False,
+                              True, False, False, inv)
+    else:
+        for i in prange(n):
+            p = _sgd_elem(i, param, grad, grad_kind, momentum_buf, lrf, mom, omd, wd, use_wd,
+                          use_mom, first_step, nesterov, inv)
+            if out_kind != 0:
+                model_out[i] = _store(p, out_kind)
+
+
+@njit(inline="always", **_opts)
+def _unscale_block(g, o, inv, kind):
+    # Branch-free so it vectorizes: the store is unconditional and the check is an unsigned
+    # max of the exponent fields, which reaches 0x7F800000 exactly when some element is inf
+    # or NaN (an integer max reduction needs no fastmath to be reordered). g and o are
+    # slices: a zero-based index needs no negative-index fix-up, which otherwise turns the
+    # loads into gathers.
+    acc = _U32(0)
+    for j in range(g.shape[0]):
+        x = _load(g, j, kind)
+        o[j] = x * inv
+        acc = max(acc, f32_as_u32(x) & _U32(0x7F800000))
+    return acc
 
 
 def _unscale_check(grad, grad_kind, out, inv_scale):
     n = grad.shape[0]
     inv = np.float32(inv_scale)
     nb = (n + BLOCK - 1) // BLOCK
-    bad = np.zeros(nb, np.int64)
-    for b in prange(nb):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, n)
-        acc = 0
-        for i in range(lo, hi):
-            x = _load(grad, i, grad_kind)
-            out[i] = x * inv
-            # all-ones exponent == inf or NaN; an integer OR vectorizes, a float test would not
-            acc |= np.int64((np.int64(f32_as_u32(x)) & 0x7F800000) == 0x7F800000)
-        bad[b] = acc
-    return bad.sum() != 0
+    bad = np.zeros(nb, np.uint32)
+    # one loop per kind so the fp16/bf16 widening has no per-element kind test
+    if grad_kind == 1:
+        for b in prange(nb):
+            lo = b * BLOCK
+            hi = min(lo + BLOCK, n)
+            bad[b] = _unscale_block(grad[lo:hi], out[lo:hi], inv, 1)
+    else:
+        for b in prange(nb):
+            lo = b * BLOCK
+            hi = min(lo + BLOCK, n)
+            bad[b] = _unscale_block(grad[lo:hi], out[lo:hi], inv, 2)
+    acc = _U32(0)
+    for b in range(nb):
+        acc = max(acc, bad[b])
+    return acc == _U32(0x7F800000)
+
+
+# Not inline="always": numba-level inlining would compile it under the caller's (ieee) flags;
+# as a callee its float ops keep their own fast-math flags when LLVM inlines it.
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _sumsq_block(g, kind):
+    # float32 squares are exact in float64, so only the additions round; reassoc (this
+    # function only) lets LLVM keep several vector accumulators. Zero-based slice index: no
+    # negative-index fix-up, no gathers.
+    a = 0.0
+    for j in range(g.shape[0]):
+        x = np.float64(_load(g, j, kind))
+        a += x * x
+    return a
 
 
 def _sum_squares(grad, grad_kind):
     n = grad.shape[0]
     nb = (n + BLOCK - 1) // BLOCK
     partial = np.zeros(nb, np.float64)
-    for b in prange(nb):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, n)
-        # Eight independent float64 chains hide the add latency without fastmath reordering.
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-        i = lo
-        while i + 8 <= hi:
-            x0 = np.float64(_load(grad, i, grad_kind))
-            x1 = np.float64(_load(grad, i + 1, grad_kind))
-            x2 = np.float64(_load(grad, i + 2, grad_kind))
-            x3 = np.float64(_load(grad, i + 3, grad_kind))
-            x4 = np.float64(_load(grad, i + 4, grad_kind))
-            x5 = np.float64(_load(grad, i + 5, grad_kind))
-            x6 = np.float64(_load(grad, i + 6, grad_kind))
-            x7 = np.float64(_load(grad, i + 7, grad_kind))
-            a0 += x0 * x0
-            a1 += x1 * x1
-            a2 += x2 * x2
-            a3 += x3 * x3
-            a4 += x4 * x4
-            a5 += x5 * x5
-            a6 += x6 * x6
-            a7 += x7 * x7
-            i += 8
-        while i < hi:
-            x0 = np.float64(_load(grad, i, grad_kind))
-            a0 += x0 * x0
-            i += 1
-        partial[b] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    if grad_kind == 1:
+        for b in prange(nb):
+            lo = b * BLOCK
+            partial[b] = _sumsq_block(grad[lo:min(lo + BLOCK, n)], 1)
+    else:
+        for b in prange(nb):
+            lo = b * BLOCK
+            partial[b] = _sumsq_block(grad[lo:min(lo + BLOCK, n)], 2)
     total = 0.0
     for b in range(nb):
         total += partial[b]
