@@ -11,6 +11,27 @@ import torch
 from . import ops
 
 
+class _Fused(torch.optim.Optimizer):
+    """The loop every fused optimizer shares: closure, groups, params with a grad; subclasses
+    update one parameter in ``_update``."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, _grad(type(self).__name__, p), self.state[p], group)
+        return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
 def _grad(opt: str, p: torch.Tensor) -> torch.Tensor:
     g = p.grad
     if g.is_sparse:
@@ -19,7 +40,7 @@ def _grad(opt: str, p: torch.Tensor) -> torch.Tensor:
     return g if g.is_contiguous() else g.contiguous()
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(_Fused):
     """Adam (adamw=False, L2 penalty in the grad) or AdamW (decoupled weight decay)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
@@ -48,33 +69,22 @@ class FusedAdam(torch.optim.Optimizer):
             for k in ("adamw", "bias_correction"):
                 group.setdefault(k, self.defaults[k])
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    # torch keeps step as a float32 CPU tensor; so do we, for state_dict parity
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                ops.adam_step(p, _grad("FusedAdam", p), state["exp_avg"], state["exp_avg_sq"],
-                              lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                              weight_decay=group["weight_decay"], step=int(state["step"].item()),
-                              adamw=group["adamw"], bias_correction=group["bias_correction"],
-                              model_out=self._model_copies.get(p))
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        if len(state) == 0:
+            # torch keeps step as a float32 CPU tensor; so do we, for state_dict parity
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        state["step"] += 1
+        ops.adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                      betas=group["betas"], eps=group["eps"],
+                      weight_decay=group["weight_decay"], step=int(state["step"].item()),
+                      adamw=group["adamw"], bias_correction=group["bias_correction"],
+                      model_out=self._model_copies.get(p))
 
 
-class FusedLion(torch.optim.Optimizer):
+class FusedLion(_Fused):
     """Lion (sign of an interpolated momentum, decoupled weight decay)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-4,
@@ -83,25 +93,15 @@ class FusedLion(torch.optim.Optimizer):
             raise ValueError(f"FusedLion: lr is {lr}; expected >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                ops.lion_step(p, _grad("FusedLion", p), state["exp_avg"], lr=group["lr"],
-                              betas=group["betas"], weight_decay=group["weight_decay"])
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        if len(state) == 0:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        ops.lion_step(p, grad, state["exp_avg"], lr=group["lr"], betas=group["betas"],
+                      weight_decay=group["weight_decay"])
 
 
-class FusedSGD(torch.optim.Optimizer):
+class FusedSGD(_Fused):
     """SGD with optional momentum, dampening, Nesterov and weight decay (torch.optim.SGD)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
@@ -112,24 +112,13 @@ class FusedSGD(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                buf = state.get("momentum_buffer")
-                first = buf is None and group["momentum"] != 0
-                if first:
-                    buf = state["momentum_buffer"] = torch.empty_like(
-                        p, memory_format=torch.contiguous_format)
-                ops.sgd_step(p, _grad("FusedSGD", p), buf, lr=group["lr"],
-                             momentum=group["momentum"], dampening=group["dampening"],
-                             weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                             first_step=first)
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        buf = state.get("momentum_buffer")
+        first = buf is None and group["momentum"] != 0
+        if first:
+            buf = state["momentum_buffer"] = torch.empty_like(
+                p, memory_format=torch.contiguous_format)
+        ops.sgd_step(p, grad, buf, lr=group["lr"], momentum=group["momentum"],
+                     dampening=group["dampening"], weight_decay=group["weight_decay"],
+                     nesterov=group["nesterov"], first_step=first)
