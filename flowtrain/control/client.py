@@ -20,7 +20,14 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from flowtrain.control.coordinator import COORDINATOR_SENDER, identity_of, send_now
-from flowtrain.control.protocol import Frame, FrameCodec, FrameRejected, Kind, RejectCounter
+from flowtrain.control.protocol import (
+    Frame,
+    FrameCodec,
+    FrameRejected,
+    Kind,
+    RejectCounter,
+    check_heartbeat,
+)
 from flowtrain.errors import RankAborted, RankFailure
 from flowtrain.log import get_logger
 
@@ -76,10 +83,7 @@ class ControlClient:
             raise ValueError(
                 f"rank must be in 0..{world_size - 1} for world size {world_size}, got {rank}"
             )
-        if heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
-        if heartbeat_misses < 1:
-            raise ValueError(f"heartbeat_misses must be at least 1, got {heartbeat_misses}")
+        check_heartbeat(heartbeat_interval, heartbeat_misses)
         self.endpoint = endpoint
         self.rank = rank
         self.world_size = world_size

@@ -15,7 +15,14 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from flowtrain.control.protocol import Frame, FrameCodec, FrameRejected, Kind, RejectCounter
+from flowtrain.control.protocol import (
+    Frame,
+    FrameCodec,
+    FrameRejected,
+    Kind,
+    RejectCounter,
+    check_heartbeat,
+)
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
 
@@ -117,10 +124,7 @@ class Coordinator:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
-        if heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
-        if heartbeat_misses < 1:
-            raise ValueError(f"heartbeat_misses must be at least 1, got {heartbeat_misses}")
+        check_heartbeat(heartbeat_interval, heartbeat_misses)
         self.world_size = world_size
         self.host = host
         self.port = port

@@ -275,3 +275,11 @@ class RejectCounter:
 
     def record_rejection(self, error: FrameRejected, peer: object) -> None:
         self.record(error.reason, error.detail, peer)
+
+
+def check_heartbeat(interval: float, misses: int) -> None:
+    """Both ends of the control plane validate their heartbeat settings the same way."""
+    if interval <= 0:
+        raise ValueError(f"heartbeat_interval must be > 0 seconds, got {interval}")
+    if misses < 1:
+        raise ValueError(f"heartbeat_misses must be at least 1, got {misses}")
