@@ -129,6 +129,11 @@ def _warm_up_kernels(optimizer: Any) -> None:
 
 def _bucket_numel(cfg: Any, model: torch.nn.Module) -> int:
     zero = cfg.zero_optimization
+    if zero.stage and {"reduce_bucket_size", "allgather_bucket_size"} & zero.model_fields_set:
+        # ZeRO all-gathers parameters bucket by bucket: a bucket respects both sizes.
+        sizes = [int(getattr(zero, k)) for k in ("reduce_bucket_size", "allgather_bucket_size")
+                 if k in zero.model_fields_set]
+        return min(sizes)
     if "reduce_bucket_size" in zero.model_fields_set:
         return int(zero.reduce_bucket_size)
     elem = next((p.element_size() for p in model.parameters()), 4)

@@ -89,6 +89,22 @@ class ShmChannel:
         self._requests.put((tensor, future))
         return future
 
+    def reduce_scatter_async(self, tensor: torch.Tensor,
+                             output: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Queues a sum reduce-scatter: ``tensor`` (numel divisible by the world size) is
+        summed across ranks and only this rank's contiguous slice lands in ``output``; the
+        same rank-order summation as ``all_reduce_async``, so the slice is bit-identical."""
+        for t in (tensor, output):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the shared-memory channel reduces contiguous CPU tensors")
+        if tensor.numel() != output.numel() * self.world_size or tensor.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input of {tensor.numel()} x {tensor.dtype} does "
+                             f"not split into {self.world_size} shards of {output.numel()} x "
+                             f"{output.dtype}")
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._requests.put(((tensor, output), future))
+        return future
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.all_reduce_async(tensor).result()
         return tensor
@@ -111,7 +127,10 @@ class ShmChannel:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                self._reduce(tensor)
+                if isinstance(tensor, tuple):
+                    self._reduce_scatter(*tensor)
+                else:
+                    self._reduce(tensor)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(exc)
             else:
@@ -123,7 +142,21 @@ class ShmChannel:
         for start in range(0, flat.numel(), per_chunk):
             self._reduce_chunk(flat[start:start + per_chunk])
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+    def _reduce_scatter(self, tensor: torch.Tensor, output: torch.Tensor) -> None:
+        flat, out = tensor.view(-1), output.view(-1)
+        lo = self.rank * out.numel()
+        hi = lo + out.numel()
+        per_chunk = self.slot_bytes // tensor.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            chunk = flat[start:start + per_chunk]
+            a, b = max(lo, start), min(hi, start + chunk.numel())
+            self._reduce_chunk(chunk, (a - start, b - start, out[a - lo:b - lo]) if a < b
+                               else (0, 0, None))
+
+    def _reduce_chunk(self, chunk: torch.Tensor,
+                      part: tuple[int, int, torch.Tensor | None] | None = None) -> None:
+        """Sums ``chunk`` across ranks into itself, or (``part`` = (begin, end, out)) only its
+        elements [begin, end) into ``out`` (every rank still writes its whole chunk)."""
         self._seq += 1
         seq = self._seq
         nbytes = chunk.numel() * chunk.element_size()
@@ -134,9 +167,14 @@ class ShmChannel:
         self._written[self.rank] = seq
         self._wait(self._written, seq, "write its contribution")
         views = [slot[:nbytes].view(chunk.dtype) for slot in self._slots]
-        torch.add(views[0], views[1], out=chunk)
-        for other in views[2:]:
-            chunk.add_(other)
+        target = chunk
+        if part is not None:
+            begin, end, target = part
+            views = [v[begin:end] for v in views]
+        if target is not None:
+            torch.add(views[0], views[1], out=target)
+            for other in views[2:]:
+                target.add_(other)
         self._read[self.rank] = seq
 
     def _wait(self, flags: np.ndarray, target: int, what: str) -> None:
@@ -154,12 +192,19 @@ class ShmChannel:
             pause = min(pause * 2 or 2e-6, 2e-4)
 
 
+_opened = 0
+
+
 def open_channel(rank: Any, *, slot_bytes: int, timeout: float) -> ShmChannel:
     """Creates (local rank 0) or attaches (the others) the host's channel, agreeing on the file
     through the control plane, and unlinks it once everyone has it mapped, so nothing is left
     in /dev/shm even if the job crashes."""
+    global _opened
     env = rank.env
-    key = f"shm-channel-{env.node_rank}"
+    # Numbered: an engine rebuilt in the same job opens a new channel under a fresh key (every
+    # rank opens its channels in the same order).
+    _opened += 1
+    key = f"shm-channel-{env.node_rank}-{_opened}"
     if env.local_rank == 0:
         path = _SHM_DIR / f"flowtrain-{os.getpid()}-{os.urandom(6).hex()}"
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,

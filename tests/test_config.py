@@ -228,11 +228,10 @@ def test_all_problems_reported_at_once():
         "gradient_acumulation_steps: unknown key; did you mean gradient_accumulation_steps?",
         "fp16.enabled and bf16.enabled are both true; enable at most one of them",
         err.problems[4],
-        "zero_optimization.stage 1: ZeRO stage 1 is not supported yet; use stage 0",
     ]
     assert err.problems[4].startswith("train_batch_size 16 != ")
     assert isinstance(err, ValueError)
-    assert str(err).splitlines()[0] == "config dict: 6 problems"
+    assert str(err).splitlines()[0] == "config dict: 5 problems"
     assert str(err).splitlines()[1:] == [f"  - {p}" for p in err.problems]
 
 
@@ -405,14 +404,14 @@ def test_bfloat16_alias_does_not_warn():
 # -- support gate ------------------------------------------------------------------------------
 
 def test_unsupported_features_and_switching_them_on(monkeypatch):
-    config = {"train_batch_size": 4, "zero_optimization": {"stage": 2},
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
               "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2},
               "amp": {"enabled": True, "opt_level": "O1"}, "flops_profiler": {"enabled": True},
               "wandb": {"enabled": True}, "tensorboard": {"enabled": False},
               "optimizer": {"type": "lamb"}}
     cfg = load_config(config, check_supported=False)
     assert unsupported_features(cfg) == [
-        "zero_optimization.stage 2: ZeRO stage 2 is not supported yet; use stage 0",
+        "zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0",
         "pipeline.stages 2: pipeline parallelism is not supported yet; use 1 stage",
         "tensor_parallel size 2: tensor parallelism is not supported yet; use 1",
         "optimizer Lamb is not available; flowtrain has: Adam, AdamW, SGD, Lion",
@@ -423,5 +422,5 @@ def test_unsupported_features_and_switching_them_on(monkeypatch):
     ]
     assert problems_of(config) == unsupported_features(cfg)
     monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES",
-                        SUPPORTED_FEATURES | {"zero_stage_2", "pipeline", "wandb"})
+                        SUPPORTED_FEATURES | {"zero_stage_3", "pipeline", "wandb"})
     assert len(unsupported_features(cfg)) == 4

@@ -9,7 +9,7 @@ from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 # Feature names: "zero_stage_1".."zero_stage_3", "cpu_offload_optimizer", "cpu_offload_param",
 # "pipeline", "tensor_parallel", "flops_profiler", each monitor section name, each opaque
 # section name (see model.OPAQUE_SECTIONS).
-SUPPORTED_FEATURES: set[str] = set()
+SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2"}
 
 # Not on the roadmap: these get "not supported", never "not supported yet".
 NEVER_SUPPORTED = {"nvme_offload", "amp"}

@@ -18,7 +18,10 @@ class GradBuckets:
     ``on_bucket_ready(index)`` when the last gradient of a bucket has landed.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], plan: Sequence[BucketPlan]) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], plan: Sequence[BucketPlan],
+                 pad_to: int = 1) -> None:
+        # pad_to: each buffer's length is rounded up to a multiple of it (ZeRO: the world
+        # size, so a bucket splits into equal shards); the padding stays zero.
         self.params = list(params)
         self.plan = tuple(plan)
         self.flat: list[torch.Tensor] = []
@@ -31,7 +34,8 @@ class GradBuckets:
         self.observed_order: list[int] = []
         for bucket in self.plan:
             first = self.params[bucket.slots[0].index]
-            flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+            flat = torch.zeros(-(-bucket.numel // pad_to) * pad_to, dtype=first.dtype,
+                               device=first.device)
             self.flat.append(flat)
             for slot in bucket.slots:
                 param = self.params[slot.index]

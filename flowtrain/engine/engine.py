@@ -71,7 +71,10 @@ class FlowtrainEngine(torch.nn.Module):
             raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
         self._names = _param_names(model, self.trainable)
 
-        self.master = MasterWeights(self.trainable) if model_dtype != torch.float32 else None
+        self.zero_stage = config.zero_optimization.stage
+        self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stage 1 or 2
+        self.master = MasterWeights(self.trainable) \
+            if model_dtype != torch.float32 and not self.zero_stage else None
         if self.master is not None:
             self.master.replace_in_optimizer(optimizer)
         self.optimizer = optimizer
@@ -88,6 +91,14 @@ class FlowtrainEngine(torch.nn.Module):
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = self.world_size == 1 or config.flowtrain.bucket_order == "reverse"
+        if self.zero_stage:
+            from flowtrain.zero import ZeroOptimizer
+
+            self.zero = ZeroOptimizer(self.trainable, self.buckets, stage=self.zero_stage,
+                                      world_size=self.world_size, rank=self.global_rank,
+                                      reduce_scatter=config.zero_optimization.reduce_scatter)
+            self.zero.replace_in_optimizer(optimizer)
+            self._order_settled = True  # shard layouts never change
         self.reducer = None
         self.channel = None
         if self.world_size > 1:
@@ -96,7 +107,9 @@ class FlowtrainEngine(torch.nn.Module):
                                     comm_dtype=self.comm_dtype,
                                     predivide=config.gradient_predivide_factor,
                                     prescale=config.prescale_gradients, stages=self.stages,
-                                    channel=self.channel)
+                                    channel=self.channel,
+                                    shards=self.zero.grad_shards if self.zero is not None and
+                                    self.zero.scattered else None)
             self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
             self._reducer_actor = reducer
 
@@ -164,7 +177,8 @@ class FlowtrainEngine(torch.nn.Module):
             comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order)
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
-        buckets = GradBuckets(self.trainable, plan.buckets)
+        buckets = GradBuckets(self.trainable, plan.buckets,
+                              pad_to=self.world_size if self.zero_stage else 1)
         buckets.install_hooks()
         if self.master is not None:
             self.master.layout_grads(buckets)
@@ -207,6 +221,9 @@ class FlowtrainEngine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block do not reduce gradients (DDP's no_sync)."""
+        if self.zero_stage >= 2:
+            raise RuntimeError("no_sync is not supported with ZeRO stage 2: gradients are "
+                               "partitioned as they are reduced (DeepSpeed refuses it too)")
         previous, self._no_sync = self._no_sync, True
         try:
             yield
@@ -276,6 +293,8 @@ class FlowtrainEngine(torch.nn.Module):
             self._log_step(loss, lr)
 
     def _optimizer_step(self) -> bool:
+        if self.zero is not None:
+            return self._zero_step()
         if self.master is not None:
             self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
             grads = self.master.flat
@@ -307,7 +326,51 @@ class FlowtrainEngine(torch.nn.Module):
             self.lr_scheduler.step()
         return False
 
+    def _zero_step(self) -> bool:
+        clip = self.config.gradient_clipping
+        printing = bool(self.config.steps_per_print) and \
+            (self.global_steps + 1) % self.config.steps_per_print == 0
+        fp16 = self.precision == "fp16"
+        skipped, norm = self.zero.step(loss_scale=self.loss_scaler.loss_scale, fp16=fp16,
+                                       clip=clip, need_norm=printing)
+        self.loss_scaler.update(skipped)
+        self._global_grad_norm = norm
+        if skipped:
+            self.skipped_steps += 1
+        self._zero_grads()
+        if not skipped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return skipped
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: parameters, gradients (stage 2: the rank's
+        gradient shard and the bucket buffers backward accumulates into), optimizer state,
+        fp32 master weights and their gradients; and the process's resident set size."""
+        from flowtrain.zero.sharded import optimizer_state_bytes, process_rss
+
+        if self.zero is not None:
+            out = self.zero.memory_breakdown()
+        else:
+            def nbytes(ts: Any) -> int:
+                return sum(t.numel() * t.element_size() for t in ts)
+
+            out = {"parameters": nbytes(self.trainable),
+                   "gradient_buckets": nbytes(self.buckets.flat), "gradient_shards": 0,
+                   "master_weights": nbytes(self.master.master) if self.master else 0,
+                   "master_gradients": nbytes(self.master.flat) if self.master else 0}
+        trainable = {id(p) for p in self.trainable}
+        out["parameters"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                 if id(p) not in trainable)
+        out["gradients"] = out["gradient_buckets"] + out["gradient_shards"]
+        out["optimizer_state"] = optimizer_state_bytes(self.optimizer)
+        out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + \
+            out["master_weights"] + out["master_gradients"]
+        out["process_rss"] = process_rss()
+        return out
+
     def _zero_grads(self) -> None:
+        if self.zero is not None:
+            self.zero.zero_grads()
         self.buckets.zero_()
         if self.master is not None:
             for flat in self.master.flat:

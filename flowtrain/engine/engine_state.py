@@ -26,7 +26,9 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
             module_state = {k: v for k, v in module_state.items() if k not in frozen}
         shared = {
             "module": module_state,
-            "optimizer": engine.optimizer.state_dict(),
+            # With ZeRO each rank's optimizer holds only its shard: it goes in the rank's file.
+            "optimizer": engine.optimizer.state_dict() if engine.zero is None else None,
+            "zero_stage": engine.zero_stage,
             "master_weights": engine.master.state_dict() if engine.master is not None else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
             else None,
@@ -40,6 +42,8 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
             "client_state": client_state or {},
         }
     per_rank = {"rng": rng_state(), "rank": engine.global_rank}
+    if engine.zero is not None:
+        per_rank["zero"] = engine.zero.state_dict()
     path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
                 barrier=engine._barrier, save_latest=save_latest)
     return str(path)
@@ -56,13 +60,18 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
         log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))
         return None, None
     shared, per_rank = load(path, engine.global_rank)
+    if not load_module_only:
+        _check_zero_layout(engine, path, shared, per_rank)
     if custom_load_fn is not None:
         custom_load_fn(src=shared["module"], dst=engine.module)
     else:
         engine.module.load_state_dict(shared["module"], strict=load_module_strict)
     if not load_module_only:
+        if engine.zero is not None:
+            engine.zero.load_state_dict(per_rank["zero"], load_optimizer=load_optimizer_states)
         if load_optimizer_states:
-            engine.optimizer.load_state_dict(shared["optimizer"])
+            if engine.zero is None:
+                engine.optimizer.load_state_dict(shared["optimizer"])
             if engine.master is not None and shared.get("master_weights") is not None:
                 engine.master.load_state_dict(shared["master_weights"])
             engine.loss_scaler.load_state_dict(shared["loss_scaler"])
@@ -79,5 +88,23 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
             set_rng_state(per_rank["rng"])
     elif engine.master is not None:
         engine.master.load_state_dict([p.detach().float() for p in engine.trainable])
+    if engine.zero is not None and (load_module_only or per_rank["zero"]["master"] is None):
+        engine.zero.reload_from_model()
     engine._zero_grads()
     return str(path), shared.get("client_state", {})
+
+
+def _check_zero_layout(engine: Any, path: Any, shared: dict[str, Any],
+                       per_rank: dict[str, Any] | None) -> None:
+    """ZeRO checkpoints load only into the same stage and data-parallel world size for now."""
+    saved_stage = shared.get("zero_stage", 0)
+    saved_world = shared.get("world_size", engine.world_size)
+    if (saved_stage or engine.zero_stage) and \
+            (saved_stage != engine.zero_stage or saved_world != engine.world_size or
+             (engine.zero is not None and (per_rank is None or "zero" not in per_rank))):
+        raise ValueError(
+            f"checkpoint {path} was saved with ZeRO stage {saved_stage} on {saved_world} "
+            f"data-parallel ranks; this engine runs ZeRO stage {engine.zero_stage} on "
+            f"{engine.world_size}. Loading optimizer state into a different stage or world size "
+            f"(resharding) is not supported yet; load with load_module_only=True to take just "
+            f"the model weights")

@@ -48,6 +48,7 @@ class MasterWeights:
         """Points the optimizer's parameter groups at the master copies instead of the model's
         half-precision parameters (as DeepSpeed's fp16 optimizer wrapper does)."""
         index = {id(p): i for i, p in enumerate(self.model_params)}
+        groups = []
         for group in optimizer.param_groups:
             replaced = []
             for p in group["params"]:
@@ -56,12 +57,9 @@ class MasterWeights:
                     raise ValueError("the optimizer holds a parameter that is not a trainable "
                                      "parameter of the model")
                 replaced.append(self.master[i])
-            group["params"] = replaced
-        # A fused optimizer writes the half-precision model copy in its own pass.
-        self.fused_copy = hasattr(optimizer, "write_model_copies") and all(
-            p.data.is_contiguous() for p in self.model_params)
-        if self.fused_copy:
-            optimizer.write_model_copies(zip(self.master, (p.data for p in self.model_params)))
+            groups.append(replaced)
+        self.fused_copy = point_optimizer_at(
+            optimizer, groups, list(zip(self.master, (p.data for p in self.model_params))))
         if optimizer.state:
             moved = {}
             for p, state in optimizer.state.items():
@@ -81,6 +79,21 @@ class MasterWeights:
             for m, t in zip(self.master, tensors):
                 m.copy_(t)
         self.copy_to_model()
+
+
+def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[torch.Tensor]],
+                       copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Makes ``groups[i]`` the parameters of the optimizer's group i (fp32 master copies, or
+    ZeRO's master shards). ``copies`` pairs each stepped tensor with the lower-precision model
+    tensor it must be written to after a step; a fused optimizer writes them in its own pass
+    (returns True), otherwise the caller copies them."""
+    for group, params in zip(optimizer.param_groups, groups, strict=True):
+        group["params"] = list(params)
+    fused = bool(copies) and hasattr(optimizer, "write_model_copies") and all(
+        model.is_contiguous() for _, model in copies)
+    if fused:
+        optimizer.write_model_copies(copies)
+    return fused
 
 
 def total_grad_norm(flats: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,9 @@ from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.stages import BucketFull, BucketReduced, Stages
 from flowtrain.runtime.actor import Actor, handler
 
+# torch >= 2.13 names it reduce_scatter_single; older releases only have reduce_scatter_tensor.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class BucketReady:
@@ -49,8 +52,13 @@ class BucketReducer(Actor):
     def __init__(self, buckets: GradBuckets, *, world_size: int, comm_dtype: torch.dtype,
                  predivide: float = 1.0, prescale: bool = False, group: Any = None,
                  stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT,
-                 channel: Any = None) -> None:
+                 channel: Any = None, shards: list[torch.Tensor] | None = None) -> None:
         self.buckets = buckets
+        # ZeRO stage 2: reduce-scatter each bucket into this rank's gradient shard instead of
+        # all-reducing it (the bucket buffers then hold unreduced local gradients).
+        self.shards = shards
+        self._op = "all_reduce" if shards is None else "reduce_scatter"
+        self._shard_buffers: dict[int, torch.Tensor] = {}
         self.world_size = world_size
         self.comm_dtype = comm_dtype
         self.predivide = predivide
@@ -88,7 +96,7 @@ class BucketReducer(Actor):
             await self._launch(self._next)
             self._next += 1
         for index, work, buffer, launched in self._inflight:
-            what = f"all_reduce of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
+            what = f"{self._op} of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
             if self.channel is not None:
                 try:
                     await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
@@ -100,7 +108,8 @@ class BucketReducer(Actor):
             self._finish(index, buffer)
             self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
             for ref in self.stages["after_reduce"]:
-                await ref.ask(BucketReduced(index, self.buckets.flat[index], self._step))
+                reduced = self.buckets.flat if self.shards is None else self.shards
+                await ref.ask(BucketReduced(index, reduced[index], self._step))
         report = ReduceReport(tuple(self._spans))
         self._inflight.clear()
         self._spans.clear()
@@ -123,14 +132,27 @@ class BucketReducer(Actor):
         if pre != 1.0:
             buffer.mul_(pre)
         launched = time.perf_counter()
-        if self.channel is not None:
+        if self.shards is not None:
+            work, buffer = self._launch_scatter(index, buffer)
+        elif self.channel is not None:
             work = self.channel.all_reduce_async(buffer)
         else:
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self._inflight.append((index, work, buffer, launched))
 
+    def _launch_scatter(self, index: int, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        shard = self.shards[index]
+        out = shard
+        if shard.dtype != buffer.dtype:
+            out = self._shard_buffers.get(index)
+            if out is None:
+                out = self._shard_buffers[index] = torch.empty_like(shard, dtype=buffer.dtype)
+        if self.channel is not None:
+            return self.channel.reduce_scatter_async(buffer, out), out
+        return _reduce_scatter(out, buffer, group=self.group, async_op=True), out
+
     def _finish(self, index: int, buffer: torch.Tensor) -> None:
-        grad = self.buckets.flat[index]
+        grad = self.buckets.flat[index] if self.shards is None else self.shards[index]
         post = 1.0 if self.prescale else self.predivide / self.world_size
         if buffer is not grad:
             grad.copy_(buffer)
