@@ -46,6 +46,9 @@ def warm_up(names: tuple[str, ...] | None = None) -> float:
     every signature ops uses, so no training step pays for compilation; returns the seconds."""
     from . import cpu
 
+    from .ops import _sync_threads, keep_torch_threads
+
+    _sync_threads()
     t0 = time.perf_counter()
     samples = _cpu_samples()
     for name, builds in cpu.KERNELS.items():
@@ -53,7 +56,8 @@ def warm_up(names: tuple[str, ...] | None = None) -> float:
             continue
         for k in builds:
             for args in samples[name]:
-                k(*args)
+                with keep_torch_threads():
+                    k(*args)
     return time.perf_counter() - t0
 
 

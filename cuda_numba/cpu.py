@@ -6,6 +6,7 @@ import math
 import types
 
 import numpy as np
+import numba
 from numba import njit, prange, types as nbtypes
 from numba.extending import overload
 
@@ -342,37 +343,44 @@ KERNELS = {
 }
 
 
+def _parallel(n):
+    # One numba thread means the serial build: a parallel launch would start numba's OpenMP
+    # pool anyway, whose idle workers spin and take the CPU from torch (and from the other
+    # ranks of a job that shares the host) between steps.
+    return n >= PARALLEL_MIN and numba.get_num_threads() > 1
+
+
 def adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2,
          eps, weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled):
-    k = _adam_par if param.shape[0] >= PARALLEL_MIN else _adam_ser
+    k = _adam_par if _parallel(param.shape[0]) else _adam_ser
     k(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2, eps,
       weight_decay, bias_correction1, bias_correction2, inv_scale, decoupled)
 
 
 def lion(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
          inv_scale):
-    k = _lion_par if param.shape[0] >= PARALLEL_MIN else _lion_ser
+    k = _lion_par if _parallel(param.shape[0]) else _lion_ser
     k(param, grad, grad_kind, exp_avg, model_out, out_kind, lr, beta1, beta2, weight_decay,
       inv_scale)
 
 
 def sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
         weight_decay, nesterov, first_step, inv_scale):
-    k = _sgd_par if param.shape[0] >= PARALLEL_MIN else _sgd_ser
+    k = _sgd_par if _parallel(param.shape[0]) else _sgd_ser
     k(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum, dampening,
       weight_decay, nesterov, first_step, inv_scale)
 
 
 def unscale_check(grad, grad_kind, out, inv_scale):
-    k = _unscale_par if grad.shape[0] >= PARALLEL_MIN else _unscale_ser
+    k = _unscale_par if _parallel(grad.shape[0]) else _unscale_ser
     return bool(k(grad, grad_kind, out, inv_scale))
 
 
 def sum_squares(grad, grad_kind):
-    k = _sumsq_par if grad.shape[0] >= PARALLEL_MIN else _sumsq_ser
+    k = _sumsq_par if _parallel(grad.shape[0]) else _sumsq_ser
     return float(k(grad, grad_kind))
 
 
 def cast(src, src_kind, dst, dst_kind):
-    k = _cast_par if src.shape[0] >= PARALLEL_MIN else _cast_ser
+    k = _cast_par if _parallel(src.shape[0]) else _cast_ser
     k(src, src_kind, dst, dst_kind)

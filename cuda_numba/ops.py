@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any, Sequence
 
 import numba
@@ -68,8 +71,30 @@ def _sync_threads() -> None:
     want = torch.get_num_threads()
     if "NUMBA_NUM_THREADS" in os.environ:
         want = numba.config.NUMBA_NUM_THREADS
-    numba.set_num_threads(max(1, min(want, numba.config.NUMBA_NUM_THREADS)))
+    with keep_torch_threads():
+        numba.set_num_threads(max(1, min(want, numba.config.NUMBA_NUM_THREADS)))
+        _start_pool()
     _threads_set = True
+
+
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """numba's OpenMP pool shares torch's libgomp, and starting it sets the process-wide
+    OpenMP thread count to NUMBA_NUM_THREADS: torch would then run 2 threads per rank where
+    OMP_NUM_THREADS said 1, and ranks sharing a host oversubscribe it. Put torch's back."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _start_pool() -> None:
+    # One tiny parallel launch starts the pool now, inside keep_torch_threads.
+    from . import cpu
+
+    cpu.KERNELS["cast"][0](np.zeros(1, np.float32), 0, np.zeros(1, np.float32), 0)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
