@@ -20,13 +20,26 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
+# Prints the path of a CPU build of torch that pip can take from local files (find-links),
+# without asking any index; fails when there is none.
+cpu_torch_wheel() {
+  local dir
+  dir=$(mktemp -d)
+  "${PIP[@]}" download --no-deps --no-index -q -d "$dir" "torch==$CPU_TORCH_VERSION" \
+    >/dev/null 2>&1 || return 1
+  ls "$dir"/torch-*+cpu-*.whl 2>/dev/null | head -n 1 | grep . || return 1
+}
+
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: GPU found, installing torch from the package index"
     "${PIP[@]}" install torch
-  elif "${PIP[@]}" install --no-index "torch==$CPU_TORCH_VERSION" >/dev/null 2>&1; then
-    # A local wheel (pip's find-links) served the CPU build without touching the network.
-    echo "setup: installed torch==$CPU_TORCH_VERSION from a local wheel"
+  elif local_wheel=$(cpu_torch_wheel); then
+    # pip's find-links hold the CPU build: install that file; its dependencies come from the
+    # index as usual.
+    echo "setup: installing the CPU build of torch from local files ($(basename "$local_wheel"))"
+    "${PIP[@]}" install "$local_wheel"
+    rm -rf "$(dirname "$local_wheel")"
   else
     echo "setup: no GPU, installing the CPU build of torch from $CPU_TORCH_INDEX"
     "${PIP[@]}" install "torch==$CPU_TORCH_VERSION" --index-url "$CPU_TORCH_INDEX"
