@@ -23,6 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_common import IN_DIM, flat_params, micro_batch  # noqa: E402
+from engine_worker import write  # noqa: E402
 
 import flowtrain  # noqa: E402
 
@@ -155,13 +156,6 @@ def mode_resume(out: str, ckpt: str) -> None:
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
     write(out, result)
-
-
-def write(out: str, data: dict[str, Any]) -> None:
-    path = Path(f"{out}.rank{dist.get_rank()}.json")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
 
 
 def main() -> None:
