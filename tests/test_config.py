@@ -376,7 +376,8 @@ def test_deprecated_gather_fp16_alias_warns_and_maps():
     with pytest.warns(ConfigWarning, match="stage3_gather_fp16_weights_on_model_save is "
                                            "deprecated"):
         cfg = load_config({"train_batch_size": 1, "zero_optimization": {
-            "stage3_gather_fp16_weights_on_model_save": True}})
+            "stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
+            check_supported=False)
     assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
 
 
@@ -386,7 +387,8 @@ def test_deprecated_cpu_offload_warns_and_maps():
             "stage": 2, "cpu_offload": True}}, check_supported=False)
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
     problems = problems_of({"train_batch_size": 1, "zero_optimization": {
-        "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, check_supported=False)
+        "stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+        check_supported=False)
     assert problems == ["zero_optimization.cpu_offload (deprecated) and "
                         "zero_optimization.offload_optimizer are both set; keep only "
                         "offload_optimizer"]
@@ -404,15 +406,18 @@ def test_bfloat16_alias_does_not_warn():
 # -- support gate ------------------------------------------------------------------------------
 
 def test_unsupported_features_and_switching_them_on(monkeypatch):
+    # ZeRO 3 and pipeline stages > 1 contradict each other (tests/test_zero_config.py), so the
+    # pipeline is asked for with stage 1 at the end.
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
-              "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2},
+              "tensor_parallel": {"autotp_size": 2},
               "amp": {"enabled": True, "opt_level": "O1"}, "flops_profiler": {"enabled": True},
               "wandb": {"enabled": True}, "tensorboard": {"enabled": False},
               "optimizer": {"type": "lamb"}}
     cfg = load_config(config, check_supported=False)
+    stage3 = ([] if "zero_stage_3" in SUPPORTED_FEATURES else
+              ["zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0"])
     assert unsupported_features(cfg) == [
-        "zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0",
-        "pipeline.stages 2: pipeline parallelism is not supported yet; use 1 stage",
+        *stage3,
         "tensor_parallel size 2: tensor parallelism is not supported yet; use 1",
         "optimizer Lamb is not available; flowtrain has: Adam, AdamW, SGD, Lion",
         "amp: NVIDIA apex AMP is not supported; use fp16 or bf16 instead",
@@ -422,5 +427,11 @@ def test_unsupported_features_and_switching_them_on(monkeypatch):
     ]
     assert problems_of(config) == unsupported_features(cfg)
     monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES",
-                        SUPPORTED_FEATURES | {"zero_stage_3", "pipeline", "wandb"})
+                        SUPPORTED_FEATURES | {"zero_stage_3", "wandb"})
     assert len(unsupported_features(cfg)) == 4
+    pipe = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}
+    assert problems_of(pipe) == [
+        "pipeline.stages 2: pipeline parallelism is not supported yet; use 1 stage"]
+    monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES",
+                        SUPPORTED_FEATURES | {"pipeline"})
+    assert load_config(pipe).pipeline.stages == 2

@@ -1,11 +1,13 @@
 """``load_config``: reads a DeepSpeed JSON config (path or dict), rewrites aliases, resolves
-"auto", validates, applies the batch rule and the support gate, and reports all problems at once."""
+"auto", validates, checks ZeRO keys against each other, applies the batch rule and the support
+gate, and reports all problems at once (and warns about keys that ZeRO ignores)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -16,11 +18,12 @@ from flowtrain.config.aliases import normalize
 from flowtrain.config.auto import BATCH_KEYS, AutoContext, resolve_auto
 from flowtrain.config.batch import resolve_batch
 from flowtrain.config.explain import error_locs, explain
-from flowtrain.config.fields import ConfigError, show
+from flowtrain.config.fields import ConfigError, ConfigWarning, show
 from flowtrain.config.model import FlowtrainConfig
 from flowtrain.config.params import (OPTIMIZER_PARAMS, SCHEDULER_PARAMS, canonical_optimizer,
                                      check_params, optimizer_type_problem)
 from flowtrain.config.support import unsupported_features
+from flowtrain.config.zero import check_zero, legacy_offload_conflicts
 
 _PRUNE_ROUNDS = 4
 
@@ -50,14 +53,24 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
                       scheduler_given=scheduler_given, micro_batch_size=micro_batch_size,
                       total_num_steps=total_num_steps, values=dict(auto_values or {}))
     problems: list[str] = []
+    legacy_offload_conflicts(raw.get("zero_optimization"), problems)
     normalize(raw, problems)
     auto = resolve_auto(raw, ctx)
     problems += auto.problems
     later: list[str] = []
     cfg, bad_locs = _validate(raw, later)
+    notes: list[str] = []
     if cfg is not None:
         cfg = _check_sections(cfg, ctx, later)
+        # Keys that contradict each other are reported like the batch rule's: one line each,
+        # with every other problem, whatever check_supported says.
+        zero_problems, notes = check_zero(cfg.zero_optimization, cfg.pipeline.stages,
+                                          broken=lambda path: _is_broken(path, bad_locs))
+        later += zero_problems
     problems += [p for p in later if p.split(":", 1)[0] not in auto.unresolved]
+    for note in notes:
+        # stacklevel 2: the warning points at the caller of load_config.
+        warnings.warn(note, ConfigWarning, stacklevel=2)
     if cfg is not None:
         batch_broken = any(loc and loc[0] in BATCH_KEYS for loc in bad_locs)
         if not batch_broken:
@@ -157,11 +170,24 @@ def _validate(raw: dict[str, Any],
     return None, all_locs
 
 
+def _is_broken(path: str, bad_locs: list[tuple[Any, ...]]) -> bool:
+    """Whether the value at dotted ``path`` (or a key inside it, or a section around it) failed
+    validation, so that the validated config holds a default in its place."""
+    parts = tuple(path.split("."))
+    for loc in bad_locs:
+        keys = tuple(str(p) for p in loc)
+        n = min(len(keys), len(parts))
+        if keys[:n] == parts[:n]:
+            return True
+    return False
+
+
 def _check_sections(cfg: FlowtrainConfig, ctx: AutoContext,
                     problems: list[str]) -> FlowtrainConfig:
     """Checks that span keys: precision exclusivity, optimizer and scheduler params by type
     (skipped when the caller passes its own optimizer/scheduler: the params are then unused)."""
     update: dict[str, Any] = {}
+    # DeepSpeedConfig asserts the same: "bfloat16 and fp16 modes cannot be simultaneously enabled".
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     if cfg.optimizer is not None:
