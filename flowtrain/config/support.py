@@ -3,6 +3,7 @@ by adding its name to ``SUPPORTED_FEATURES`` (or an optimizer to ``AVAILABLE_OPT
 
 from __future__ import annotations
 
+from flowtrain.config.fields import show
 from flowtrain.config.model import MONITOR_SECTIONS, OPAQUE_SECTIONS, FlowtrainConfig
 from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 
@@ -12,7 +13,7 @@ from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2"}
 
 # Not on the roadmap: these get "not supported", never "not supported yet".
-NEVER_SUPPORTED = {"nvme_offload", "amp"}
+NEVER_SUPPORTED = {"nvme_offload", "partial_offload", "amp"}
 
 # Opaque sections that only tune another feature and mean nothing on their own.
 _PASSIVE_SECTIONS = {"aio", "timers"}
@@ -42,9 +43,23 @@ def unsupported_features(cfg: FlowtrainConfig) -> list[str]:
         if section.device == "nvme":
             out.append(f"zero_optimization.{name}.device nvme: offloading to NVMe is not "
                        f"supported by flowtrain; use \"cpu\" or \"none\"")
-        elif section.device == "cpu":
+        elif section.nvme_path is not None:
+            # DeepSpeed reads nvme_path only when the device is nvme and ignores it otherwise;
+            # a path says the user meant NVMe, which flowtrain never runs, so it is refused
+            # like device nvme rather than dropped without a word.
+            out.append(f"zero_optimization.{name}.nvme_path {show(section.nvme_path)} with "
+                       f"device {show(section.device)}: nvme_path is only for offloading to "
+                       f"NVMe, which flowtrain does not support; remove nvme_path and use "
+                       f"device \"cpu\" to offload")
+        if section.device == "cpu":
             want(f"cpu_{name}", f"zero_optimization.{name}.device cpu: CPU offload is not "
                                 f"supported yet; use \"none\"")
+    # Partial offload (ZeRO-Offload++: a fraction of the optimizer steps on the GPU) is valid
+    # DeepSpeed at stage 3 only; below stage 3 DeepSpeed refuses it and zero.check_zero reports it.
+    ratio = zero.offload_optimizer.ratio
+    if zero.stage == 3 and ratio < 1:
+        out.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: partial optimizer "
+                   f"offload (ZeRO-Offload++, ratio < 1) is not supported by flowtrain; use 1.0")
     if isinstance(cfg.pipeline.stages, int) and cfg.pipeline.stages > 1:
         want("pipeline", f"pipeline.stages {cfg.pipeline.stages}: pipeline parallelism is not "
                          f"supported yet; use 1 stage")
