@@ -240,8 +240,9 @@ BAD_CONFIGS = {
                     "gradient_clippin: unknown key"),
     "wrong type": ({"train_batch_size": 4, "gradient_accumulation_steps": "two"},
                    "gradient_accumulation_steps: expected an integer"),
-    "zero stage 3": ({"train_batch_size": 4, "zero_optimization": {"stage": 3}},
-                     "ZeRO stage 3 is not supported"),
+    "nvme offload": ({"train_batch_size": 4, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+                     "offloading to NVMe is not supported"),
 }
 
 

@@ -10,7 +10,8 @@ from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 # Feature names: "zero_stage_1".."zero_stage_3", "cpu_offload_optimizer", "cpu_offload_param",
 # "pipeline", "tensor_parallel", "flops_profiler", each monitor section name, each opaque
 # section name (see model.OPAQUE_SECTIONS).
-SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2"}
+SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2", "zero_stage_3",
+                                "cpu_offload_optimizer", "cpu_offload_param"}
 
 # Not on the roadmap: these get "not supported", never "not supported yet".
 NEVER_SUPPORTED = {"nvme_offload", "partial_offload", "amp"}

@@ -18,7 +18,7 @@ from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.engine_state import load_engine, save_engine
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
-from flowtrain.engine.reducer import BucketReady, BucketReducer, Flush
+from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
 from flowtrain.engine.stages import (
     BucketFull,
     BucketReduced,
@@ -71,8 +71,15 @@ class FlowtrainEngine(torch.nn.Module):
             raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
         self._names = _param_names(model, self.trainable)
 
-        self.zero_stage = config.zero_optimization.stage
-        self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stage 1 or 2
+        zcfg = config.zero_optimization
+        self.zero_stage = zcfg.stage
+        self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stages 1-3
+        self.stage3 = None  # flowtrain.zero.stage3.Stage3Params: stage 3 on several ranks
+        # Stages 2-3 keep a gradient shard, not whole gradients: buckets are transient and
+        # reduce-scattered every micro-batch.
+        self.transient = self.zero_stage >= 2 and self.world_size > 1 and \
+            (zcfg.reduce_scatter or self.zero_stage == 3)
+        self._handed: set[int] = set()
         self.master = MasterWeights(self.trainable) \
             if model_dtype != torch.float32 and not self.zero_stage else None
         if self.master is not None:
@@ -88,16 +95,18 @@ class FlowtrainEngine(torch.nn.Module):
 
         self.comm_dtype = config.communication_dtype
         self.bucket_numel = int(bucket_numel)
+        self._groups = None
+        if self.zero_stage:
+            from flowtrain.zero.build import param_groups
+
+            self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = self.world_size == 1 or config.flowtrain.bucket_order == "reverse"
         if self.zero_stage:
-            from flowtrain.zero import ZeroOptimizer
+            from flowtrain.zero.build import build_zero
 
-            self.zero = ZeroOptimizer(self.trainable, self.buckets, stage=self.zero_stage,
-                                      world_size=self.world_size, rank=self.global_rank,
-                                      reduce_scatter=config.zero_optimization.reduce_scatter)
-            self.zero.replace_in_optimizer(optimizer)
+            self.zero, self.stage3 = build_zero(self, optimizer)
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         self.channel = None
@@ -169,8 +178,14 @@ class FlowtrainEngine(torch.nn.Module):
                 for name, p in zip(self._names, self.trainable)]
 
     def _make_plan(self, order: list[int] | None) -> StepPlan:
+        buckets = None
+        if self.zero_stage == 3 and self.world_size > 1:
+            from flowtrain.zero.build import stage3_buckets
+
+            buckets = stage3_buckets(self, self._param_specs(), self._groups)
         return build_step_plan(
-            self._param_specs(), world_size=self.world_size,
+            self._param_specs(), world_size=self.world_size, groups=self._groups,
+            buckets=buckets,
             gradient_accumulation_steps=self.config.gradient_accumulation_steps,
             micro_batch_size=self.config.train_micro_batch_size_per_gpu,
             bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
@@ -178,7 +193,8 @@ class FlowtrainEngine(torch.nn.Module):
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         buckets = GradBuckets(self.trainable, plan.buckets,
-                              pad_to=self.world_size if self.zero_stage else 1)
+                              pad_to=self.world_size if self.zero_stage else 1,
+                              transient=self.transient)
         buckets.install_hooks()
         if self.master is not None:
             self.master.layout_grads(buckets)
@@ -210,6 +226,8 @@ class FlowtrainEngine(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
+        if self.stage3 is not None and torch.is_grad_enabled():
+            self.stage3.start_micro_batch()
         with self.timer.span("forward"):
             if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
                 args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
@@ -241,8 +259,10 @@ class FlowtrainEngine(torch.nn.Module):
         if not self.buckets.views_intact():
             self.buckets.attach_views()  # the user cleared .grad (e.g. zero_grad(set_to_none))
         boundary = self.is_gradient_accumulation_boundary()
-        reduce_now = boundary and self.reducer is not None and not self._no_sync
+        reduce_now = (boundary or self.transient) and self.reducer is not None and \
+            not self._no_sync
         self.buckets.reset_arrivals()
+        self._handed.clear()
         self.buckets.on_bucket_ready = self._bucket_ready if reduce_now else None
         self.buckets.record_order = reduce_now and not self._order_settled
         scale = self.loss_scaler.loss_scale
@@ -252,11 +272,27 @@ class FlowtrainEngine(torch.nn.Module):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.buckets.on_bucket_ready = None
         self.buckets.record_order = False
+        if self.transient:
+            # buckets that did not fill (unused parameters) go too, then the micro-batch ends
+            for index in range(len(self.plan.buckets)):
+                if index not in self._handed:
+                    self._bucket_ready(index)
+            if not boundary:
+                self.reducer.send_from_thread(EndMicroBatch(self.global_steps))
+        if self.stage3 is not None:
+            self.stage3.end_backward()
         self._send_stage("micro_batch", MicroBatchEnd(self.global_steps, self.micro_steps))
         return loss
 
     def _bucket_ready(self, index: int) -> None:
-        self.reducer.send_from_thread(BucketReady(index, self.global_steps))
+        if not self.transient:
+            self.reducer.send_from_thread(BucketReady(index, self.global_steps))
+            return
+        self._handed.add(index)
+        self.reducer.send_from_thread(BucketReady(index, self.global_steps,
+                                                  self.buckets.take(index)))
+        if self.stage3 is not None:
+            self.stage3.backward_done(index)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Acts only at the accumulation boundary: waits for the gradient reduces, unscales,
@@ -278,6 +314,10 @@ class FlowtrainEngine(torch.nn.Module):
                     ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
         with self.timer.span("optimizer"):
             skipped = self._optimizer_step()
+        if self.stage3 is not None:
+            self.stage3.end_step()
+            self.timer.record_spans(self.stage3.spans)
+            self.stage3.spans.clear()
         if not self._order_settled and self.reducer is not None and not self._no_sync:
             self._settle_bucket_order()
         self.global_steps += 1
@@ -362,11 +402,54 @@ class FlowtrainEngine(torch.nn.Module):
         out["parameters"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                  if id(p) not in trainable)
         out["gradients"] = out["gradient_buckets"] + out["gradient_shards"]
+        # transient buckets (stages 2-3) are communication buffers, not model states
+        grads = out["gradient_shards"] if self.transient else out["gradients"]
         out["optimizer_state"] = optimizer_state_bytes(self.optimizer)
         out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + \
             out["master_weights"] + out["master_gradients"]
+        out["model_states"] = out["parameters"] + grads + out["optimizer_state"] + \
+            out["master_weights"] + out["master_gradients"]
         out["process_rss"] = process_rss()
         return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Under ZeRO stage 3, every parameter whole inside the block (like DeepSpeed's
+        GatheredParameters over the whole model); every rank must enter it. Changes made
+        inside are not written back to the shards."""
+        if self.stage3 is None:
+            yield
+            return
+        self.stage3.gather_all()
+        try:
+            yield
+        finally:
+            self.stage3.release_all()
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole state_dict on every rank, also under ZeRO stage 3 (collective)."""
+        with self.gathered_parameters():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the model's whole state_dict in its training dtype (DeepSpeed's
+        name; under stage 3 this gathers, as stage3_gather_16bit_weights_on_model_save does).
+        Every rank must call it; returns True where the file was written."""
+        from flowtrain.engine.checkpoint import save_file
+
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank != 0:
+            return False
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file(state, tmp)
+        os.replace(tmp, path)
+        return True
 
     def _zero_grads(self) -> None:
         if self.zero is not None:
@@ -395,9 +478,12 @@ class FlowtrainEngine(torch.nn.Module):
         breakdown = self.timer.breakdown(self.config.steps_per_print)
         samples_per_s = (self.config.train_batch_size / breakdown["step_s"]
                          if breakdown.get("step_s") else None)
+        memory = self.memory_breakdown()
         log.info("step", console=True, step=self.global_steps, loss=loss, lr=lr,
                  loss_scale=self.loss_scaler.loss_scale, skipped=self.skipped_steps,
                  grad_norm=self._global_grad_norm, samples_per_s=samples_per_s,
+                 model_state_mib=round(memory["total"] / 2**20, 1),
+                 rss_mib=round(memory["process_rss"] / 2**20, 1),
                  **({k: v for k, v in breakdown.items()} if self.config.wall_clock_breakdown
                     else {"step_s": breakdown.get("step_s")}))
 
@@ -461,6 +547,10 @@ class FlowtrainEngine(torch.nn.Module):
         self.buckets.remove_hooks()
         refs = ([self.reducer] if self.reducer is not None else []) + \
             [ref for point in self.stages.at.values() for ref in point]
+        if self.stage3 is not None:
+            self.stage3.remove_hooks()
+            refs.append(self.stage3.fetcher)
+            self.stage3 = None
         for ref in refs:
             self._runtime.stop_actor(ref.name)
         self.reducer = None

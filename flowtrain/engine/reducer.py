@@ -24,6 +24,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class BucketReady:
     index: int
     step: int
+    # ZeRO stages 2-3: the bucket's transient buffer, handed over (None: buckets.flat[index])
+    buffer: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class EndMicroBatch:
+    """ZeRO stages 2-3 reduce every micro-batch: finish this one's reduce-scatters (every
+    bucket was handed over) without the optimizer waiting for them."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,10 @@ class BucketReducer(Actor):
                  stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT,
                  channel: Any = None, shards: list[torch.Tensor] | None = None) -> None:
         self.buckets = buckets
-        # ZeRO stage 2: reduce-scatter each bucket into this rank's gradient shard instead of
-        # all-reducing it (the bucket buffers then hold unreduced local gradients).
+        # ZeRO stages 2-3: reduce-scatter each bucket and add the result into this rank's
+        # gradient shard instead of all-reducing it (the shards accumulate over micro-batches).
         self.shards = shards
+        self.on_reduced: Any = None  # called with a bucket index once its final reduce is done
         self._op = "all_reduce" if shards is None else "reduce_scatter"
         self._shard_buffers: dict[int, torch.Tensor] = {}
         self.world_size = world_size
@@ -68,7 +79,7 @@ class BucketReducer(Actor):
         self.timeout = timeout
         self.channel = channel  # a ShmChannel for ranks of one host, else torch.distributed
         self._next = 0
-        self._ready: set[int] = set()
+        self._ready: dict[int, torch.Tensor | None] = {}
         self._inflight: list[tuple[int, Any, torch.Tensor, float]] = []
         self._spans: list[tuple[str, float, float]] = []
         self._comm_buffers: dict[int, torch.Tensor] = {}
@@ -82,20 +93,31 @@ class BucketReducer(Actor):
     @handler
     async def ready(self, msg: BucketReady) -> None:
         self._step = msg.step
-        self._ready.add(msg.index)
+        self._ready[msg.index] = msg.buffer
         while self._next in self._ready:
-            await self._launch(self._next)
+            await self._launch(self._next, self._ready.pop(self._next))
             self._next += 1
+
+    @handler
+    async def end_micro_batch(self, msg: EndMicroBatch) -> None:
+        self._step = msg.step
+        await self._drain(final=False)
 
     @handler
     async def flush(self, msg: Flush) -> ReduceReport:
         self._step = msg.step
+        await self._drain(final=True)
+        report = ReduceReport(tuple(self._spans))
+        self._spans.clear()
+        return report
+
+    async def _drain(self, final: bool) -> None:
         # Buckets with a parameter that got no gradient this step never filled: reduce them now
         # (their missing gradients are zero), still in bucket order.
         while self._next < len(self.buckets.flat):
-            await self._launch(self._next)
+            await self._launch(self._next, self._ready.pop(self._next, None))
             self._next += 1
-        for index, work, buffer, launched in self._inflight:
+        for index, work, buffer, launched, source in self._inflight:
             what = f"{self._op} of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
             if self.channel is not None:
                 try:
@@ -106,19 +128,23 @@ class BucketReducer(Actor):
             else:
                 await comm.wait(work, what, self.timeout)
             self._finish(index, buffer)
+            if self.buckets.transient:
+                self.buckets.release(source)
             self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
+            if not final:
+                continue
+            if self.on_reduced is not None:
+                self.on_reduced(index)
             for ref in self.stages["after_reduce"]:
                 reduced = self.buckets.flat if self.shards is None else self.shards
                 await ref.ask(BucketReduced(index, reduced[index], self._step))
-        report = ReduceReport(tuple(self._spans))
         self._inflight.clear()
-        self._spans.clear()
         self._ready.clear()
         self._next = 0
-        return report
 
-    async def _launch(self, index: int) -> None:
-        grad = self.buckets.flat[index]
+    async def _launch(self, index: int, handed: torch.Tensor | None = None) -> None:
+        grad = handed if handed is not None else (
+            self.buckets.take(index) if self.buckets.transient else self.buckets.flat[index])
         for ref in self.stages["bucket_full"]:
             await ref.ask(BucketFull(index, grad, self._step))
         if self.comm_dtype == grad.dtype:
@@ -138,22 +164,29 @@ class BucketReducer(Actor):
             work = self.channel.all_reduce_async(buffer)
         else:
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self._inflight.append((index, work, buffer, launched))
+        self._inflight.append((index, work, buffer, launched, grad))
 
     def _launch_scatter(self, index: int, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        # into a scratch shard: the result is added to the accumulating gradient shard
         shard = self.shards[index]
-        out = shard
-        if shard.dtype != buffer.dtype:
-            out = self._shard_buffers.get(index)
-            if out is None:
-                out = self._shard_buffers[index] = torch.empty_like(shard, dtype=buffer.dtype)
+        out = self._shard_buffers.get(index)
+        if out is None:
+            out = self._shard_buffers[index] = torch.empty(shard.numel(), dtype=buffer.dtype,
+                                                           device=buffer.device)
         if self.channel is not None:
             return self.channel.reduce_scatter_async(buffer, out), out
         return _reduce_scatter(out, buffer, group=self.group, async_op=True), out
 
     def _finish(self, index: int, buffer: torch.Tensor) -> None:
-        grad = self.buckets.flat[index] if self.shards is None else self.shards[index]
         post = 1.0 if self.prescale else self.predivide / self.world_size
+        if self.shards is not None:
+            shard = self.shards[index]
+            if post != 1.0:
+                shard.add_(buffer.to(shard.device), alpha=post)
+            else:
+                shard.add_(buffer.to(shard.device))
+            return
+        grad = self.buckets.flat[index]
         if buffer is not grad:
             grad.copy_(buffer)
         if post != 1.0:

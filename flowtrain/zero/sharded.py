@@ -1,6 +1,6 @@
-"""The optimizer side of ZeRO stages 1 and 2: fp32 master shards stepped by the user's optimizer,
-the global overflow flag and gradient norm (one scalar all-reduce), and the post-step
-all-gather of every bucket's parameters."""
+"""The optimizer side of ZeRO stages 1-3: fp32 master shards stepped by the user's optimizer,
+the global overflow flag and gradient norm (one scalar all-reduce), the post-step all-gather of
+the buckets every rank keeps whole, and stage 3's partitioned parameter storage."""
 
 from __future__ import annotations
 
@@ -14,74 +14,152 @@ import torch.distributed as dist
 
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.mixed import point_optimizer_at
-from flowtrain.zero.partition import Shard, flatten_params, shard_of
+from flowtrain.zero.offload import Offloader
+from flowtrain.zero.partition import Shard, flatten_params, padded_numel, shard_of
 
 # torch >= 2.13 names the tensor collectives *_single; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ZeroOptimizer:
-    """This rank's part of the optimizer under ZeRO stage 1 or 2.
+    """This rank's part of the model states under ZeRO stage 1, 2 or 3.
 
-    Per bucket: ``flat_params[i]`` (the model's parameters, padded), ``shards[i]`` (this rank's
-    slice), ``master[i]`` (the fp32 tensor the optimizer steps: a view of the parameter slice
-    for fp32 models, an fp32 copy for fp16/bf16) whose ``.grad`` is an fp32 shard buffer. With
-    stage 2 the reducer reduce-scatters into ``grad_shards[i]`` (the fp32 ``.grad`` itself for
-    fp32 models); with stage 1 the bucket is all-reduced and the shard copied out of it.
+    Per bucket b of the plan: ``shards[b]`` (this rank's slice of the padded flat bucket),
+    ``model_shards[b]`` (that slice of the model's parameters, model dtype), ``master[b]`` (the
+    fp32 tensor the optimizer steps: ``model_shards[b]`` itself for fp32 models, an fp32 copy
+    otherwise). Buckets every rank keeps whole (stages 1-2; stage 3's small resident
+    parameters) have ``flat_params[b]``, the padded buffer the parameters are views of, which
+    the post-step all-gather fills; stage 3's partitioned buckets keep only the shard
+    (``flat_params[b]`` is None) and ``gather``/``release`` materialize the parameters around
+    each use.
+
+    Gradients: stage 1 all-reduces whole buckets and steps on this rank's slice; stages 2-3
+    reduce-scatter each bucket every micro-batch and add the result into ``grad_shards[b]``
+    (model dtype, the fp32 ``.grad`` itself for fp32 models). Mixed-precision master gradients
+    exist only during the step, so the model states per rank are the ZeRO paper's.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], buckets: GradBuckets, *,
                  stage: int, world_size: int, rank: int, group: Any = None,
-                 reduce_scatter: bool = True) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer implements stages 1 and 2, got {stage}")
+                 reduce_scatter: bool = True, offload_optimizer: Any = None,
+                 offload_param: Any = None) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroOptimizer implements stages 1, 2 and 3, got {stage}")
         self.params = list(params)
         self.buckets = buckets
+        self.plan = buckets.plan
         self.stage = stage
         self.world_size = world_size
         self.rank = rank
         self.group = group
-        self.flat_params = flatten_params(self.params, buckets.plan, world_size)
-        self.shards: list[Shard] = [shard_of(b.numel, world_size, rank) for b in buckets.plan]
-        self.model_shards = [flat.narrow(0, s.start, s.numel)
-                             for flat, s in zip(self.flat_params, self.shards)]
+        self.device = self.params[0].device
+        # Stages 2-3 get reduce-scattered gradients only when a reducer runs (world size > 1);
+        # zero_optimization.reduce_scatter false (stage 2) all-reduces and slices, as stage 1.
+        self.scattered = stage >= 2 and world_size > 1 and (reduce_scatter or stage == 3)
+        self.partitioned = [stage == 3 and world_size > 1 and b.partitioned for b in self.plan]
+        self.shards: list[Shard] = [shard_of(b.numel, world_size, rank) for b in self.plan]
+        param_device = self.device if offload_param is None else offload_param.device
+        self.param_device = param_device
+        self.flat_params, self.model_shards = self._lay_out_params(param_device)
+        self.offloader = Offloader(offload_optimizer, self.device) \
+            if offload_optimizer is not None else None
+        master_device = self.offloader.device if self.offloader is not None else param_device
         self.master: list[torch.nn.Parameter] = []
         self.grad_shards: list[torch.Tensor] = []
-        self.aliased = all(f.dtype == torch.float32 for f in self.flat_params)
-        for model_shard, grad_flat in zip(self.model_shards, buckets.flat):
-            if model_shard.dtype == torch.float32:
+        self.aliased = all(s.dtype == torch.float32 and s.device == master_device
+                           for s in self.model_shards)
+        for b, model_shard in enumerate(self.model_shards):
+            if self.aliased:
                 master = torch.nn.Parameter(model_shard)  # shares the parameters' memory
             else:
-                master = torch.nn.Parameter(model_shard.detach().float().clone())
-            master.grad = torch.zeros(model_shard.numel(), dtype=torch.float32,
-                                      device=model_shard.device)
+                master = torch.nn.Parameter(model_shard.detach().to(master_device,
+                                                                    torch.float32).clone())
             self.master.append(master)
-            if stage == 2:
-                self.grad_shards.append(master.grad if grad_flat.dtype == torch.float32 else
-                                        torch.zeros(model_shard.numel(), dtype=grad_flat.dtype,
-                                                    device=grad_flat.device))
-        # Stage 2 gradients arrive reduce-scattered only when a reducer runs (world size > 1);
-        # zero_optimization.reduce_scatter false all-reduces and slices, as stage 1 does.
-        self.scattered = stage == 2 and world_size > 1 and reduce_scatter
+            if self.scattered:
+                # accumulates over micro-batches; for fp32 it is the optimizer's .grad itself
+                grad = torch.zeros(model_shard.numel(), dtype=model_shard.dtype,
+                                   device=self.device)
+                self.grad_shards.append(grad)
+                if self.aliased:
+                    master.grad = grad
+            elif self.aliased:
+                s = self.shards[b]  # stage 1 fp32: a view of the all-reduced bucket, no copy
+                master.grad = buckets.flat[b].narrow(0, s.start, s.numel)
+        self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
         self.fused_copy = False
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def _lay_out_params(self, param_device: torch.device,
+                        ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        whole = [b for b, part in zip(self.plan, self.partitioned) if not part]
+        flats_whole = iter(flatten_params(self.params, whole, self.world_size))
+        flats: list[torch.Tensor | None] = []
+        shards: list[torch.Tensor] = []
+        self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        with torch.no_grad():
+            for b, bucket in enumerate(self.plan):
+                s = self.shards[b]
+                if not self.partitioned[b]:
+                    flat = next(flats_whole)
+                    flats.append(flat)
+                    shards.append(flat.narrow(0, s.start, s.numel))
+                    continue
+                # stage 3: keep this rank's slice, drop the rest of every parameter
+                first = self.params[bucket.slots[0].index]
+                shard = torch.zeros(s.numel, dtype=first.dtype, device=param_device)
+                for slot in bucket.slots:
+                    lo, hi = max(slot.offset, s.start), min(slot.offset + slot.numel,
+                                                           s.start + s.numel)
+                    if lo < hi:
+                        src = self.params[slot.index].data.reshape(-1)[lo - slot.offset:
+                                                                       hi - slot.offset]
+                        shard[lo - s.start:hi - s.start].copy_(src)
+                    self.params[slot.index].data = self._placeholder(first)
+                flats.append(None)
+                shards.append(shard.pin_memory() if _pin(param_device, self.device) else shard)
+        return flats, shards
+
+    def _placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+        return self._placeholders[key]
+
+    # -- stage 3: parameters around each use -----------------------------------------------------
+
+    def start_gather(self, b: int, group: Any) -> tuple[Any, torch.Tensor]:
+        """Launches the all-gather of partitioned bucket ``b`` into a new full buffer; returns
+        (work, buffer). Runs on the ParamFetcher's thread."""
+        shard = self.model_shards[b]
+        full = torch.empty(self.shards[b].padded, dtype=shard.dtype, device=self.device)
+        if shard.device != self.device:
+            shard = shard.to(self.device, non_blocking=True)
+        return _all_gather(full, shard, group=group, async_op=True), full
+
+    def attach(self, b: int, full: torch.Tensor) -> None:
+        """Makes bucket ``b``'s parameters views of a gathered buffer (training thread)."""
+        for slot in self.plan[b].slots:
+            self.params[slot.index].data = full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def release(self, b: int) -> None:
+        """Drops bucket ``b``'s gathered parameters: each becomes an empty placeholder."""
+        for slot in self.plan[b].slots:
+            param = self.params[slot.index]
+            param.data = self._placeholder(param)
+
+    def partitioned_numel(self, b: int) -> int:
+        return self.plan[b].numel
 
     # -- the optimizer ---------------------------------------------------------------------------
 
     def replace_in_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Points the optimizer at this rank's master shards, so its state is 1/N of stage 0's.
-        Several parameter groups are accepted only when they share every hyper-parameter (a
-        shard mixes parameters of any group); they become one group."""
+        Buckets never mix parameter groups, so each group keeps its hyper-parameters and steps
+        the shards of its own buckets."""
         if optimizer.state:
             raise ValueError("ZeRO needs an optimizer that has not stepped yet (its state "
                              "cannot be split into shards); build it fresh")
-        groups = optimizer.param_groups
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        if any(s != settings[0] for s in settings[1:]):
-            differ = sorted({k for s in settings[1:] for k in s if s.get(k) != settings[0].get(k)})
-            raise ValueError(f"ZeRO stage {self.stage}: parameter groups with different "
-                             f"hyper-parameters ({', '.join(differ)}) are not supported yet "
-                             f"with ZeRO; use one group, or stage 0")
-        held = [p for g in groups for p in g["params"]]
+        held = [p for g in optimizer.param_groups for p in g["params"]]
         trainable = {id(p) for p in self.params}
         if any(id(p) not in trainable for p in held):
             raise ValueError("the optimizer holds a parameter that is not a trainable "
@@ -90,60 +168,80 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage {self.stage} needs the optimizer to hold every "
                              f"trainable parameter of the model ({len(trainable)}); it holds "
                              f"{len({id(p) for p in held})}")
-        del groups[1:]
-        copies = [] if self.aliased else list(zip(self.master, self.model_shards))
-        self.fused_copy = point_optimizer_at(optimizer, [self.master], copies)
+        groups = [[m for m, b in zip(self.master, self.plan) if b.group == g]
+                  for g in range(len(optimizer.param_groups))]
+        copies = [] if self.aliased or self.offloader is not None else \
+            list(zip(self.master, self.model_shards))
+        self.fused_copy = point_optimizer_at(optimizer, groups, copies)
         self.optimizer = optimizer
 
     def step(self, *, loss_scale: float, fp16: bool, clip: float, need_norm: bool,
              ) -> tuple[bool, float | None]:
-        """Unscales the gradient shards, checks overflow and takes the global norm (one
-        all-reduce of a float64 sum of squares: an inf/NaN anywhere makes it non-finite), clips,
-        steps the optimizer and all-gathers the parameters. Returns (skipped, norm)."""
-        grads = [m.grad for m in self.master]
-        for i, grad in enumerate(grads):
-            if self.scattered:
-                src = self.grad_shards[i]
-            else:
-                s = self.shards[i]
-                src = self.buckets.flat[i].narrow(0, s.start, s.numel)
-            if src is not grad:
-                grad.copy_(src)
-        if loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        """Takes the global norm of the (scaled) gradients (one all-reduce of a float64 sum of
+        squares: an inf/NaN anywhere makes it non-finite), unscales and clips in one multiply,
+        steps the optimizer (shard by shard, overlapping copies, with CPU offload) and brings
+        the model's parameters up to date. Returns (skipped, norm)."""
+        sources = self._grad_sources()
         clipping = bool(clip and clip > 0)
         norm = None
+        coef = 1.0 / loss_scale
         if fp16 or clipping or need_norm:
-            sumsq = torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum()
+            norms = torch._foreach_norm(sources, 2.0, dtype=torch.float32) if sources else []
+            sumsq = torch.stack(norms).double().square().sum() if norms else \
+                torch.zeros((), dtype=torch.float64, device=self.device)
             if self.world_size > 1:
                 dist.all_reduce(sumsq, group=self.group)
-            total = float(sumsq)
+            total = float(sumsq) / (loss_scale * loss_scale)
             if fp16 and not math.isfinite(total):
                 return True, None
             norm = math.sqrt(total)
             if clipping:
-                coef = min(1.0, clip / (norm + 1e-6))
-                if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
-        if not self.aliased and not self.fused_copy:
-            with torch.no_grad():
-                torch._foreach_copy_(self.model_shards, [m.detach() for m in self.master])
+                coef *= min(1.0, clip / (norm + 1e-6))
+        if self.offloader is not None:
+            self.offloader.step(self, sources, coef)
+        else:
+            grads = []
+            for master, src in zip(self.master, sources):
+                if not self._persistent_grads:
+                    master.grad = src.float() if src.dtype != torch.float32 else src.clone()
+                grads.append(master.grad)
+            if coef != 1.0:
+                torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
+            if not self._persistent_grads:
+                for master in self.master:
+                    master.grad = None
+            if not self.aliased and not self.fused_copy:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.model_shards, [m.detach() for m in self.master])
         self.all_gather()
         return False, norm
 
+    def _grad_sources(self) -> list[torch.Tensor]:
+        """Each bucket's reduced gradient slice for this rank (still loss-scaled)."""
+        if self.scattered:
+            return list(self.grad_shards)
+        return [self.buckets.flat[b].narrow(0, s.start, s.numel) for b, s in enumerate(self.shards)]
+
     def all_gather(self) -> None:
-        """Every rank's updated slice to every rank, in place: one collective per bucket."""
+        """Every rank's updated slice to every rank, in place, for the buckets kept whole: one
+        collective per bucket. Stage 3's partitioned buckets are gathered on use."""
         if self.world_size == 1:
             return
         works = [_all_gather(flat, shard, group=self.group, async_op=True)
-                 for flat, shard in zip(self.flat_params, self.model_shards)]
+                 for flat, shard in zip(self.flat_params, self.model_shards) if flat is not None]
         for work in works:
             work.wait()
 
+    def sync_model_from_master(self) -> None:
+        """After master shards were loaded: model shards from them, then the all-gather."""
+        if not self.aliased:
+            with torch.no_grad():
+                for m, s in zip(self.master, self.model_shards):
+                    s.copy_(m.detach())
+        self.all_gather()
+
     def zero_grads(self) -> None:
-        for m in self.master:
-            m.grad.zero_()
         for g in self.grad_shards:
             g.zero_()
 
@@ -154,46 +252,68 @@ class ZeroOptimizer:
                 for m, s in zip(self.master, self.model_shards):
                     m.copy_(s)
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    def full_flat(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s whole padded parameter buffer (gathered now for a partitioned
+        bucket; the caller must be on every rank)."""
+        if self.flat_params[b] is not None:
+            return self.flat_params[b]
+        work, full = self.start_gather(b, self.group)
+        work.wait()
+        return full
+
+    # -- checkpoints (same world size; flowtrain.engine checkpoints reshard) -----------------------
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
                 "shards": [(s.start, s.numel, s.padded) for s in self.shards],
                 "optimizer": self.optimizer.state_dict(),
-                "master": None if self.aliased else [m.detach().clone() for m in self.master]}
+                "master": None if self.aliased else [m.detach().clone() for m in self.master],
+                "model_shards": [s.detach().clone() for s in self.model_shards]
+                if self.stage == 3 else None}
 
     def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
         layout = [(s.start, s.numel, s.padded) for s in self.shards]
         if [tuple(x) for x in state["shards"]] != layout:
             raise ValueError(f"the checkpoint's ZeRO shards of rank {self.rank} do not match "
                              f"this engine's bucket layout (reduce_bucket_size or the model "
-                             f"changed); resharding is not supported yet")
+                             f"changed)")
         if load_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
-        if state["master"] is not None and not self.aliased:
-            with torch.no_grad():
+        with torch.no_grad():
+            if state.get("model_shards") is not None:
+                for s, t in zip(self.model_shards, state["model_shards"]):
+                    s.copy_(t)
+            if state["master"] is not None and not self.aliased:
                 for m, t in zip(self.master, state["master"]):
                     m.copy_(t)
-                for m, s in zip(self.master, self.model_shards):
-                    s.copy_(m)
-            self.all_gather()
+        self.sync_model_from_master()
 
     # -- memory ------------------------------------------------------------------------------------
 
     def memory_breakdown(self) -> dict[str, int]:
         def nbytes(ts: Any) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        out = {"parameters": nbytes(self.flat_params),
-               "gradient_buckets": nbytes(self.buckets.flat),
-               "gradient_shards": 0 if self.aliased or not self.grad_shards
-               else nbytes(self.grad_shards),
+        partitioned = nbytes(s for s, p in zip(self.model_shards, self.partitioned) if p)
+        out = {"parameters": nbytes(self.flat_params) + partitioned,
+               "gradient_buckets": self.buckets.pool_bytes if self.buckets.transient
+               else nbytes(self.buckets.flat),
+               "gradient_shards": 0 if self.aliased else nbytes(self.grad_shards),
                "master_weights": 0 if self.aliased else nbytes(self.master),
-               "master_gradients": nbytes(m.grad for m in self.master)}
-        if self.stage == 2 and self.aliased:
-            out["gradient_shards"] = out["master_gradients"]  # the same memory, counted once
-            out["master_gradients"] = 0
+               "master_gradients": nbytes(m.grad for m in self.master
+                                          if m.grad is not None and not self.scattered)}
+        if self.aliased:
+            if self.scattered:
+                out["gradient_shards"] = nbytes(self.grad_shards)
+            else:  # stage 1 fp32: views of the buckets, counted there
+                out["master_gradients"] = 0
+        if self.offloader is not None:
+            out["offloaded"] = self.offloader.bytes(self)
         return out
+
+
+def _pin(storage: torch.device, compute: torch.device) -> bool:
+    return storage.type == "cpu" and compute.type == "cuda" and torch.cuda.is_available()
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -208,3 +328,6 @@ def process_rss() -> int:
         return int(psutil.Process(os.getpid()).memory_info().rss)
     except ImportError:  # pragma: no cover - psutil is a dependency
         return 0
+
+
+__all__ = ["ZeroOptimizer", "optimizer_state_bytes", "padded_numel", "process_rss"]

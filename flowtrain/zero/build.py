@@ -1,0 +1,88 @@
+"""How the engine sets ZeRO up from ``zero_optimization``: stage 3's module units, the
+per-group bucketing, the ZeroOptimizer, and stage 3's fetcher actor and hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowtrain import comm
+from flowtrain.plan import BucketPlan, plan_units
+
+
+def param_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                 ) -> list[int]:
+    """Each trainable parameter's optimizer group index (ZeRO buckets never mix groups)."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
+                for p in group["params"]}
+    missing = [i for i, p in enumerate(params) if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"ZeRO needs the optimizer to hold every trainable parameter of the "
+                         f"model; it lacks {len(missing)} of {len(params)} (first: parameter "
+                         f"#{missing[0]}, shape {tuple(params[missing[0]].shape)})")
+    return [group_of[id(p)] for p in params]
+
+
+def module_units(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[list[int]]:
+    """Trainable parameter indices owned directly by each module, in module order; a shared
+    parameter belongs to the first module that owns it."""
+    index = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    units = []
+    for mod in module.modules():
+        unit = []
+        for p in mod._parameters.values():
+            i = index.get(id(p)) if p is not None else None
+            if i is not None and i not in seen:
+                seen.add(i)
+                unit.append(i)
+        if unit:
+            units.append(unit)
+    return units
+
+
+def stage3_buckets(engine: Any, specs: list[tuple[str, tuple[int, ...], str, int]],
+                   groups: list[int] | None) -> tuple[BucketPlan, ...]:
+    zcfg = engine.config.zero_optimization
+    return plan_units(specs, module_units(engine.module, engine.trainable),
+                      bucket_numel=engine.bucket_numel,
+                      persistence_threshold=zcfg.stage3_param_persistence_threshold,
+                      groups=groups)
+
+
+def build_zero(engine: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """The ZeroOptimizer (pointed at by ``optimizer``) and, for stage 3 on several ranks, the
+    Stage3Params that gathers parameters around each module."""
+    from flowtrain.zero.sharded import ZeroOptimizer
+
+    zcfg = engine.config.zero_optimization
+    offload_optimizer = zcfg.offload_optimizer if zcfg.offloads_optimizer else None
+    offload_param = None
+    if zcfg.offloads_params and engine.zero_stage == 3:
+        offload_param = _Placement(torch.device("cpu"))
+    zero = ZeroOptimizer(engine.trainable, engine.buckets, stage=engine.zero_stage,
+                         world_size=engine.world_size, rank=engine.global_rank,
+                         reduce_scatter=zcfg.reduce_scatter, offload_optimizer=offload_optimizer,
+                         offload_param=offload_param)
+    zero.replace_in_optimizer(optimizer)
+    if not any(zero.partitioned):
+        return zero, None
+    from flowtrain.zero.stage3 import ParamFetcher, Stage3Params
+
+    # all-gathers get their own group: they run while the reducer's reduces are in flight
+    group = dist.new_group(ranks=list(range(engine.world_size)), backend=dist.get_backend())
+    actor = ParamFetcher(zero, group, timeout=comm.DEFAULT_TIMEOUT)
+    fetcher = engine._runtime.spawn(actor)
+    stage3 = Stage3Params(engine.module, engine.trainable, zero, fetcher,
+                          prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+                          max_live_numel=zcfg.stage3_max_live_parameters,
+                          max_reuse_distance=zcfg.stage3_max_reuse_distance)
+    stage3.fetcher_actor = actor
+    return zero, stage3
+
+
+class _Placement:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
