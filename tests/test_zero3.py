@@ -27,6 +27,9 @@ def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cache: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
     def run(mode: str, world: int) -> list[dict[str, Any]]:
+        # one launch per world size runs every mode
+        run.dirs = getattr(run, "dirs", {})  # type: ignore[attr-defined]
+        mode = "all"
         if (mode, world) not in cache:
             out = tmp_path_factory.mktemp(f"zero3_{mode}_{world}") / "out"
             ec.launch(world, WORKER, mode, str(out), run_dir=out.parent / "run")
@@ -35,6 +38,7 @@ def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 for name, result in data.items():
                     assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
             cache[(mode, world)] = ranks
+            run.dirs[(mode, world)] = out.parent / "run"  # type: ignore[attr-defined]
         return cache[(mode, world)]
 
     return run
@@ -96,3 +100,29 @@ def test_model_state_bytes_match_zero_formulas(zero3_run: Any, world: int, preci
         actual = got["memory"]["model_states"]
         assert abs(actual - expected) <= 0.10 * expected, \
             f"rank {r}: {actual} bytes of model states, the formula gives {expected:.0f}"
+
+
+def test_run_directory_records_spans_and_plan(zero3_run: Any) -> None:
+    """Launched runs write each step's task spans under the StepPlan's names, and rank 0 the
+    plan with the forward FLOPs of one micro-batch (torch.utils.flop_counter)."""
+    zero3_run("compare", 2)
+    run_dir = zero3_run.dirs[("all", 2)]
+    # the compare part's last engine: stage 3 with offload, 20 steps (then 6 memory engines
+    # of 2 steps each)
+    lines = [json.loads(x) for x in (run_dir / "spans" / "rank1.jsonl").read_text().splitlines()]
+    last = lines[-32:-12]
+    assert [x["step"] for x in last] == list(range(1, 21))
+    for line in last:
+        names = [name for name, start, end in line["spans"]]
+        assert all(0 <= start <= end for _, start, end in line["spans"])
+        for task in ("forward/mb0", "backward/mb0", "forward/mb1", "backward/mb1",
+                     "optimizer/step"):
+            assert names.count(task) == 1, (task, names)
+        assert any(n.startswith("reduce/bucket") for n in names)
+        assert any(n.startswith("gather/bucket") for n in names)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["config"]["zero_optimization"]["stage"] == 3
+    # 2·m·n·k per Linear, micro-batch 4: inp 8→w, blocks w→w (the last runs twice), head
+    micro, width = 4, 64  # the last engine: the memory part's bf16 stage 3 (width 64)
+    expected = 2 * micro * (8 * width + 4 * width * width + width * 1)
+    assert plan["forward_flops_per_micro_batch"] == expected

@@ -28,6 +28,7 @@ from flowtrain.engine.stages import (
     StepDone,
 )
 from flowtrain.engine.timing import StepTimer
+from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger
 from flowtrain.plan import StepPlan, build_step_plan
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
@@ -121,6 +122,19 @@ class FlowtrainEngine(torch.nn.Module):
                                     self.zero.scattered else None)
             self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
             self._reducer_actor = reducer
+
+        # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
+        self._run_dir = os.environ.get(RUN_DIR) or None
+        self._spans = None
+        self._plan_pending = False
+        if self._run_dir is not None:
+            from flowtrain.engine.spans import SpanRecorder
+
+            try:
+                self._spans = SpanRecorder(self._run_dir, self.global_rank)
+                self._plan_pending = self.global_rank == 0
+            except OSError as exc:
+                log.warning("cannot record spans in the run directory", error=str(exc))
 
         self.training_dataloader = None
         if training_data is not None:
@@ -228,10 +242,35 @@ class FlowtrainEngine(torch.nn.Module):
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
         if self.stage3 is not None and torch.is_grad_enabled():
             self.stage3.start_micro_batch()
-        with self.timer.span("forward"):
-            if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
-                args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
-            return self.module(*args, **kwargs)
+        mb = self.micro_steps % self.config.gradient_accumulation_steps
+        if self._plan_pending:
+            return self._forward_counting_flops(args, kwargs, mb)
+        with self.timer.span("forward", f"forward/mb{mb}"):
+            return self._run_module(args, kwargs)
+
+    def _run_module(self, args: Any, kwargs: Any) -> Any:
+        if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
+            args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
+        return self.module(*args, **kwargs)
+
+    def _forward_counting_flops(self, args: Any, kwargs: Any, mb: int) -> Any:
+        """The first forward on rank 0 of a launched run counts its FLOPs
+        (torch.utils.flop_counter) for the run directory's plan.json."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from flowtrain.engine.spans import write_plan
+
+        self._plan_pending = False
+        counter = FlopCounterMode(display=False)
+        with counter, self.timer.span("forward", f"forward/mb{mb}"):
+            out = self._run_module(args, kwargs)
+        try:
+            write_plan(self._run_dir, config=self.config.to_dict(), world_size=self.world_size,
+                       param_specs=self._param_specs(),
+                       forward_flops_per_micro_batch=float(counter.get_total_flops()))
+        except OSError as exc:
+            log.warning("could not write the run's plan.json", error=str(exc))
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -268,7 +307,8 @@ class FlowtrainEngine(torch.nn.Module):
         scale = self.loss_scaler.loss_scale
         if scale_wrt_gas:
             scale = scale / self.config.gradient_accumulation_steps
-        with self.timer.span("backward"):
+        mb = self.micro_steps % self.config.gradient_accumulation_steps
+        with self.timer.span("backward", f"backward/mb{mb}"):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.buckets.on_bucket_ready = None
         self.buckets.record_order = False
@@ -302,7 +342,7 @@ class FlowtrainEngine(torch.nn.Module):
         if not boundary:
             return
         if self.reducer is not None and not self._no_sync:
-            with self.timer.span("comm"):
+            with self.timer.span("comm", "comm/wait"):
                 report = self.reducer.ask_from_thread(Flush(self.global_steps))
             self.timer.record_spans(report.spans)
         elif self.stages["bucket_full"] or self.stages["after_reduce"]:
@@ -312,7 +352,7 @@ class FlowtrainEngine(torch.nn.Module):
                     ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
                 for ref in self.stages["after_reduce"]:
                     ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
-        with self.timer.span("optimizer"):
+        with self.timer.span("optimizer", "optimizer/step"):
             skipped = self._optimizer_step()
         if self.stage3 is not None:
             self.stage3.end_step()
@@ -326,6 +366,8 @@ class FlowtrainEngine(torch.nn.Module):
         self._losses.clear()
         lr = self.get_lr()[0] if self.get_lr() else 0.0
         self.timer.end_step()
+        if self._spans is not None:
+            self._spans.write_step(self.global_steps, *self.timer.last_step)
         self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
                                                 self._global_grad_norm, self.loss_scaler.loss_scale))
         if self.global_rank == 0 and self.config.steps_per_print and \
@@ -554,6 +596,9 @@ class FlowtrainEngine(torch.nn.Module):
         for ref in refs:
             self._runtime.stop_actor(ref.name)
         self.reducer = None
+        if self._spans is not None:
+            self._spans.close()
+            self._spans = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -21,10 +21,13 @@ class StepTimer:
         self._steps: deque[dict[str, float]] = deque(maxlen=history)
         self._step_start = time.perf_counter()
         self._synchronize = synchronize and torch.cuda.is_available()
-        self.spans: deque[tuple[str, float, float]] = deque(maxlen=10_000)
+        self.spans: list[tuple[str, float, float]] = []  # this step's, by task name
+        self.last_step: tuple[float, list[tuple[str, float, float]]] = (0.0, [])
 
     @contextlib.contextmanager
-    def span(self, phase: str) -> Iterator[None]:
+    def span(self, phase: str, name: str | None = None) -> Iterator[None]:
+        """Times ``phase`` (for the breakdown) and records a span named ``name`` (a StepPlan
+        task name; the phase when omitted)."""
         start = time.perf_counter()
         try:
             yield
@@ -33,7 +36,7 @@ class StepTimer:
                 torch.cuda.synchronize()
             end = time.perf_counter()
             self._current[phase] += end - start
-            self.spans.append((phase, start, end))
+            self.spans.append((name or phase, start, end))
 
     def record_spans(self, spans: tuple[tuple[str, float, float], ...]) -> None:
         self.spans.extend(spans)
@@ -42,6 +45,8 @@ class StepTimer:
         now = time.perf_counter()
         self._current["step_s"] = now - self._step_start
         self._steps.append(self._current)
+        self.last_step = (self._step_start, self.spans)
+        self.spans = []
         self._current = dict.fromkeys(PHASES, 0.0)
         self._step_start = now
 

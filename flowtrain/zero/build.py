@@ -9,7 +9,10 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
+
+log = get_logger("flowtrain.zero")
 
 
 def param_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
@@ -58,6 +61,10 @@ def build_zero(engine: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]
     from flowtrain.zero.sharded import ZeroOptimizer
 
     zcfg = engine.config.zero_optimization
+    if engine.zero_stage == 3 and not zcfg.reduce_scatter and engine.world_size > 1:
+        log.warning("zero_optimization.reduce_scatter false is not honoured with stage 3: "
+                    "flowtrain's stage 3 always reduce-scatters gradients (the same sums, "
+                    "half the traffic of an all-reduce)", console=True)
     offload_optimizer = zcfg.offload_optimizer if zcfg.offloads_optimizer else None
     offload_param = None
     if zcfg.offloads_params and engine.zero_stage == 3:

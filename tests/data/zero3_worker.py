@@ -6,6 +6,7 @@ Modes (argv[1]):
   compare OUT    fp32, 20 steps of 2 micro-batches: stage 0; 1, 2, 3 without and with
                  offload (stage 3 offloads parameters too); losses, final whole parameters,
                  and how stage 3 gathered
+  all OUT        both of the above, in one launch
   memory OUT     fp32 and bf16 on a wider model (stage3_param_persistence_threshold 0):
                  memory_breakdown after 2 steps of stages 1, 2, 3
 """
@@ -120,7 +121,7 @@ def run(stage: int, offload: bool) -> dict[str, Any]:
     return out
 
 
-def mode_compare(out: str) -> None:
+def mode_compare(out: str | None) -> dict[str, Any]:
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
     for stage, offload in ((0, False), (1, False), (1, True), (2, False), (2, True),
@@ -131,10 +132,12 @@ def mode_compare(out: str) -> None:
         except Exception:
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
-    write(out, result)
+    if out is not None:
+        write(out, result)
+    return result
 
 
-def mode_memory(out: str) -> None:
+def mode_memory(out: str | None) -> dict[str, Any]:
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
     for precision in ("fp32", "bf16"):
@@ -152,7 +155,9 @@ def mode_memory(out: str) -> None:
             except Exception:
                 result[name] = {"error": traceback.format_exc()}
             dist.barrier()
-    write(out, result)
+    if out is not None:
+        write(out, result)
+    return result
 
 
 def main() -> None:
@@ -166,6 +171,8 @@ def main() -> None:
         mode_compare(sys.argv[2])
     elif mode == "memory":
         mode_memory(sys.argv[2])
+    elif mode == "all":  # one launch for both (rank start-up is the slow part)
+        write(sys.argv[2], {**mode_compare(None), **mode_memory(None)})
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
