@@ -1,0 +1,140 @@
+"""The parts of the engine's DeepSpeed surface that only read its state or hand it to other
+modules: accessors, checkpoints, memory figures and whole-model views under ZeRO stage 3."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from flowtrain.engine.engine_state import load_engine, save_engine
+
+
+class EngineSurface:
+    """Mixed into FlowtrainEngine (which provides the attributes used here)."""
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: parameters, gradients (stage 2: the rank's
+        gradient shard and the bucket buffers backward accumulates into), optimizer state,
+        fp32 master weights and their gradients; and the process's resident set size."""
+        from flowtrain.zero.sharded import optimizer_state_bytes, process_rss
+
+        if self.zero is not None:
+            out = self.zero.memory_breakdown()
+        else:
+            def nbytes(ts: Any) -> int:
+                return sum(t.numel() * t.element_size() for t in ts)
+
+            out = {"parameters": nbytes(self.trainable),
+                   "gradient_buckets": nbytes(self.buckets.flat), "gradient_shards": 0,
+                   "master_weights": nbytes(self.master.master) if self.master else 0,
+                   "master_gradients": nbytes(self.master.flat) if self.master else 0}
+        trainable = {id(p) for p in self.trainable}
+        out["parameters"] += sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                 if id(p) not in trainable)
+        out["gradients"] = out["gradient_buckets"] + out["gradient_shards"]
+        # transient buckets (stages 2-3) are communication buffers, not model states
+        grads = out["gradient_shards"] if self.transient else out["gradients"]
+        out["optimizer_state"] = optimizer_state_bytes(self.optimizer)
+        out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + \
+            out["master_weights"] + out["master_gradients"]
+        out["model_states"] = out["parameters"] + grads + out["optimizer_state"] + \
+            out["master_weights"] + out["master_gradients"]
+        out["process_rss"] = process_rss()
+        return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Under ZeRO stage 3, every parameter whole inside the block (like DeepSpeed's
+        GatheredParameters over the whole model); every rank must enter it. Changes made
+        inside are not written back to the shards."""
+        if self.stage3 is None:
+            yield
+            return
+        self.stage3.gather_all()
+        try:
+            yield
+        finally:
+            self.stage3.release_all()
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole state_dict on every rank, also under ZeRO stage 3 (collective)."""
+        with self.gathered_parameters():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the model's whole state_dict in its training dtype (DeepSpeed's
+        name; under stage 3 this gathers, as stage3_gather_16bit_weights_on_model_save does).
+        Every rank must call it; returns True where the file was written."""
+        from flowtrain.engine.checkpoint import save_file
+
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank != 0:
+            return False
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file(state, tmp)
+        os.replace(tmp, path)
+        return True
+
+    # -- accessors DeepSpeed scripts use ---------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Any:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> Any:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
+        and random generators atomically; every rank must call it."""
+        return save_engine(self, save_dir, tag, client_state, save_latest,
+                           exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
+        """Loads a checkpoint saved by ``save_checkpoint``; returns (path, client_state), or
+        (None, None) when ``load_dir`` holds none, as DeepSpeed does."""
+        return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                           load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _barrier(self, name: str) -> None:
+        if self.world_size > 1:
+            from flowtrain.runtime.rank import current_rank
+
+            current_rank().barrier(name)
