@@ -49,7 +49,7 @@ def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _check_resume(run: Any, rng: bool) -> None:
     full, first, second, ckpt = run
     assert (ckpt / "latest").read_text().strip() == "global_step10"
-    assert (ckpt / "global_step10" / "mp_rank_00_model_states.pt").is_file()
+    assert (ckpt / "global_step10" / "engine_state.pt").is_file()
     for r in range(WORLD):
         assert len(full[r]["losses"]) == STEPS
         assert first[r]["global_steps"] == 10 and second[r]["start"] == 10
@@ -90,7 +90,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     # the step-10 save died after its first file: nothing of it is published
     assert (ckpt / "latest").read_text().strip() == "global_step5"
     assert not (ckpt / "global_step10").exists()
-    assert (ckpt / "global_step5" / "mp_rank_00_model_states.pt").is_file()
+    assert (ckpt / "global_step5" / "engine_state.pt").is_file()
 
     ec.run_single(WORKER, "crash", str(tmp_path / "load"), str(ckpt), "load")
     loaded = json.loads(Path(f"{tmp_path / 'load'}.rank0.json").read_text())

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 in the data-parallel engine, on 2 real ranks, against stage 0 on the same
 ranks: per-step losses, clipping norms, fp16 overflow skips, final weights, sharded optimizer
-state (memory_breakdown), same-world-size checkpoints; and, at world size 1 in this process,
-what is refused."""
+state (memory_breakdown), checkpoints (loaded into the other stage too); and, at world size 1
+in this process, what is refused."""
 
 from __future__ import annotations
 
@@ -125,9 +125,8 @@ def test_checkpoint_round_trip_same_world_size(zero_run: Any, case: str) -> None
         got = ranks[r][case]
         assert got["resumed"] == got["straight"]  # the loss curve continues exactly
         assert got["params_equal"] and got["global_steps"] == 10
-        err = got["other_stage_error"]
-        assert err is not None and "saved with ZeRO stage" in err and "on 2 data-parallel" \
-            in err and "resharding" in err
+        # loaded into the other stage (1 <-> 2) it continues the same curve
+        close(got["other_stage"], got["straight"], TOL[case.split("_")[1]], f"rank {r} {case}")
 
 
 # -- world size 1, in this process ----------------------------------------------------------------

@@ -1,6 +1,10 @@
 """Checkpoints written atomically: every rank writes into a temporary directory, rank 0 renames
 it into place once all are done, and the ``latest`` pointer moves last. A crash at any point
-leaves the previous checkpoint, and ``latest`` pointing at it."""
+leaves the previous checkpoint, and ``latest`` pointing at it.
+
+A checkpoint directory holds ``engine_state.pt`` (rank 0: everything that is not a big tensor),
+``rank<R>_states.pt`` per rank (random generators) and ``tensors/``, the parameters and
+optimizer state as torch.distributed.checkpoint files (see ``dcp_state``)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
 
-MODEL_FILE = "mp_rank_00_model_states.pt"  # DeepSpeed's name for the same content
+ENGINE_FILE = "engine_state.pt"
+TENSOR_DIR = "tensors"
 LATEST = "latest"
+# What checkpoints before the DCP layout held instead of ENGINE_FILE and TENSOR_DIR.
+LEGACY_MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
 def rank_file(rank: int) -> str:
@@ -58,9 +65,11 @@ def validate_tag(tag: str) -> str:
 
 
 def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[str, Any] | None,
-         per_rank: dict[str, Any], barrier: Callable[[str], None], save_latest: bool = True) -> Path:
-    """Writes one checkpoint. ``shared`` (rank 0 only) holds the model, optimizer and engine
-    state; ``per_rank`` what differs between ranks (random generators). Every rank calls this."""
+         per_rank: dict[str, Any], barrier: Callable[[str], None], save_latest: bool = True,
+         write_tensors: Callable[[Path], None] | None = None) -> Path:
+    """Writes one checkpoint. ``write_tensors`` (every rank, collectively) writes the tensor
+    files into the directory it is given; ``shared`` (rank 0 only) is the engine state and goes
+    last; ``per_rank`` what differs between ranks (random generators). Every rank calls this."""
     root = Path(save_dir)
     tag = validate_tag(tag)
     staging = root / f".{tag}.partial"
@@ -71,10 +80,12 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
             shutil.rmtree(staging)
         staging.mkdir()
     barrier(f"ckpt-{tag}-staged")
+    if write_tensors is not None:
+        write_tensors(staging / TENSOR_DIR)
     save_file(per_rank, staging / rank_file(rank))
     if rank == 0:
         assert shared is not None
-        save_file(shared, staging / MODEL_FILE)
+        save_file(shared, staging / ENGINE_FILE)
     barrier(f"ckpt-{tag}-written")
     if rank == 0:
         _fsync_dir(staging)
@@ -104,19 +115,23 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
         tag = latest.read_text(encoding="utf-8").strip()
     path = root / validate_tag(tag)
     replaced = root / f".{tag}.replaced"
-    if not path.exists() and (replaced / MODEL_FILE).is_file():
+    if not path.exists() and (replaced / ENGINE_FILE).is_file():
         # A crash while re-saving the same tag, between moving the old copy aside and
         # publishing the new one: the old copy is still whole.
         path = replaced
-    if not (path / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {path} is incomplete or missing: no {MODEL_FILE}")
+    if not (path / ENGINE_FILE).is_file():
+        if (path / LEGACY_MODEL_FILE).is_file():
+            raise ValueError(f"checkpoint {path} was written by an older flowtrain (one "
+                             f"{LEGACY_MODEL_FILE}, no {ENGINE_FILE} and {TENSOR_DIR}/); "
+                             f"this version reads only the torch.distributed.checkpoint layout")
+        raise FileNotFoundError(f"checkpoint {path} is incomplete or missing: no {ENGINE_FILE}")
     return path
 
 
 def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The shared state and this rank's state (None when the checkpoint was written by fewer
     ranks than are loading it)."""
-    shared = torch.load(path / MODEL_FILE, map_location="cpu", weights_only=False)
+    shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
     mine = path / rank_file(rank)
     per_rank = torch.load(mine, map_location="cpu", weights_only=False) if mine.is_file() else None
     return shared, per_rank

@@ -1,12 +1,17 @@
-"""Saving and loading a whole engine: what goes into a checkpoint (model, optimizer, master
-weights, scheduler, loss scaler, counters, dataloader position, random generators) and back."""
+"""Saving and loading a whole engine: the parameters and optimizer state through
+torch.distributed.checkpoint (``dcp_state``), and beside them the scheduler, loss scaler,
+counters, dataloader position and random generators; a checkpoint loads into any world size
+and ZeRO stage."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from flowtrain.engine.checkpoint import load, resolve, save
+from flowtrain.engine.checkpoint import TENSOR_DIR, load, resolve, save
 from flowtrain.engine.dataloader import rng_state, set_rng_state
+from flowtrain.engine.dcp_load import full_state_dict
+from flowtrain.engine.dcp_load import load as load_tensors
+from flowtrain.engine.dcp_state import FORMAT, snapshot, write
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
@@ -15,37 +20,32 @@ log = get_logger("flowtrain.checkpoint")
 def save_engine(engine: Any, save_dir: str, tag: str | None = None,
                 client_state: dict[str, Any] | None = None, save_latest: bool = True,
                 exclude_frozen_parameters: bool = False) -> str:
-    """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
-    and random generators; every rank must call it."""
+    """Writes the parameters, optimizer, scheduler, loss scaler, counters, dataloader position
+    and random generators; every rank must call it, and writes only what it holds."""
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    tensors, description = snapshot(engine, exclude_frozen_parameters)
     shared = None
     if engine.global_rank == 0:
-        module_state = engine.module.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-            module_state = {k: v for k, v in module_state.items() if k not in frozen}
+        loader = engine.training_dataloader
         shared = {
-            "module": module_state,
-            # With ZeRO each rank's optimizer holds only its shard: it goes in the rank's file.
-            "optimizer": engine.optimizer.state_dict() if engine.zero is None else None,
-            "zero_stage": engine.zero_stage,
-            "master_weights": engine.master.state_dict() if engine.master is not None else None,
+            "format": FORMAT, "tensors": description,
+            "zero_stage": engine.zero_stage, "world_size": engine.world_size,
+            "precision": engine.precision,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
             else None,
             "loss_scaler": engine.loss_scaler.state_dict(),
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-            "dataloader": engine.training_dataloader.state_dict()
-            if engine.training_dataloader is not None else None,
-            "world_size": engine.world_size,
+            # world size and batch size say how far into the epoch the ranks are together
+            "dataloader": {**loader.state_dict(), "world_size": engine.world_size,
+                           "batch_size": loader.batch_size} if loader is not None else None,
             "config": engine.config.to_dict(),
             "client_state": client_state or {},
         }
     per_rank = {"rng": rng_state(), "rank": engine.global_rank}
-    if engine.zero is not None:
-        per_rank["zero"] = engine.zero.state_dict()
     path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
-                barrier=engine._barrier, save_latest=save_latest)
+                barrier=engine._barrier, save_latest=save_latest,
+                write_tensors=lambda directory: write(tensors, directory))
     return str(path)
 
 
@@ -53,27 +53,29 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
                 load_module_strict: bool = True, load_optimizer_states: bool = True,
                 load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                 custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
-    """Loads a checkpoint saved by ``save_checkpoint``; returns (path, client_state), or
-    (None, None) when ``load_dir`` holds none, as DeepSpeed does."""
+    """Loads a checkpoint saved by ``save_checkpoint`` on any number of ranks with any ZeRO
+    stage; returns (path, client_state), or (None, None) when ``load_dir`` holds none, as
+    DeepSpeed does. Every rank must call it."""
     path = resolve(load_dir, tag)
     if path is None:
         log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))
         return None, None
     shared, per_rank = load(path, engine.global_rank)
-    if not load_module_only:
-        _check_zero_layout(engine, path, shared, per_rank)
+    description = shared["tensors"]
+    saved_layout = (shared["zero_stage"], shared["world_size"])
+    if saved_layout != (engine.zero_stage, engine.world_size):
+        log.info("resharding checkpoint", path=str(path), saved_zero_stage=saved_layout[0],
+                 saved_world_size=saved_layout[1], zero_stage=engine.zero_stage,
+                 world_size=engine.world_size)
     if custom_load_fn is not None:
-        custom_load_fn(src=shared["module"], dst=engine.module)
-    else:
-        engine.module.load_state_dict(shared["module"], strict=load_module_strict)
+        custom_load_fn(src=full_state_dict(path / TENSOR_DIR, description), dst=engine.module)
+        _masters_from_model(engine)
+    load_tensors(engine, path / TENSOR_DIR, description, params=custom_load_fn is None,
+                 module=custom_load_fn is None,
+                 optimizer=load_optimizer_states and not load_module_only,
+                 strict=load_module_strict)
     if not load_module_only:
-        if engine.zero is not None:
-            engine.zero.load_state_dict(per_rank["zero"], load_optimizer=load_optimizer_states)
         if load_optimizer_states:
-            if engine.zero is None:
-                engine.optimizer.load_state_dict(shared["optimizer"])
-            if engine.master is not None and shared.get("master_weights") is not None:
-                engine.master.load_state_dict(shared["master_weights"])
             engine.loss_scaler.load_state_dict(shared["loss_scaler"])
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
                 shared.get("lr_scheduler") is not None:
@@ -82,29 +84,49 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
         engine.global_samples = shared["global_samples"]
         engine.skipped_steps = shared["skipped_steps"]
         engine.micro_steps = shared["micro_steps"]
-        if engine.training_dataloader is not None and shared.get("dataloader") is not None:
-            engine.training_dataloader.load_state_dict(shared["dataloader"])
+        loader = engine.training_dataloader
+        if loader is not None and shared.get("dataloader") is not None:
+            state, problem = map_loader_state(shared["dataloader"], engine.world_size,
+                                              loader.batch_size)
+            if problem is not None:
+                log.warning(problem)
+            loader.load_state_dict(state)
         if per_rank is not None:
             set_rng_state(per_rank["rng"])
-    elif engine.master is not None:
-        engine.master.load_state_dict([p.detach().float() for p in engine.trainable])
-    if engine.zero is not None and (load_module_only or per_rank["zero"]["master"] is None):
-        engine.zero.reload_from_model()
+        else:
+            log.info("no saved random generator state for this rank (the checkpoint has "
+                     f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
     engine._zero_grads()
     return str(path), shared.get("client_state", {})
 
 
-def _check_zero_layout(engine: Any, path: Any, shared: dict[str, Any],
-                       per_rank: dict[str, Any] | None) -> None:
-    """ZeRO checkpoints load only into the same stage and data-parallel world size for now."""
-    saved_stage = shared.get("zero_stage", 0)
-    saved_world = shared.get("world_size", engine.world_size)
-    if (saved_stage or engine.zero_stage) and \
-            (saved_stage != engine.zero_stage or saved_world != engine.world_size or
-             (engine.zero is not None and (per_rank is None or "zero" not in per_rank))):
-        raise ValueError(
-            f"checkpoint {path} was saved with ZeRO stage {saved_stage} on {saved_world} "
-            f"data-parallel ranks; this engine runs ZeRO stage {engine.zero_stage} on "
-            f"{engine.world_size}. Loading optimizer state into a different stage or world size "
-            f"(resharding) is not supported yet; load with load_module_only=True to take just "
-            f"the model weights")
+def _masters_from_model(engine: Any) -> None:
+    """After ``custom_load_fn`` wrote the module: the fp32 masters from its parameters."""
+    if engine.zero is not None:
+        engine.zero.reload_from_model()
+    elif engine.master is not None:
+        engine.master.load_state_dict([p.detach().float() for p in engine.trainable])
+
+
+def map_loader_state(saved: dict[str, Any], world_size: int,
+                     batch_size: int) -> tuple[dict[str, Any], str | None]:
+    """The saved dataloader position for ``world_size`` ranks reading ``batch_size`` samples a
+    batch: the same number of samples into the epoch, counted over all ranks (rank r reads the
+    epoch's permutation at r, r + N, ..., so what N ranks took together is its first part,
+    whatever N). Returns (state, None), or (state, why) when that count is not a whole number
+    of batches here and the position was rounded down."""
+    state = {k: saved[k] for k in ("epoch", "batches_taken", "exhausted") if k in saved}
+    old_world = int(saved.get("world_size", world_size))
+    old_batch = int(saved.get("batch_size", batch_size))
+    if (old_world, old_batch) == (world_size, batch_size) or state.get("exhausted"):
+        return state, None
+    taken = int(saved["batches_taken"]) * old_batch * old_world
+    per_batch = batch_size * world_size
+    state["batches_taken"] = taken // per_batch
+    if taken % per_batch == 0:
+        return state, None
+    kept = state["batches_taken"] * per_batch
+    return state, (f"dataloader position: {taken} samples of epoch {state['epoch']} were read "
+                   f"on {old_world} ranks x {old_batch}; that is not a whole number of "
+                   f"{world_size} x {batch_size} batches, so this run restarts the epoch at "
+                   f"sample {kept} and reads {taken - kept} samples again")

@@ -1,0 +1,229 @@
+"""Reading a checkpoint's tensors (see ``dcp_state``) into an engine of any world size and ZeRO
+stage: DCP fetches, by overlap, exactly the pieces each rank holds now; and the whole fp32 state
+dict, for ``custom_load_fn`` and ``flowtrain checkpoint consolidate``."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from flowtrain.engine.dcp_state import (
+    Holdings,
+    Piece,
+    _distributed,
+    _flat,
+    _layout,
+    _quiet,
+    holdings,
+    stored,
+)
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.checkpoint")
+
+_DTYPES = {str(t).removeprefix("torch."): t for t in
+           (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+            torch.int32, torch.uint8, torch.int8, torch.bool)}
+
+
+def load(engine: Any, directory: Path, description: dict[str, Any], *, params: bool = True,
+         module: bool = True, optimizer: bool = True, strict: bool = True) -> None:
+    """Parameters into the fp32 masters (then the model's own parameters from them), buffers and
+    frozen parameters into the module, optimizer state into its entries (created when the
+    optimizer has not stepped yet). Every rank calls it."""
+    on_disk = stored(directory)
+    held = holdings(engine, split=False)
+    _check_keys(engine, held, description, on_disk, strict=strict, params=params, module=module)
+    saved = description.get("optimizer") if optimizer else None
+    if saved is not None:
+        _prepare_optimizer(engine.optimizer, held, saved)
+    layout = _layout(held) if engine.zero is not None else None  # collective: every rank
+    targets: dict[str, Any] = {}
+    whole_to_pieces: list[tuple[torch.Tensor, list[tuple[Piece, torch.Tensor]]]] = []
+    by_param: dict[int, list[Piece]] = {}
+    for p in held.pieces:
+        by_param.setdefault(p.param, []).append(p)
+    for i, pieces in by_param.items():
+        name, numel = held.names[i], math.prod(held.shapes[i])
+        everyone = layout.get(i) if layout is not None else None
+        flats = {p.holder: _flat(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
+        if params and f"param/{name}" in on_disk:
+            targets[f"param/{name}"] = _distributed(
+                numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length))
+                        for p in pieces], everyone)
+        elif params and f"module/{name}" in on_disk:  # frozen when saved, trainable now
+            shape, dtype = on_disk[f"module/{name}"]
+            whole = targets[f"module/{name}"] = torch.empty(shape, dtype=dtype)
+            whole_to_pieces.append((whole, [(p, flats[p.holder]) for p in pieces]))
+        for key in (saved["keys"].get(name, {}) if saved is not None else ()):
+            if f"optim/{name}/{key}" not in on_disk:
+                continue
+            values = {h: _flat(engine.optimizer.state[held.stepped[h]][key],
+                               f"optimizer state {key!r} of {name!r}") for h in flats}
+            targets[f"optim/{name}/{key}"] = _distributed(
+                numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
+                        for p in pieces], everyone)
+    if module:
+        for key, tensor in _module_entries(engine, held).items():
+            if f"module/{key}" in on_disk:
+                targets[f"module/{key}"] = tensor.detach()
+            elif f"param/{key}" in on_disk:  # trainable when saved, frozen now
+                targets[f"param/{key}"] = _flat(tensor, f"module entry {key!r}")
+    with _quiet():
+        dcp.load(targets, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    with torch.no_grad():
+        for whole, pieces in whole_to_pieces:
+            for p, flat in pieces:
+                flat.narrow(0, p.start, p.length).copy_(
+                    whole.reshape(-1).narrow(0, p.offset, p.length))
+    if params:
+        sync_model(engine)
+
+
+def sync_model(engine: Any) -> None:
+    """The model's own parameters from the (just loaded) fp32 masters, on every rank."""
+    zero = engine.zero
+    if zero is not None:
+        sync = getattr(zero, "sync_model_from_master", None)
+        if sync is not None:
+            sync()
+            return
+        with torch.no_grad():
+            for master, shard in zip(zero.master, zero.model_shards):
+                if master.data_ptr() != shard.data_ptr():
+                    shard.copy_(master.detach())
+        zero.all_gather()
+    elif engine.master is not None:
+        engine.master.copy_to_model()
+
+
+def _aliases(engine: Any, names: list[str]) -> dict[str, str]:
+    """Other names of the trainable parameters (tied weights) -> the name they are saved under."""
+    trainable = {id(p): names[i] for i, p in enumerate(engine.trainable)}
+    return {n: trainable[id(p)]
+            for n, p in engine.module.named_parameters(remove_duplicate=False)
+            if id(p) in trainable and n != trainable[id(p)]}
+
+
+def _module_entries(engine: Any, held: Holdings) -> dict[str, torch.Tensor]:
+    """The module's state-dict entries that are not trainable parameters: buffers and frozen
+    parameters (the tensors themselves, so a load writes into them)."""
+    skip = set(held.names) | set(_aliases(engine, held.names))
+    return {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in skip}
+
+
+def _shape(shape: Any) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
+                on_disk: dict[str, tuple[tuple[int, ...], torch.dtype]], *, strict: bool,
+                params: bool, module: bool) -> None:
+    """torch's load_state_dict rules: a size mismatch always fails; missing and unexpected
+    entries fail when ``strict``, and are named in a warning otherwise."""
+    if not (params or module):  # custom_load_fn maps the entries itself
+        return
+    saved_shapes = {n: tuple(s) for n, s in description["params"].items()}
+    for key in description["module_keys"]:
+        saved_shapes[key] = on_disk[f"module/{key}"][0]
+    entries = _module_entries(engine, held)
+    wanted = {n: s for n, s in zip(held.names, held.shapes)} if params else {}
+    if module:
+        wanted.update({k: tuple(v.shape) for k, v in entries.items()})
+    missing = [k for k in wanted if k not in saved_shapes and
+               k not in description.get("excluded_frozen", ())]
+    mismatched = [f"size mismatch for {k}: the checkpoint has shape {_shape(saved_shapes[k])}, "
+                  f"the model {_shape(s)}" for k, s in wanted.items()
+                  if k in saved_shapes and tuple(saved_shapes[k]) != tuple(s)]
+    mine = set(held.names) | set(entries) | set(_aliases(engine, held.names))
+    unexpected = [k for k in saved_shapes if k not in mine]
+    if mismatched:
+        raise RuntimeError("loading the checkpoint's tensors: " + "; ".join(mismatched))
+    if not (missing or unexpected):
+        return
+    what = (f"missing from the checkpoint: {', '.join(missing) or 'nothing'}; in the checkpoint "
+            f"but not in the model: {', '.join(unexpected) or 'nothing'}")
+    if strict:
+        raise RuntimeError(f"the checkpoint does not match the model ({what}); load with "
+                           f"load_module_strict=False to load the entries that do match")
+    log.warning("checkpoint and model differ; loading what matches", differences=what)
+
+
+def _prepare_optimizer(optimizer: torch.optim.Optimizer, held: Holdings,
+                       saved: dict[str, Any]) -> None:
+    """Creates the state entries a load fills (a fresh optimizer has none), sets ``step`` and
+    the other non-per-element values, and the parameter groups' settings."""
+    keys, other = saved["keys"], saved["other"]
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for h, tensor in enumerate(held.stepped):
+        known = [held.names[i] for i in held.members[h]
+                 if held.names[i] in keys or held.names[i] in other]
+        if not keys and not other:
+            optimizer.state.pop(tensor, None)  # saved before its first step: start fresh
+            continue
+        if not known:
+            continue
+        state = optimizer.state[tensor]
+        for key, dtype in keys.get(known[0], {}).items():
+            current = state.get(key)
+            if not (torch.is_tensor(current) and current.shape == tensor.shape):
+                state[key] = torch.zeros(tensor.shape, dtype=_DTYPES.get(dtype, torch.float32),
+                                         device=tensor.device)
+        group = group_of.get(id(tensor), {})
+        for key, value in other.get(known[0], {}).items():
+            state[key] = _placed(key, value, tensor, group)
+    owner = {n: g["settings"] for g in saved["groups"] for n in g["params"]}
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        names = [held.names[i] for h, t in enumerate(held.stepped) if id(t) in ids
+                 for i in held.members[h]]
+        found = [owner[n] for n in names if n in owner]
+        if found:
+            group.update(copy.deepcopy(found[0]))
+
+
+def _placed(key: str, value: Any, tensor: torch.Tensor, group: dict[str, Any]) -> Any:
+    """Where torch.optim keeps a loaded non-per-element value: ``step`` on the CPU unless the
+    group is capturable or fused, other tensors beside the parameter."""
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    if key == "step":
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        return value.detach().clone().to(tensor.device if on_device else "cpu")
+    return value.detach().clone().to(tensor.device)
+
+
+# -- the whole state dict --------------------------------------------------------------------------
+
+
+def full_state_dict(directory: Path, description: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's whole state dict from the checkpoint's tensors, in the saved model's key
+    order: each trainable parameter as its fp32 master value in its shape (tied names share the
+    tensor), buffers and frozen parameters as saved. Reads every file; no collective."""
+    on_disk = stored(directory)
+    targets: dict[str, torch.Tensor] = {}
+    for name in description["params"]:
+        shape, dtype = on_disk[f"param/{name}"]
+        targets[f"param/{name}"] = torch.empty(shape, dtype=dtype)
+    for key in description["module_keys"]:
+        shape, dtype = on_disk[f"module/{key}"]
+        targets[f"module/{key}"] = torch.empty(shape, dtype=dtype)
+    with _quiet():
+        dcp.load(targets, checkpoint_id=str(directory), no_dist=True)
+    params = {n: targets[f"param/{n}"].view(tuple(s)) for n, s in description["params"].items()}
+    out: dict[str, torch.Tensor] = {}
+    for key in description["state_dict_keys"]:
+        name = description["aliases"].get(key, key)
+        if name in params:
+            out[key] = params[name]
+        elif f"module/{key}" in targets:
+            out[key] = targets[f"module/{key}"]
+    for name, value in params.items():
+        out.setdefault(name, value)
+    return out

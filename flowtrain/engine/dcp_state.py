@@ -1,0 +1,268 @@
+"""The tensor part of a checkpoint, through torch.distributed.checkpoint (DCP): every rank writes
+the pieces of the fp32 parameters and per-parameter optimizer state it holds, one 1-D tensor per
+parameter, so DCP reads them back by overlap into any world size and ZeRO stage.
+
+Keys: ``param/<name>`` (the flattened fp32 master value), ``optim/<name>/<state key>`` (each
+per-element optimizer state tensor, flattened the same way), ``module/<key>`` (buffers and frozen
+parameters, whole, from rank 0's module). What is not a per-element tensor (Adam's ``step``, the
+parameter groups' settings, shapes) is described by ``snapshot``'s second result, which rank 0
+keeps in the checkpoint's ``engine_state.pt``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as TensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.checkpoint")
+
+FORMAT = 1  # bumped when the keys or the description change meaning
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [offset, offset + length) of the flattened trainable parameter ``param``, held
+    by the stepped tensor ``holder`` from its element ``start`` on."""
+
+    param: int
+    offset: int
+    length: int
+    holder: int
+    start: int
+
+
+@dataclass
+class Holdings:
+    """What this rank holds of the trainable parameters: the tensors the optimizer steps (the
+    fp32 masters when there are any) and where each parameter's elements lie in them."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    stepped: list[torch.Tensor]
+    members: list[list[int]]  # the parameters each stepped tensor holds (a part of)
+    pieces: list[Piece]
+
+
+def holdings(engine: Any, *, split: bool) -> Holdings:
+    """Stage 0: every parameter whole, or (``split``, for writing in parallel) this rank's 1/N
+    of each. ZeRO: the overlap of each bucket's shard with each of the bucket's parameters."""
+    names = list(engine._names)
+    shapes = [tuple(p.shape) for p in engine.trainable]
+    pieces: list[Piece] = []
+    if engine.zero is None:
+        stepped = list(engine.master.master) if engine.master is not None \
+            else list(engine.trainable)
+        for i, shape in enumerate(shapes):
+            numel = math.prod(shape)
+            lo, hi = 0, numel
+            if split:
+                chunk = -(-numel // engine.world_size)
+                lo = min(numel, engine.global_rank * chunk)
+                hi = min(numel, lo + chunk)
+            if hi > lo:
+                pieces.append(Piece(i, lo, hi - lo, i, lo))
+        return Holdings(names, shapes, stepped, [[i] for i in range(len(stepped))], pieces)
+    zero = engine.zero
+    plan = getattr(zero, "plan", None) or zero.buckets.plan
+    stepped = list(zero.master)
+    members = []
+    for b, bucket in enumerate(plan):
+        shard = zero.shards[b]
+        members.append([slot.index for slot in bucket.slots])
+        for slot in bucket.slots:
+            lo = max(shard.start, slot.offset)
+            hi = min(shard.start + shard.numel, slot.offset + slot.numel)
+            if hi > lo:
+                pieces.append(Piece(slot.index, lo - slot.offset, hi - lo, b, lo - shard.start))
+    return Holdings(names, shapes, stepped, members, pieces)
+
+
+def _flat(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A 1-D view sharing ``tensor``'s memory (DCP loads write through it)."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous (strides {tensor.stride()}, shape "
+                         f"{tuple(tensor.shape)}); checkpoints need contiguous tensors")
+    return tensor.view(-1)
+
+
+def _per_element(state: dict[str, Any], stepped: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                          dict[str, Any]]:
+    """Splits optimizer state into per-element tensors (sliced like the parameter) and the rest
+    (``step``, anything else), which is the same on every rank."""
+    per, rest = {}, {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == stepped.shape and key != "step":
+            per[key] = value
+        else:
+            rest[key] = value
+    return per, rest
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    world, _ = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+Layout = dict[int, list[tuple[int, int, int, str]]]  # param -> (rank, offset, length, device)
+
+
+def _layout(held: Holdings) -> Layout:
+    """Every rank's pieces, by parameter: what a sharded tensor's global description needs."""
+    mine = [(p.param, p.offset, p.length, str(held.stepped[p.holder].device))
+            for p in held.pieces]
+    layout: Layout = {}
+    for rank, pieces in enumerate(_all_gather(mine)):
+        for param, offset, length, device in pieces:
+            layout.setdefault(param, []).append((rank, offset, length, device))
+    return layout
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    # ShardedTensor warns that it will give way to DTensor; DTensor cannot describe the uneven,
+    # bucket-aligned pieces ZeRO holds, so the warning says nothing actionable here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _distributed(numel: int, local: list[tuple[int, torch.Tensor]],
+                 everyone: list[tuple[int, int, int, str]] | None) -> torch.Tensor:
+    """One parameter's 1-D tensor as DCP should see it: the plain tensor when this rank holds it
+    whole, else a ShardedTensor of this rank's pieces within every rank's (``everyone``)."""
+    if len(local) == 1 and local[0][0] == 0 and local[0][1].numel() == numel:
+        return local[0][1]
+    assert everyone is not None
+    dtype = local[0][1].dtype
+    shards = [TensorShard(t, ShardMetadata([offset], [t.numel()],
+                                           f"rank:{_world()[1]}/{t.device}"))
+              for offset, t in local]
+    described = [ShardMetadata([offset], [length], f"rank:{rank}/{device}")
+                 for rank, offset, length, device in everyone]
+    meta = ShardedTensorMetadata(described, torch.Size([numel]), TensorProperties(dtype=dtype))
+    with _quiet():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
+             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the DCP state dict this rank writes: views, nothing copied; the description rank 0 keeps
+    next to it, None on other ranks). Every rank calls it (one small all-gather)."""
+    held = holdings(engine, split=engine.zero is None and engine.world_size > 1)
+    optimizer = engine.optimizer
+    keys: dict[int, dict[str, str]] = {}
+    other: dict[int, dict[str, Any]] = {}
+    for h, tensor in enumerate(held.stepped):
+        state = optimizer.state.get(tensor)
+        if not state:
+            continue
+        per, rest = _per_element(state, tensor)
+        for i in held.members[h]:
+            keys.setdefault(i, {k: str(v.dtype).removeprefix("torch.") for k, v in per.items()})
+            other.setdefault(i, rest)
+    mine = {"pieces": [(p.param, p.offset, p.length, str(held.stepped[p.holder].device))
+                       for p in held.pieces], "keys": keys, "other": other}
+    layout: Layout = {}
+    for rank, told in enumerate(_all_gather(mine)):
+        for param, offset, length, device in told["pieces"]:
+            layout.setdefault(param, []).append((rank, offset, length, device))
+        for i, k in told["keys"].items():
+            keys.setdefault(i, k)
+        for i, o in told["other"].items():
+            other.setdefault(i, o)
+
+    state_dict: dict[str, Any] = {}
+    by_param: dict[int, list[Piece]] = {}
+    for p in held.pieces:
+        by_param.setdefault(p.param, []).append(p)
+    for i, pieces in by_param.items():
+        name, numel = held.names[i], math.prod(held.shapes[i])
+        flats = {p.holder: _flat(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
+        state_dict[f"param/{name}"] = _distributed(
+            numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length)) for p in pieces],
+            layout[i])
+        for key in keys.get(i, {}):
+            values = {h: _flat(optimizer.state[held.stepped[h]][key], f"{key} of {name!r}")
+                      for h in flats}
+            state_dict[f"optim/{name}/{key}"] = _distributed(
+                numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
+                        for p in pieces], layout[i])
+    if engine.global_rank != 0:
+        return state_dict, None
+
+    module = engine.module
+    trainable = {id(p): held.names[i] for i, p in enumerate(engine.trainable)}
+    aliases = {n: trainable[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+               if id(p) in trainable and n != trainable[id(p)]}
+    frozen = sorted(n for n, p in module.named_parameters(remove_duplicate=False)
+                    if id(p) not in trainable)
+    skip = set(held.names) | set(aliases) | (set(frozen) if exclude_frozen_parameters else set())
+    # Under ZeRO stage 3 the module's trainable entries are released placeholders: only the
+    # buffers and frozen parameters are read from it.
+    module_state = module.state_dict()
+    module_keys = [k for k in module_state if k not in skip]
+    for k in module_keys:
+        state_dict[f"module/{k}"] = module_state[k]
+    groups = []
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        names = [held.names[i] for h, t in enumerate(held.stepped) if id(t) in ids
+                 for i in held.members[h]]
+        groups.append({"settings": {k: v for k, v in group.items() if k != "params"},
+                       "params": list(dict.fromkeys(names))})
+    description = {
+        "format": FORMAT, "params": {n: list(s) for n, s in zip(held.names, held.shapes)},
+        "aliases": aliases, "module_keys": module_keys,
+        "excluded_frozen": frozen if exclude_frozen_parameters else [],
+        "state_dict_keys": [k for k in module_state if k not in skip or k in aliases
+                            or k in held.names],
+        "optimizer": {"class": type(optimizer).__name__, "groups": groups,
+                      "keys": {held.names[i]: k for i, k in keys.items()},
+                      "other": {held.names[i]: o for i, o in other.items()}},
+    }
+    return state_dict, description
+
+
+def write(state_dict: dict[str, Any], directory: Path) -> None:
+    """DCP's save of ``snapshot``'s state dict into ``directory``; every rank calls it."""
+    with _quiet():
+        dcp.save(state_dict, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+
+
+def stored(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor key the DCP files hold, with its full shape and dtype."""
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype)
+            for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
