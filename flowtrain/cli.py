@@ -60,6 +60,21 @@ def _report_entry() -> tuple[AddArguments, Run]:
     return add, run
 
 
+def _checkpoint_entry() -> tuple[AddArguments, Run]:
+    from flowtrain.checkpoint_cli import add_arguments
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from flowtrain.checkpoint_cli import run as checkpoint_run
+
+        try:
+            print(checkpoint_run(ns))
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(f"flowtrain checkpoint {ns.action}", str(exc)) from None
+        return 0
+
+    return add_arguments, run
+
+
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace, list[str]], int]
 
@@ -68,6 +83,8 @@ Run = Callable[[argparse.Namespace, list[str]], int]
 SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
     "launch": ("start and supervise the ranks of a training job (torchrun-style)", _launch_entry),
     "report": ("versions and availability of what flowtrain uses (like ds_report)", _report_entry),
+    "checkpoint": ("work with saved checkpoints: consolidate one into a plain fp32 state dict",
+                   _checkpoint_entry),
 }
 
 
