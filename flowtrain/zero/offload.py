@@ -55,8 +55,8 @@ class Offloader:
             if event is not None:
                 event.synchronize()
             master = masters[b]
-            if grad.dtype != torch.float32 or grad.data_ptr() != _ptr(master.grad):
-                grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
+            if grad.dtype != torch.float32:
+                grad = grad.float()  # the pinned fp32 copy (or the fp32 shard) is used as is
             if coef != 1.0:
                 grad.mul_(coef)
             held = [m.grad for m in masters]
@@ -98,10 +98,6 @@ class Offloader:
                     for v in zero.optimizer.state.get(m, {}).values() if torch.is_tensor(v))
         return nbytes(zero.master) + state + nbytes(self._grad_buffers.values()) + \
             nbytes(self._param_buffers.values())
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return -1 if t is None else t.data_ptr()
 
 
 class _on:
