@@ -1,5 +1,6 @@
-"""Checkpoint files on disk: the staging/rename protocol, the latest pointer, bad tags, and the
-copy set aside while a tag is re-saved."""
+"""Checkpoint files on disk: the staging/rename protocol (the DCP tensor files written inside
+it), the latest pointer, bad tags, the copy set aside while a tag is re-saved, and the old
+layout named as such."""
 
 from __future__ import annotations
 
@@ -51,3 +52,36 @@ def test_missing_and_bad_checkpoints(tmp_path: Path) -> None:
     torch.save({}, tmp_path / "x.pt")  # loadable files alone do not make a checkpoint
     with pytest.raises(FileNotFoundError):
         ckpt.resolve(tmp_path, "x.pt")
+
+
+def test_failed_tensor_write_publishes_nothing(tmp_path: Path) -> None:
+    """The DCP files are written into the staging directory: a failure there (or a crash)
+    leaves the previous checkpoint and ``latest`` as they were; the next save cleans up."""
+    _save(tmp_path, "a", 1)
+    seen: list[Path] = []
+
+    def fail(directory: Path) -> None:
+        seen.append(directory)
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(tmp_path, "b", rank=0, shared={"v": 2}, per_rank={"r": 2},
+                  barrier=lambda name: None, write_tensors=fail)
+    assert seen == [tmp_path / ".b.partial" / ckpt.TENSOR_DIR]
+    assert (tmp_path / "latest").read_text() == "a" and not (tmp_path / "b").exists()
+    assert ckpt.load(ckpt.resolve(tmp_path, None), 0)[0] == {"v": 1}
+    ckpt.save(tmp_path, "b", rank=0, shared={"v": 2}, per_rank={"r": 2},
+              barrier=lambda name: None, write_tensors=lambda d: d.mkdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == \
+        [ckpt.ENGINE_FILE, ckpt.rank_file(0), ckpt.TENSOR_DIR]
+
+
+def test_checkpoint_of_the_old_layout_is_named(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    torch.save({}, tmp_path / "old" / ckpt.LEGACY_MODEL_FILE)
+    with pytest.raises(ValueError, match="older flowtrain") as info:
+        ckpt.resolve(tmp_path, "old")
+    assert str(tmp_path / "old") in str(info.value)
