@@ -1,0 +1,421 @@
+"""Hardware profiles for the simulator: what one device computes, holds and moves per second.
+
+Builtin eight-GPU nodes carry published figures (each with its source); ``flowtrain calibrate``
+writes a measured profile of this host that loads through the same JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+KINDS = ("gpu", "cpu")
+HOST_PROFILE_ENV = "FLOWTRAIN_HOST_PROFILE"
+THIS_HOST = "this-host"
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used: names the field, the value seen and what is valid."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One transfer path, costed as ``latency_s + bytes / bandwidth`` (bandwidth in bytes/s,
+    one direction)."""
+
+    latency_s: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        _check_number("latency_s", self.latency_s, minimum=0.0)
+        _check_number("bandwidth", self.bandwidth, minimum=0.0, strict=True)
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move ``nbytes`` over this link in one message."""
+        return self.latency_s + nbytes / self.bandwidth
+
+    def to_dict(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Per-device figures of one kind of node. ``inter_node.bandwidth`` is the whole node's
+    network bandwidth (all NICs, one direction); one rank's share is that over
+    ``devices_per_node``. ``host_memory_bandwidth`` is one device's share of the host DRAM
+    bandwidth (CPU optimizer steps); 0 means not known."""
+
+    name: str
+    kind: str
+    devices_per_node: int
+    device_memory_bytes: int
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    intra_node: Link
+    inter_node: Link
+    host_to_device: Link
+    efficiency: tuple[tuple[float, float], ...]
+    collectives: dict[str, dict[int, Link]] = field(default_factory=dict)
+    comm_compute_interference: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict)
+    host_memory_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.efficiency, list):  # hand-written profiles may use lists
+            object.__setattr__(self, "efficiency",
+                               tuple(tuple(p) if isinstance(p, list) else p
+                                     for p in self.efficiency))
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``from_dict`` reads it back unchanged."""
+        return {
+            "v": PROFILE_VERSION,
+            "name": self.name,
+            "kind": self.kind,
+            "devices_per_node": self.devices_per_node,
+            "device_memory_bytes": self.device_memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "host_memory_bandwidth": self.host_memory_bandwidth,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "host_to_device": self.host_to_device.to_dict(),
+            "efficiency": [[f, e] for f, e in self.efficiency],
+            # JSON keys are strings; from_dict turns the rank counts back into ints.
+            "collectives": {op: {str(r): link.to_dict() for r, link in sorted(by_ranks.items())}
+                            for op, by_ranks in self.collectives.items()},
+            "comm_compute_interference": self.comm_compute_interference,
+            "sources": dict(self.sources),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, origin: str = "") -> HardwareProfile:
+        """Builds a profile from ``to_dict``'s shape. Raises ProfileError naming the missing,
+        unknown or malformed field; ``origin`` (a file path) is put in front of the message."""
+        try:
+            return _from_dict(d)
+        except ProfileError as exc:
+            if origin:
+                raise ProfileError(f"{origin}: {exc}") from None
+            raise
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Writes the profile as JSON (parent folders created); returns the path."""
+        p = Path(path).expanduser()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(p)  # a reader never sees a half-written profile
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> HardwareProfile:
+        """Reads a profile written by ``save`` (or by hand); errors name the file and field."""
+        p = Path(path).expanduser()
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ProfileError(f"cannot read hardware profile {str(p)!r}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(data, origin=str(p))
+
+
+# ----------------------------------------------------------------------------- validation
+
+_REQUIRED = ("name", "kind", "devices_per_node", "device_memory_bytes", "peak_flops",
+             "memory_bandwidth", "intra_node", "inter_node", "host_to_device", "efficiency")
+_OPTIONAL = ("v", "collectives", "comm_compute_interference", "sources",
+             "host_memory_bandwidth")
+_LINK_FIELDS = ("latency_s", "bandwidth")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value: Any, *, minimum: float | None = None,
+                  maximum: float | None = None, strict: bool = False) -> None:
+    """One numeric field: a finite number within bounds (``strict``: above ``minimum``)."""
+    if not _is_number(value) or not math.isfinite(value):
+        raise ProfileError(f"field {name!r} must be a finite number, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise ProfileError(f"field {name!r} must be {bound}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ProfileError(f"field {name!r} must be <= {maximum:g}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProfileError(f"field {name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ProfileError(f"field {name!r} must be >= {minimum}, got {value}")
+
+
+def _validate(p: HardwareProfile) -> None:
+    """Range checks shared by the constructor and from_dict; every message names the field."""
+    if not isinstance(p.name, str) or not p.name:
+        raise ProfileError(f"field 'name' must be a non-empty string, got {p.name!r}")
+    if p.kind not in KINDS:
+        raise ProfileError(f"field 'kind' must be one of {', '.join(KINDS)}, got {p.kind!r}")
+    _check_int("devices_per_node", p.devices_per_node, 1)
+    _check_int("device_memory_bytes", p.device_memory_bytes, 1)
+    if not isinstance(p.peak_flops, dict) or not p.peak_flops:
+        raise ProfileError("field 'peak_flops' must map at least one dtype name to FLOP/s, "
+                           f"got {p.peak_flops!r}")
+    for dtype, flops in p.peak_flops.items():
+        if not isinstance(dtype, str):
+            raise ProfileError(f"field 'peak_flops' keys must be dtype names, got {dtype!r}")
+        _check_number(f"peak_flops.{dtype}", flops, minimum=0.0, strict=True)
+    _check_number("memory_bandwidth", p.memory_bandwidth, minimum=0.0, strict=True)
+    _check_number("host_memory_bandwidth", p.host_memory_bandwidth, minimum=0.0)
+    for name in ("intra_node", "inter_node", "host_to_device"):
+        if not isinstance(getattr(p, name), Link):
+            raise ProfileError(f"field {name!r} must be a Link, got {getattr(p, name)!r}")
+    _check_efficiency(p.efficiency)
+    for op, by_ranks in p.collectives.items():
+        if op not in COLLECTIVE_OPS:
+            raise ProfileError(f"field 'collectives' has unknown op {op!r}; valid ops: "
+                               f"{', '.join(COLLECTIVE_OPS)}")
+        for ranks, link in by_ranks.items():
+            _check_int(f"collectives.{op} rank count", ranks, 2)
+            if not isinstance(link, Link):
+                raise ProfileError(f"field 'collectives.{op}.{ranks}' must be a Link, "
+                                   f"got {link!r}")
+    _check_number("comm_compute_interference", p.comm_compute_interference,
+                  minimum=0.0, maximum=1.0)
+    for key, text in p.sources.items():
+        if not isinstance(key, str) or not isinstance(text, str):
+            raise ProfileError(f"field 'sources' must map names to text, got {key!r}: {text!r}")
+
+
+def _check_efficiency(curve: Any) -> None:
+    if not isinstance(curve, tuple) or not curve:
+        raise ProfileError("field 'efficiency' must be a non-empty list of [FLOPs, fraction] "
+                           f"pairs, got {curve!r}")
+    previous = 0.0
+    for i, point in enumerate(curve):
+        if not isinstance(point, tuple) or len(point) != 2:
+            raise ProfileError(f"field 'efficiency[{i}]' must be a [FLOPs, fraction] pair, "
+                               f"got {point!r}")
+        _check_number(f"efficiency[{i}] FLOPs", point[0], minimum=previous, strict=True)
+        _check_number(f"efficiency[{i}] fraction", point[1], minimum=0.0, maximum=1.0,
+                      strict=True)
+        previous = point[0]
+
+
+def _link_from(path: str, value: Any) -> Link:
+    if not isinstance(value, dict):
+        raise ProfileError(f"field {path!r} must be an object with latency_s and bandwidth, "
+                           f"got {value!r}")
+    for key in _LINK_FIELDS:
+        if key not in value:
+            raise ProfileError(f"missing field '{path}.{key}'")
+    extra = sorted(set(value) - set(_LINK_FIELDS))
+    if extra:
+        raise ProfileError(f"unknown field '{path}.{extra[0]}'; a link has latency_s and "
+                           "bandwidth")
+    try:
+        return Link(value["latency_s"], value["bandwidth"])
+    except ProfileError as exc:
+        raise ProfileError(str(exc).replace("field '", f"field '{path}.", 1)) from None
+
+
+def _from_dict(d: Any) -> HardwareProfile:
+    if not isinstance(d, dict):
+        raise ProfileError(f"a hardware profile must be a JSON object, got {type(d).__name__}")
+    for key in _REQUIRED:
+        if key not in d:
+            raise ProfileError(f"missing field {key!r} (required: {', '.join(_REQUIRED)})")
+    unknown = sorted(set(d) - set(_REQUIRED) - set(_OPTIONAL))
+    if unknown:
+        raise ProfileError(f"unknown field {unknown[0]!r}; valid fields: "
+                           f"{', '.join(_REQUIRED + _OPTIONAL)}")
+    if d.get("v", PROFILE_VERSION) != PROFILE_VERSION:
+        raise ProfileError(f"field 'v' must be {PROFILE_VERSION}, got {d['v']!r}")
+    for key in ("peak_flops", "sources"):
+        if key in d and not isinstance(d[key], dict):
+            raise ProfileError(f"field {key!r} must be an object, got {d[key]!r}")
+    curve_in = d["efficiency"]
+    if not isinstance(curve_in, list):
+        raise ProfileError("field 'efficiency' must be a list of [FLOPs, fraction] pairs, "
+                           f"got {curve_in!r}")
+    curve = tuple(tuple(p) if isinstance(p, list) else p for p in curve_in)
+    collectives: dict[str, dict[int, Link]] = {}
+    raw = d.get("collectives", {})
+    if not isinstance(raw, dict):
+        raise ProfileError(f"field 'collectives' must be an object, got {raw!r}")
+    for op, by_ranks in raw.items():
+        if op not in COLLECTIVE_OPS:
+            raise ProfileError(f"field 'collectives' has unknown op {op!r}; valid ops: "
+                               f"{', '.join(COLLECTIVE_OPS)}")
+        if not isinstance(by_ranks, dict):
+            raise ProfileError(f"field 'collectives.{op}' must map rank counts to links, "
+                               f"got {by_ranks!r}")
+        collectives[op] = {}
+        for key, link in by_ranks.items():
+            try:
+                ranks = int(key)
+            except ValueError:
+                raise ProfileError(f"field 'collectives.{op}' keys must be rank counts, "
+                                   f"got {key!r}") from None
+            collectives[op][ranks] = _link_from(f"collectives.{op}.{key}", link)
+    return HardwareProfile(
+        name=d["name"], kind=d["kind"], devices_per_node=d["devices_per_node"],
+        device_memory_bytes=d["device_memory_bytes"], peak_flops=dict(d["peak_flops"]),
+        memory_bandwidth=d["memory_bandwidth"],
+        intra_node=_link_from("intra_node", d["intra_node"]),
+        inter_node=_link_from("inter_node", d["inter_node"]),
+        host_to_device=_link_from("host_to_device", d["host_to_device"]),
+        efficiency=curve,  # type: ignore[arg-type]  # checked by _validate
+        collectives=collectives,
+        comm_compute_interference=d.get("comm_compute_interference", 0.0),
+        sources=dict(d.get("sources", {})),
+        host_memory_bandwidth=d.get("host_memory_bandwidth", 0.0),
+    )
+
+
+# ----------------------------------------------------------------------------- builtins
+
+GB = 1e9
+TFLOPS = 1e12
+
+# GEMM efficiency by op size: the points of Calculon's systems/a100_80g.json
+# ("gflops_efficiency": 1 GFLOP 0.6, 16 GFLOP 0.9, 128 GFLOP 0.95); their "0 GFLOP -> 0.1"
+# entry is placed at 10 MFLOP here because the curve is interpolated in log(FLOPs).
+_GPU_EFFICIENCY = ((1e7, 0.1), (1e9, 0.6), (1.6e10, 0.9), (1.28e11, 0.95))
+
+_SRC_SIM = "/work/shared/reference/simulators.md (hardware table)"
+_SRC_CALCULON = "calculon-ai/calculon systems/a100_80g.json, h100_80g_nvl8.json"
+_COMMON_SOURCES = {
+    "efficiency": f"{_SRC_CALCULON}: gflops_efficiency (lowest point placed at 1e7 FLOPs)",
+    "intra_node.latency_s": f"{_SRC_CALCULON}: NVLink network latency 1e-6 s",
+    "inter_node.latency_s": f"{_SRC_CALCULON}: InfiniBand network latency 2e-6 s",
+    "host_to_device.latency_s": "assumption: ~10 us per host<->device copy (launch + DMA "
+                                "setup), not a published figure",
+    "devices_per_node": "HGX/DGX baseboard: 8 SXM GPUs per node",
+}
+
+
+def _gpu_node(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: float,
+              hbm_bw: float, nvlink_dir: float, ib_node: float, pcie_dir: float,
+              host_dram_node: float, sources: dict[str, str]) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, kind="gpu", devices_per_node=8, device_memory_bytes=int(hbm_bytes),
+        peak_flops={"float32": fp32, "tfloat32": tf32, "bfloat16": bf16, "float16": bf16},
+        memory_bandwidth=hbm_bw,
+        intra_node=Link(1e-6, nvlink_dir),
+        inter_node=Link(2e-6, ib_node),
+        host_to_device=Link(10e-6, pcie_dir),
+        efficiency=_GPU_EFFICIENCY,
+        sources={**_COMMON_SOURCES, **sources},
+        host_memory_bandwidth=host_dram_node / 8,
+    )
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "a100-80g-x8": _gpu_node(
+        "a100-80g-x8", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS,
+        hbm_bytes=80 * GB, hbm_bw=2039 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
+        pcie_dir=32 * GB, host_dram_node=2 * 8 * 25.6 * GB,
+        sources={
+            "peak_flops.bfloat16": f"{_SRC_SIM}: A100 BF16 dense 312 TFLOPS (624 sparse)",
+            "peak_flops.float16": "A100 FP16 tensor core dense = BF16 rate (NVIDIA A100 "
+                                  "datasheet)",
+            "peak_flops.float32": "NVIDIA A100 datasheet: FP32 (non-tensor) 19.5 TFLOPS",
+            "peak_flops.tfloat32": "NVIDIA A100 datasheet: TF32 tensor core 156 TFLOPS dense",
+            "device_memory_bytes": f"{_SRC_SIM}: 80 GB HBM2e (decimal GB)",
+            "memory_bandwidth": f"{_SRC_SIM}: 80 GB HBM2e @ 2.039 TB/s",
+            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink3 600 GB/s bidirectional = 300 GB/s "
+                                    "per direction (NCCL achieves ~195 GB/s sendrecv)",
+            "inter_node.bandwidth": f"{_SRC_SIM}: InfiniBand HDR 200 Gb/s = 25 GB/s per port "
+                                    "per direction, 8 ports per node",
+            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen4 x16 32 GB/s per direction",
+            "host_memory_bandwidth": "DGX A100: 2x AMD EPYC 7742, 8 channels DDR4-3200 each "
+                                     "(25.6 GB/s per channel) = 409.6 GB/s per node, / 8 GPUs",
+        }),
+    "h100-x8": _gpu_node(
+        "h100-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
+        hbm_bytes=80 * GB, hbm_bw=3350 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
+        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
+        sources={
+            "peak_flops.bfloat16": f"{_SRC_SIM}: H100 SXM BF16 dense 989.4 TFLOPS "
+                                   "(1979 sparse)",
+            "peak_flops.float16": "glennklockwood.com/garden/processors/h100: FP16 matrix "
+                                  "989.4 TFLOPS dense",
+            "peak_flops.float32": "glennklockwood.com/garden/processors/h100: FP32 66.9 TFLOPS",
+            "peak_flops.tfloat32": "glennklockwood.com/garden/processors/h100: TF32 matrix "
+                                   "494.7 TFLOPS dense (989.4 is with sparsity)",
+            "device_memory_bytes": f"{_SRC_SIM}: 80 GB HBM3 (decimal GB)",
+            "memory_bandwidth": f"{_SRC_SIM}: 80 GB HBM3 @ 3.35 TB/s",
+            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink4 900 GB/s bidirectional (18x50) = "
+                                    "450 GB/s per direction (all-reduce reaches 741 of 900)",
+            "inter_node.bandwidth": f"{_SRC_SIM}: NDR 400 Gb/s = 50 GB/s per ConnectX-7, "
+                                    "8 per DGX H100 (3.2 Tb/s)",
+            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen5 x16 64 GB/s per direction",
+            "host_memory_bandwidth": "DGX H100: 2x Xeon Platinum 8480C, 8 channels DDR5-4800 "
+                                     "each (38.4 GB/s per channel) = 614.4 GB/s per node, / 8",
+        }),
+    "h200-x8": _gpu_node(
+        "h200-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
+        hbm_bytes=141 * GB, hbm_bw=4800 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
+        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
+        sources={
+            "peak_flops.bfloat16": f"{_SRC_SIM}: H200 same compute as H100, 989 TFLOPS dense "
+                                   "(1,979 listed elsewhere includes sparsity)",
+            "peak_flops.float16": f"{_SRC_SIM}: same compute as H100 (FP16 = BF16 dense)",
+            "peak_flops.float32": f"{_SRC_SIM}: same compute as H100; H100 FP32 66.9 TFLOPS "
+                                  "(glennklockwood.com/garden/processors/h100)",
+            "peak_flops.tfloat32": "same compute as H100: TF32 494.7 TFLOPS dense",
+            "device_memory_bytes": f"{_SRC_SIM}: 141 GB HBM3e (decimal GB)",
+            "memory_bandwidth": f"{_SRC_SIM}: 141 GB HBM3e @ 4.8 TB/s",
+            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink 900 GB/s bidirectional = 450 GB/s "
+                                    "per direction",
+            "inter_node.bandwidth": f"{_SRC_SIM}: NDR 400 Gb/s = 50 GB/s per port, 8 per node "
+                                    "(as DGX H100)",
+            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen5 x16 64 GB/s per direction",
+            "host_memory_bandwidth": "DGX H200 uses the DGX H100 CPUs: 2x Xeon Platinum "
+                                     "8480C, 614.4 GB/s DDR5 per node, / 8",
+        }),
+}
+
+
+def host_profile_path() -> Path:
+    """Where ``flowtrain calibrate`` writes and ``this-host`` reads the measured profile."""
+    env = os.environ.get(HOST_PROFILE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/flowtrain/host_profile.json").expanduser()
+
+
+def get_profile(name_or_path: str) -> HardwareProfile:
+    """A builtin profile by name, a profile JSON file by path, or ``this-host`` (the profile
+    ``flowtrain calibrate`` wrote). Unknown names raise ValueError listing the choices."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ProfileError(f"hardware must be a profile name or a JSON path, got "
+                           f"{name_or_path!r}")
+    if name_or_path in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[name_or_path]
+    if name_or_path == THIS_HOST:
+        path = host_profile_path()
+        if not path.is_file():
+            raise ProfileError(f"no calibrated profile of this host at {str(path)!r}; run "
+                               f"`flowtrain calibrate` first (or set ${HOST_PROFILE_ENV})")
+        return HardwareProfile.load(path)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return HardwareProfile.load(path)
+    looks_like_path = name_or_path.endswith(".json") or os.sep in name_or_path
+    what = "no such profile file" if looks_like_path else "unknown hardware profile"
+    raise ProfileError(f"{what} {name_or_path!r}; choices: {', '.join(BUILTIN_PROFILES)}, "
+                       f"{THIS_HOST} (after `flowtrain calibrate`), or a path to a profile JSON")
