@@ -161,3 +161,10 @@ class FlowtrainSection(Section):
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
     heartbeat_interval: Float(gt=0, optional=True) = None
     seed: Int(ge=0, optional=True) = None
+    # Telemetry (flowtrain.telemetry): each rank publishes step records to the launcher's
+    # coordinator (recorded in runs/<id>/telemetry.msgpack, shown by `flowtrain monitor`).
+    telemetry: Bool = True
+    # Most "step" records a rank publishes per second; faster steps are sampled, not queued.
+    telemetry_hz: Float(gt=0) = 10.0
+    # A "spans" record (the step's task timeline) every this many optimizer steps.
+    telemetry_spans_every: Int(ge=1) = 10
