@@ -1,0 +1,261 @@
+"""Discrete-event execution of a step's task graph in virtual time, and the figures read off the
+resulting timeline (step time, busy time per resource, exposed communication, pipeline bubble).
+
+Each resource (per pipeline stage: ``compute``, ``comm:dp``, ``comm:tp``, ``comm:pp``,
+``copy:h2d``, ``copy:d2h``, ``host``) runs one task at a time; when it frees, it starts the ready
+task that comes first in plan order. Data-parallel and tensor-parallel ranks do the same work at
+the same time, so one representative rank per pipeline stage stands for all of them and a
+1,024-rank step costs about what an 8-rank one does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+RESOURCES = ("compute", "comm:dp", "comm:tp", "comm:pp", "copy:h2d", "copy:d2h", "host")
+# Resources whose busy time is useful work rather than data movement: communication that runs
+# while one of these is busy is hidden; the rest is exposed.
+WORK_RESOURCES = ("compute", "host")
+# Task kinds that make up forward and backward passes (with their blocking TP all-reduces);
+# whatever else a stage's compute does not do inside the pipeline window counts as bubble.
+PASS_KINDS = ("forward", "backward", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class SimTask:
+    """One task of the step on a representative rank of pipeline stage ``stage``."""
+
+    name: str
+    kind: str
+    resource: str
+    duration: float  # seconds
+    deps: tuple[int, ...] = ()  # indices into the plan's task list
+    stage: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    # A collective: on CPU hosts its progress also takes a share of the compute resource.
+    collective: bool = False
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Where every task ran: ``start[i]``/``end[i]`` belong to ``tasks[i]``. Tasks past the
+    plan's own (``planned`` of them) are the compute time that collectives took on CPU hosts."""
+
+    tasks: tuple[SimTask, ...]
+    start: tuple[float, ...]
+    end: tuple[float, ...]
+    planned: int
+
+    @property
+    def step_time(self) -> float:
+        return max(self.end, default=0.0)
+
+    @property
+    def stages(self) -> int:
+        return 1 + max((t.stage for t in self.tasks), default=0)
+
+    def spans(self) -> list[tuple[SimTask, float, float]]:
+        return list(zip(self.tasks, self.start, self.end))
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The figures of one simulated step, per representative rank (averaged over stages)."""
+
+    step_time: float
+    resource_seconds: dict[str, float]  # busy seconds per resource name
+    comm_seconds: float  # time with any communication or copy in flight
+    exposed_comm_seconds: float  # ... of which no compute or host work ran alongside
+    overlap_pct: float | None  # share of communication time hidden behind work (None: no comm)
+    bubble_pct: float  # pipeline stages' idle share of the forward/backward window (0 when pp=1)
+    per_stage_busy: tuple[dict[str, float], ...] = field(default=())
+
+
+def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
+    """Runs ``tasks`` in virtual time and returns where each ran.
+
+    ``interference`` (a CPU host's ``comm_compute_interference``): every collective also puts
+    that fraction of its duration on its stage's compute resource, as a task that becomes ready
+    when the collective starts and ranks right behind it in plan order.
+    """
+    if not 0.0 <= interference <= 1.0:
+        raise ValueError(f"interference must be a fraction from 0 to 1, got {interference!r}")
+    all_tasks = list(tasks)
+    n = len(all_tasks)
+    for i, task in enumerate(all_tasks):
+        if task.duration < 0:
+            raise ValueError(f"task {task.name!r} has a negative duration {task.duration!r}")
+        for d in task.deps:
+            if not 0 <= d < n or d == i:
+                raise ValueError(f"task {task.name!r} depends on index {d}, which is not another "
+                                 f"task of the plan (0..{n - 1})")
+
+    # Companion compute tasks for collective interference, made ready when their collective starts.
+    companion: dict[int, int] = {}
+    if interference > 0:
+        for i in range(n):
+            task = all_tasks[i]
+            if task.collective and task.duration > 0:
+                companion[i] = len(all_tasks)
+                all_tasks.append(SimTask(f"interference/{task.name}", "interference", "compute",
+                                         task.duration * interference, (), task.stage))
+    total = len(all_tasks)
+
+    # Resource ids, and each task's priority key: plan order, companions right behind theirs.
+    resource_id: dict[tuple[int, str], int] = {}
+    res_of = [0] * total
+    for i, task in enumerate(all_tasks):
+        key = (task.stage, task.resource)
+        rid = resource_id.get(key)
+        if rid is None:
+            rid = resource_id[key] = len(resource_id)
+        res_of[i] = rid
+    priority = [2 * i for i in range(total)]
+    for i, c in companion.items():
+        priority[c] = 2 * i + 1
+
+    waiting = [len(t.deps) for t in all_tasks]
+    children: list[list[int]] = [[] for _ in range(total)]
+    for i in range(n):
+        for d in all_tasks[i].deps:
+            children[d].append(i)
+    ready: list[list[tuple[int, int]]] = [[] for _ in resource_id]
+    busy = [False] * len(resource_id)
+    # Compute picks its next task last at each instant, so that the interference of a collective
+    # starting at the same time is among its choices.
+    is_compute = [False] * len(resource_id)
+    for (_, resource), rid in resource_id.items():
+        is_compute[rid] = resource == "compute"
+    start = [0.0] * total
+    end = [0.0] * total
+    finished = [False] * total
+    done = 0
+    events: list[tuple[float, int]] = []
+    dirty: set[int] = set()
+    durations = [t.duration for t in all_tasks]
+
+    for i in range(n):
+        if waiting[i] == 0:
+            heapq.heappush(ready[res_of[i]], (priority[i], i))
+            dirty.add(res_of[i])
+
+    now = 0.0
+    while True:
+        for phase in (False, True):
+            for rid in sorted(r for r in dirty if is_compute[r] == phase):
+                if busy[rid] or not ready[rid]:
+                    continue
+                _, i = heapq.heappop(ready[rid])
+                busy[rid] = True
+                start[i] = now
+                end[i] = now + durations[i]
+                heapq.heappush(events, (end[i], i))
+                c = companion.get(i)
+                if c is not None:
+                    heapq.heappush(ready[res_of[c]], (priority[c], c))
+                    dirty.add(res_of[c])
+        dirty.clear()
+        if not events:
+            break
+        # Every task that ends at this instant finishes before anything new is chosen, so the
+        # choice sees all tasks that are ready at this time.
+        now = events[0][0]
+        while events and events[0][0] == now:
+            _, i = heapq.heappop(events)
+            finished[i] = True
+            done += 1
+            rid = res_of[i]
+            busy[rid] = False
+            dirty.add(rid)
+            for child in children[i]:
+                waiting[child] -= 1
+                if waiting[child] == 0:
+                    heapq.heappush(ready[res_of[child]], (priority[child], child))
+                    dirty.add(res_of[child])
+    if done != total:
+        stuck = next(i for i in range(n) if waiting[i] > 0)
+        blocker = next(d for d in all_tasks[stuck].deps if not finished[d])
+        raise ValueError(f"the plan's dependencies form a cycle: {total - done} tasks never "
+                         f"became ready, e.g. {all_tasks[stuck].name!r} (stage "
+                         f"{all_tasks[stuck].stage}) waits for {all_tasks[blocker].name!r}")
+    return Timeline(tuple(all_tasks), tuple(start), tuple(end), n)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Length of the overlap of two sorted lists of disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo = max(xs[i][0], ys[j][0])
+        hi = min(xs[i][1], ys[j][1])
+        if hi > lo:
+            total += hi - lo
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def step_figures(timeline: Timeline) -> StepFigures:
+    """Reads a timeline's figures. Communication is anything on a ``comm:*`` or ``copy:*``
+    resource; it is exposed where no ``compute`` or ``host`` task of the same stage runs beside
+    it. The bubble (pipelines only) is the stages' mean idle share of the window from the step's
+    start to the last backward anywhere, counting forward/backward compute and its blocking TP
+    all-reduces as busy; with equal stage times and free communication it is (p-1)/(m+p-1)."""
+    stages = timeline.stages
+    busy: list[dict[str, float]] = [{} for _ in range(stages)]
+    comm: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+    work: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+    passes: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+    window = 0.0
+    for task, a, b in zip(timeline.tasks, timeline.start, timeline.end):
+        s = task.stage
+        busy[s][task.resource] = busy[s].get(task.resource, 0.0) + (b - a)
+        if task.resource.startswith(("comm:", "copy:")):
+            comm[s].append((a, b))
+        elif task.resource in WORK_RESOURCES:
+            work[s].append((a, b))
+        if task.kind in PASS_KINDS:
+            passes[s].append((a, b))
+            window = max(window, b)
+    comm_total = exposed_total = 0.0
+    idle_share = 0.0
+    for s in range(stages):
+        c = _union(comm[s])
+        length = _length(c)
+        comm_total += length
+        exposed_total += length - _intersection(c, _union(work[s]))
+        if window > 0:
+            idle_share += 1.0 - _length(_union(passes[s])) / window
+    names = sorted({r for d in busy for r in d}, key=_resource_order)
+    mean_busy = {r: sum(d.get(r, 0.0) for d in busy) / stages for r in names}
+    comm_mean, exposed_mean = comm_total / stages, exposed_total / stages
+    overlap = None if comm_mean <= 0 else 100.0 * (1.0 - exposed_mean / comm_mean)
+    bubble = 100.0 * idle_share / stages if stages > 1 else 0.0
+    return StepFigures(timeline.step_time, mean_busy, comm_mean, exposed_mean, overlap, bubble,
+                       tuple(busy))
+
+
+def _resource_order(name: str) -> tuple[int, str]:
+    return (RESOURCES.index(name) if name in RESOURCES else len(RESOURCES), name)

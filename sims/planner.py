@@ -1,0 +1,639 @@
+"""The simulated step's tasks: a model's parameters, a ds_config and a cluster layout turned into
+what one representative rank of each pipeline stage does, with each task's duration from the
+cost model.
+
+The data-parallel skeleton (buckets, their order, ZeRO-3's module units) is the engine's own
+``flowtrain.plan`` output, so predicted and measured tasks share names. On top of it the planner
+adds what the engine does per ZeRO stage, CPU offload, 1F1B pipelining and tensor-parallel
+all-reduces. Task names (the first two path parts are the name the engine records for a span):
+
+- ``forward/mb{k}``, ``backward/mb{k}``: one micro-batch's pass on a stage; when the pass is
+  split (ZeRO-3 modules, TP layers, buckets that become ready during backward) its pieces are
+  ``forward/mb{k}/<segment>`` (segment: ``layer{l}``, ``embed``, ``head`` or a module name).
+- ``reduce/bucket{i}`` (once per step) or ``reduce/bucket{i}/mb{k}`` (every micro-batch,
+  ZeRO 2-3): the bucket's gradient all-reduce (stages 0-1) or reduce-scatter (2-3).
+- ``gather/bucket{i}/fwd/mb{k}``, ``gather/bucket{i}/bwd/mb{k}``: ZeRO-3 parameter all-gathers
+  before a module's forward and backward.
+- ``optimizer/step`` (``optimizer/step/bucket{i}`` per shard when the optimizer is offloaded).
+- ``allgather/bucket{i}``: after the step, the updated shards of a whole (not ZeRO-3
+  partitioned) bucket to every rank (the engine records this inside ``optimizer/step``).
+- ``copy/d2h/bucket{i}``, ``copy/h2d/bucket{i}``: offload copies of a gradient shard down and a
+  parameter shard up; ``copy/h2d/bucket{i}/fwd/mb{k}`` a parameter shard before its gather.
+- ``send/act/mb{k}``, ``send/grad/mb{k}``: pipeline sends to the next / previous stage.
+- ``tp/fwd/mb{k}/layer{l}``, ``tp/bwd/mb{k}/layer{l}``: a layer's two tensor-parallel
+  all-reduces of one pass (Megatron-style attention and MLP), merged into one task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, plan_buckets, plan_units
+from sims import costs
+from sims.executor import SimTask
+
+ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
+# DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: ``nodes`` x ``devices_per_node`` ranks, split into ``tp``-wide
+    tensor-parallel groups inside a node, ``pp`` pipeline stages and what is left as data
+    parallel. Ranks are numbered tensor-parallel fastest, then data parallel, then pipeline
+    (Megatron's order), which decides whether a group crosses nodes."""
+
+    nodes: int
+    devices_per_node: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node", "tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.devices_per_node % self.tp:
+            raise ValueError(f"tensor parallel stays inside a node: tp {self.tp} must divide the "
+                             f"{self.devices_per_node} devices per node (valid: "
+                             f"{', '.join(str(d) for d in _divisors(self.devices_per_node))})")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"tp x pp = {self.tp * self.pp} must divide the world size "
+                             f"{self.world_size} ({self.nodes} nodes x {self.devices_per_node} "
+                             f"devices)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_nodes(self) -> int:
+        """Nodes one data-parallel group spans (its ranks are ``tp`` apart)."""
+        block = self.dp * self.tp
+        return min(self.nodes, max(1, math.ceil(block / self.devices_per_node)))
+
+    def pipe_link_inter_node(self, stage: int) -> bool:
+        """Whether stage ``stage`` sends to stage ``stage + 1`` across nodes."""
+        block = self.dp * self.tp
+        return (stage * block) // self.devices_per_node != \
+            ((stage + 1) * block) // self.devices_per_node
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the planner needs of a model: its trainable parameters as the engine lists them,
+    forward FLOPs of one sample, and the shapes that size pipeline and TP messages (0 when
+    unknown, e.g. a model known only from a run's plan.json)."""
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    forward_flops_per_sample: float
+    seq_len: int = 0
+    hidden: int = 0
+    layers: int = 0
+    activation_bytes_per_sample: float = 0.0
+
+    @classmethod
+    def from_model(cls, model: Any, precision: str) -> Workload:
+        """From a ``sims.models.ModelSpec``; parameters take the training precision's dtype (the
+        engine casts the model to fp16/bf16 for mixed precision)."""
+        dtype = PRECISION_DTYPE[precision]
+        elem = DTYPE_BYTES[dtype]
+        params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
+        return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
+                   model.hidden, model.layers, float(model.activation_bytes_per_sample))
+
+    @classmethod
+    def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
+                 name: str = "run") -> Workload:
+        """From a run directory's ``plan.json`` (written by rank 0 of a launched run)."""
+        params = tuple((str(n), tuple(int(d) for d in s), str(dt), int(e))
+                       for n, s, dt, e in plan["param_specs"])
+        flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
+        return cls(name, params, flops)
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    """The step's tasks for one representative rank per pipeline stage, and what is needed to
+    turn a step time into throughput and MFU."""
+
+    tasks: tuple[SimTask, ...]
+    layout: Layout
+    workload: str
+    micro_batch_size: int
+    micro_batches: int  # gradient accumulation steps (pipeline micro-batches when pp > 1)
+    dtype: str  # compute dtype, a key of hw.peak_flops
+    zero_stage: int
+    samples_per_step: int
+    tokens_per_step: int  # 0 when the sequence length is not known
+    model_flops_per_step: float  # forward + backward (3x forward), no recomputation
+    interference: float  # fraction of a collective's time it also takes from compute
+    step_plans: tuple[StepPlan, ...] = field(default=())  # the data-parallel plan of each stage
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class _Segment:
+    label: str
+    params: list[int]  # stage-local parameter indices
+    layer: int | None
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+class _Tasks:
+    """Collects tasks; dependencies on tasks of later stages are given by (stage, name) and
+    resolved once every task exists."""
+
+    def __init__(self) -> None:
+        self.tasks: list[SimTask] = []
+        self.index: dict[tuple[int, str], int] = {}
+        self.forward_refs: list[tuple[int, tuple[int, str]]] = []
+
+    def add(self, stage: int, name: str, kind: str, resource: str, duration: float,
+            deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (),
+            flops: float = 0.0, nbytes: float = 0.0) -> int:
+        i = len(self.tasks)
+        self.tasks.append(SimTask(name, kind, resource, duration,
+                                  tuple(dict.fromkeys(d for d in deps if d is not None)),
+                                  stage, flops, nbytes, resource.startswith("comm:")))
+        self.index[(stage, name)] = i
+        self.forward_refs += [(i, ref) for ref in refs]
+        return i
+
+    def resolve(self) -> tuple[SimTask, ...]:
+        for i, ref in self.forward_refs:
+            if ref not in self.index:
+                raise KeyError(f"the plan refers to task {ref[1]!r} of stage {ref[0]}, which "
+                               f"was never built")
+            t = self.tasks[i]
+            self.tasks[i] = SimTask(t.name, t.kind, t.resource, t.duration,
+                                    t.deps + (self.index[ref],), t.stage, t.flops, t.bytes,
+                                    t.collective)
+        return tuple(self.tasks)
+
+
+def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The 1F1B order of stage ``stage``'s passes: ("F", k) / ("B", k). Warm-up forwards fill
+    the pipeline, then one forward and one backward alternate, then the backwards drain."""
+    warmup = min(stages - stage - 1, micro_batches)
+    ops = [("F", k) for k in range(warmup)]
+    for k in range(micro_batches - warmup):
+        ops += [("F", warmup + k), ("B", k)]
+    ops += [("B", k) for k in range(micro_batches - warmup, micro_batches)]
+    return ops
+
+
+def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s: float,
+                   send_s: float = 0.0) -> tuple[SimTask, ...]:
+    """A bare 1F1B pipeline (equal stages, no data parallelism): the textbook schedule whose
+    bubble is (p-1)/(m+p-1) when sends are free."""
+    out = _Tasks()
+    for s in range(stages):
+        last: int | None = None
+        for op, k in one_f_one_b(stages, s, micro_batches):
+            if op == "F":
+                refs = [(s - 1, f"send/act/mb{k}")] if s > 0 else []
+                last = out.add(s, f"forward/mb{k}", "forward", "compute", forward_s, [last], refs)
+                if s < stages - 1:
+                    out.add(s, f"send/act/mb{k}", "send", "comm:pp", send_s, [last])
+            else:
+                refs = [(s + 1, f"send/grad/mb{k}")] if s < stages - 1 else []
+                last = out.add(s, f"backward/mb{k}", "backward", "compute", backward_s, [last],
+                               refs)
+                if s > 0:
+                    out.add(s, f"send/grad/mb{k}", "send", "comm:pp", send_s, [last])
+    return out.resolve()
+
+
+def layer_of(name: str) -> int | None:
+    """A parameter's layer number: the first all-digit part of its dotted name
+    ("h.3.attn.c_attn.weight" -> 3, "model.layers.12.mlp.up_proj.weight" -> 12)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def split_stages(params: Sequence[ParamSpec], stages: int) -> list[list[int]]:
+    """Parameter indices of each pipeline stage: numbered layers split evenly in order, what
+    comes before the first layer (embeddings) on the first stage, what comes after the last
+    (final norm, head) on the last."""
+    if stages == 1:
+        return [list(range(len(params)))]
+    layers = sorted({n for n in (layer_of(p[0]) for p in params) if n is not None})
+    if len(layers) < stages:
+        raise ValueError(f"pp {stages} needs at least {stages} numbered layers to split the "
+                         f"model into stages; its parameter names show {len(layers)}")
+    stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
+    out: list[list[int]] = [[] for _ in range(stages)]
+    seen_layer = False
+    for i, p in enumerate(params):
+        n = layer_of(p[0])
+        if n is not None:
+            seen_layer = True
+            out[stage_of_layer[n]].append(i)
+        else:
+            out[stages - 1 if seen_layer else 0].append(i)
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tp_shard(spec: ParamSpec, tp: int) -> ParamSpec:
+    """A weight matrix split tp ways (along its first dimension); vectors stay whole."""
+    name, shape, dtype, elem = spec
+    if tp == 1 or len(shape) < 2:
+        return spec
+    return (name, (math.ceil(shape[0] / tp), *shape[1:]), dtype, elem)
+
+
+def module_units(params: Sequence[ParamSpec]) -> list[list[int]]:
+    """ZeRO-3's units from parameter names: the parameters of one module (the name without its
+    last part) in first-seen order, as the engine's ``module_units`` finds them on the module."""
+    units: dict[str, list[int]] = {}
+    for i, p in enumerate(params):
+        units.setdefault(p[0].rpartition(".")[0], []).append(i)
+    return list(units.values())
+
+
+def _segments(params: Sequence[ParamSpec], stage3: bool) -> list[_Segment]:
+    """A stage's forward order cut into pieces: one per module for ZeRO-3 (each is gathered
+    before it runs), otherwise one per layer plus the parts before and after the layers."""
+    if stage3:
+        return [_Segment(params[u[0]][0].rpartition(".")[0] or params[u[0]][0], u,
+                         layer_of(params[u[0]][0])) for u in module_units(params)]
+    segments: list[_Segment] = []
+    seen_layer = False
+    for i, p in enumerate(params):
+        n = layer_of(p[0])
+        seen_layer = seen_layer or n is not None
+        label = f"layer{n}" if n is not None else ("head" if seen_layer else "embed")
+        if segments and segments[-1].label == label:
+            segments[-1].params.append(i)
+        else:
+            segments.append(_Segment(label, [i], n))
+    return segments
+
+
+def config_bucket_numel(zero: Any, elem_size: int) -> int:
+    """The engine's bucket size in elements (as ``flowtrain.api`` picks it): the config's
+    reduce/allgather bucket sizes when set, else 25 MiB of parameters."""
+    if zero.stage and {"reduce_bucket_size", "allgather_bucket_size"} & zero.model_fields_set:
+        return min(int(getattr(zero, k)) for k in ("reduce_bucket_size", "allgather_bucket_size")
+                   if k in zero.model_fields_set)
+    if "reduce_bucket_size" in zero.model_fields_set:
+        return int(zero.reduce_bucket_size)
+    return DEFAULT_BUCKET_BYTES // elem_size
+
+
+@dataclass(frozen=True)
+class _Stage3Uses:
+    """ZeRO-3's gathers over one micro-batch: at each use (forward units, then backward units
+    in reverse), the buckets whose all-gather starts there, and the uses that find their
+    bucket already gathered."""
+
+    launched: tuple[tuple[int, ...], ...]  # per use position: buckets launched there
+    gathered_for: tuple[tuple[int, ...], ...]  # per use position: buckets it waits for
+
+
+def stage3_uses(trace: Sequence[int], numel: Mapping[int, int], *, prefetch_numel: int,
+                max_live_numel: int, max_reuse_distance: int) -> _Stage3Uses:
+    """Replays the engine's ``Stage3Params`` decisions (prefetch window, keep-for-backward,
+    live limit) over one micro-batch's use order ``trace`` (one partitioned bucket per use)."""
+    live: set[int] = set()
+    requested: set[int] = set()
+    launched: list[tuple[int, ...]] = []
+    waits: list[tuple[int, ...]] = []
+    forward_uses = len(trace) // 2
+    for pos, b in enumerate(trace):
+        need = () if b in live else (b,)
+        out: list[int] = []
+        budget = prefetch_numel
+        in_use = sum(numel[u] for u in live) + sum(numel[u] for u in requested)
+        for u in trace[pos + 1:]:
+            if u in live or u in requested or u in out or u == b:
+                continue
+            if numel[u] > budget or in_use + numel[u] > max_live_numel:
+                break
+            out.append(u)
+            budget -= numel[u]
+            in_use += numel[u]
+        waits.append(() if b in live else (b,))
+        launched.append(tuple(u for u in need if u not in requested) + tuple(out))
+        requested.update(out)
+        requested.discard(b)
+        live.add(b)
+        if pos < forward_uses:
+            # after forward: released unless it comes back soon (its backward use)
+            distance, comes_back = 0, False
+            if sum(numel[u] for u in live) <= max_live_numel:
+                for u in trace[pos + 1:]:
+                    if u == b:
+                        comes_back = distance <= max_reuse_distance
+                        break
+                    distance += numel[u]
+                    if distance > max_reuse_distance:
+                        break
+            if not comes_back:
+                live.discard(b)
+        else:
+            live.discard(b)  # backward done: its gradients have landed
+    return _Stage3Uses(tuple(launched), tuple(waits))
+
+
+class _StageBuilder:
+    """Builds one pipeline stage's tasks into a shared ``_Tasks``."""
+
+    def __init__(self, plan: _Tasks, stage: int, *, layout: Layout, hw: Any, cfg: Any,
+                 work: Workload, params: list[ParamSpec], weights: list[int], total_weight: int,
+                 micro_batches: int, micro_batch: int, dtype: str, comm_elem: int,
+                 comm_dtype: str) -> None:
+        self.plan, self.stage, self.layout, self.hw = plan, stage, layout, hw
+        self.zero = cfg.zero_optimization
+        self.m, self.mb = micro_batches, micro_batch
+        self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
+        self.stage_no = self.zero.stage
+        self.partitioned = self.stage_no == 3 and self.dp > 1
+        self.params = params
+        self.comm_elem = comm_elem
+        self.param_elem = params[0][3] if params else 2
+        self.gpu = getattr(hw, "kind", "gpu") == "gpu"
+        self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
+        self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
+        self.segments = _segments(params, self.partitioned)
+        seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
+        units = [seg.params for seg in self.segments] if self.partitioned else None
+        bucket_numel = config_bucket_numel(self.zero, self.param_elem)
+        buckets = plan_units(params, units, bucket_numel=bucket_numel,
+                             persistence_threshold=self.zero.stage3_param_persistence_threshold) \
+            if units is not None else plan_buckets(params, bucket_numel)
+        flops_mb = work.forward_flops_per_sample * micro_batch * sum(weights) / total_weight \
+            / self.tp
+        self.step_plan = build_step_plan(
+            params, world_size=self.dp, gradient_accumulation_steps=micro_batches,
+            micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
+            comm_elem_size=comm_elem, forward_flops=flops_mb, buckets=buckets)
+        self.buckets: tuple[BucketPlan, ...] = self.step_plan.buckets
+        # a bucket's gradients are complete after the backward of its earliest-forward segment
+        self.ready_after: dict[int, list[BucketPlan]] = {}
+        for b in self.buckets:
+            self.ready_after.setdefault(min(seg_of[s.index] for s in b.slots), []).append(b)
+        self._cost_segments(work, weights, total_weight, dtype, cfg)
+        self.act_bytes = micro_batch * work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
+        self.tp_s = 2 * costs.collective_seconds("all_reduce", self.act_bytes, self.tp, hw,
+                                                 nodes=1) if self.tp > 1 else 0.0
+        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
+        self.reduce_every_mb = self.stage_no >= 2
+        self.uses = self._stage3_uses() if self.partitioned else None
+
+    def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
+                       cfg: Any) -> None:
+        """Each segment's forward and backward seconds: one roofline op per parameter (so the
+        efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count."""
+        scale = work.forward_flops_per_sample * self.mb / total_weight / self.tp
+        act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
+        recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
+        for seg in self.segments:
+            for i in seg.params:
+                numel = _numel(self.params[i][1])
+                flops = weights[i] * scale
+                moved = numel * self.param_elem + weights[i] * act_scale
+                fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
+                bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
+                seg.forward_s += fwd
+                seg.backward_s += bwd + (fwd if recompute else 0.0)
+
+    def _stage3_uses(self) -> _Stage3Uses:
+        """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
+        self.bucket_of_seg: list[int | None] = []
+        for seg in self.segments:
+            part = [b.index for b in self.buckets
+                    if b.partitioned and b.slots[0].index in seg.params]
+            self.bucket_of_seg.append(part[0] if part else None)
+        order = [b for b in self.bucket_of_seg if b is not None]
+        self.trace = order + order[::-1]
+        self.use_pos = {("fwd", b): p for p, b in enumerate(order)}
+        self.use_pos.update({("bwd", b): 2 * len(order) - 1 - p for p, b in enumerate(order)})
+        self.last_gather: int | None = None  # gathers start in the order asked, step-wide
+        numel = {b.index: b.numel for b in self.buckets}
+        return stage3_uses(self.trace, numel,
+                           prefetch_numel=self.zero.stage3_prefetch_bucket_size,
+                           max_live_numel=self.zero.stage3_max_live_parameters,
+                           max_reuse_distance=self.zero.stage3_max_reuse_distance)
+
+    # -- durations ---------------------------------------------------------------------------
+
+    def _collective(self, op: str, nbytes: float) -> float:
+        return costs.collective_seconds(op, nbytes, self.dp, self.hw, nodes=self.layout.dp_nodes)
+
+    def _shard(self, numel: int) -> int:
+        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
+
+    # -- passes ------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        s, plan = self.stage, self.plan
+        last: int | None = None
+        reduces: list[int] = []
+        for op, k in one_f_one_b(self.pp, s, self.m):
+            if op == "F":
+                refs = [(s - 1, f"send/act/mb{k}")] if s > 0 else []
+                last = self._forward(k, last, refs)
+                if s < self.pp - 1:
+                    plan.add(s, f"send/act/mb{k}", "send", "comm:pp",
+                             costs.p2p_seconds(self.act_bytes, self.hw,
+                                               self.layout.pipe_link_inter_node(s)),
+                             [last], nbytes=self.act_bytes)
+            else:
+                refs = [(s + 1, f"send/grad/mb{k}")] if s < self.pp - 1 else []
+                last = self._backward(k, last, refs, reduces)
+                if s > 0:
+                    plan.add(s, f"send/grad/mb{k}", "send", "comm:pp",
+                             costs.p2p_seconds(self.act_bytes, self.hw,
+                                               self.layout.pipe_link_inter_node(s - 1)),
+                             [last], nbytes=self.act_bytes)
+        self._step(last, reduces[-1] if reduces else None)
+
+    def _pass_chunked(self, k: int, backward: bool) -> bool:
+        if self.partitioned or self.tp > 1:
+            return True
+        reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
+        return backward and reduces_here and len(self.buckets) > 1
+
+    def _forward(self, k: int, last: int | None, refs: list[tuple[int, str]]) -> int:
+        s, plan = self.stage, self.plan
+        if not self._pass_chunked(k, backward=False):
+            return plan.add(s, f"forward/mb{k}", "forward", "compute",
+                            sum(g.forward_s for g in self.segments), [last], refs,
+                            flops=self.step_plan.tasks[0].flops)
+        for j, seg in enumerate(self.segments):
+            waits = self._gathers(k, j, "fwd", last)
+            last = plan.add(s, f"forward/mb{k}/{seg.label}", "forward", "compute", seg.forward_s,
+                            [last, *waits], refs if j == 0 else [])
+            if self.tp_s and seg.layer is not None and (
+                    j == len(self.segments) - 1 or self.segments[j + 1].layer != seg.layer):
+                last = plan.add(s, f"tp/fwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
+                                self.tp_s, [last], nbytes=2 * self.act_bytes)
+        assert last is not None
+        return last
+
+    def _backward(self, k: int, last: int | None, refs: list[tuple[int, str]],
+                  reduces: list[int]) -> int:
+        s, plan = self.stage, self.plan
+        reduce_now = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
+        suffix = f"/mb{k}" if self.reduce_every_mb and self.m > 1 else ""
+        if not self._pass_chunked(k, backward=True):
+            last = plan.add(s, f"backward/mb{k}", "backward", "compute",
+                            sum(g.backward_s for g in self.segments), [last], refs,
+                            flops=self.step_plan.tasks[1].flops)
+            if reduce_now:
+                for b in self.buckets:
+                    reduces.append(self._reduce(b, suffix, last, reduces))
+            return last
+        n = len(self.segments)
+        for j in range(n - 1, -1, -1):
+            seg = self.segments[j]
+            first = j == n - 1
+            waits = self._gathers(k, j, "bwd", last)
+            last = plan.add(s, f"backward/mb{k}/{seg.label}", "backward", "compute",
+                            seg.backward_s, [last, *waits], refs if first else [])
+            chunk = last
+            if self.tp_s and seg.layer is not None and (
+                    j == 0 or self.segments[j - 1].layer != seg.layer):
+                last = plan.add(s, f"tp/bwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
+                                self.tp_s, [last], nbytes=2 * self.act_bytes)
+            if reduce_now:
+                for b in self.ready_after.get(j, []):
+                    reduces.append(self._reduce(b, suffix, chunk, reduces))
+        assert last is not None
+        return last
+
+    def _reduce(self, bucket: BucketPlan, suffix: str, after: int, reduces: list[int]) -> int:
+        nbytes = bucket.numel * self.comm_elem
+        return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
+                             self._collective(self.reduce_op, nbytes),
+                             [after, reduces[-1] if reduces else None], nbytes=nbytes)
+
+    def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
+        """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
+        the task ahead of the use, is done) and returns the gathers the segment waits for."""
+        if self.uses is None or self.bucket_of_seg[j] is None:
+            return []
+        s, plan = self.stage, self.plan
+        pos = self.use_pos[(direction, self.bucket_of_seg[j])]
+        for b in self.uses.launched[pos]:
+            # a gather serves the bucket's next use from here on
+            use = next(p for p in range(pos, len(self.trace)) if self.trace[p] == b)
+            tag = "fwd" if use < len(self.trace) // 2 else "bwd"
+            deps: list[int | None] = [before, self.last_gather]
+            if self.offload_param:
+                shard = math.ceil(self.buckets[b].numel / self.dp) * self.param_elem
+                deps.append(plan.add(s, f"copy/h2d/bucket{b}/{tag}/mb{k}", "copy", "copy:h2d",
+                                     costs.copy_seconds(shard, self.hw), [before], nbytes=shard))
+            nbytes = self.buckets[b].numel * self.param_elem
+            self.last_gather = plan.add(s, f"gather/bucket{b}/{tag}/mb{k}", "gather", "comm:dp",
+                                        self._collective("all_gather", nbytes), deps,
+                                        nbytes=nbytes)
+        return [plan.index[(s, f"gather/bucket{b}/{direction}/mb{k}")]
+                for b in self.uses.gathered_for[pos]]
+
+    # -- optimizer -----------------------------------------------------------------------------
+
+    def _step(self, last: int | None, last_reduce: int | None) -> None:
+        s, plan = self.stage, self.plan
+        after = [last, last_reduce]
+        whole = [b for b in self.buckets if not b.partitioned]
+        finished: list[int | None]
+        if self.offload_opt:
+            host = "host" if self.gpu else "compute"
+            finished = []
+            for b in self.buckets:
+                shard = self._shard(b.numel)
+                deps: list[int | None] = list(after)
+                if self.gpu:
+                    deps = [plan.add(s, f"copy/d2h/bucket{b.index}", "copy", "copy:d2h",
+                                     costs.copy_seconds(shard * self.comm_elem, self.hw), after,
+                                     nbytes=shard * self.comm_elem)]
+                stepped = plan.add(s, f"optimizer/step/bucket{b.index}", "optimizer", host,
+                                   costs.optimizer_seconds(shard, self.hw, on_host=True), deps,
+                                   nbytes=shard * 16)
+                if self.gpu:
+                    stepped = plan.add(s, f"copy/h2d/bucket{b.index}", "copy", "copy:h2d",
+                                       costs.copy_seconds(shard * self.param_elem, self.hw),
+                                       [stepped], nbytes=shard * self.param_elem)
+                finished.append(stepped)
+        else:
+            numel = sum(self._shard(b.numel) for b in self.buckets)
+            finished = [plan.add(s, "optimizer/step", "optimizer", "compute",
+                                 costs.optimizer_seconds(numel, self.hw), after,
+                                 nbytes=numel * 16)]
+        if self.stage_no >= 1 and self.dp > 1:
+            for b in whole:
+                nbytes = b.numel * self.param_elem
+                plan.add(s, f"allgather/bucket{b.index}", "allgather", "comm:dp",
+                         self._collective("all_gather", nbytes), finished, nbytes=nbytes)
+
+
+def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
+    """The step of ``work`` trained with ``cfg`` (a loaded FlowtrainConfig whose batch rule was
+    applied for ``layout.dp`` data-parallel ranks) on ``layout`` with hardware ``hw``."""
+    if not work.params:
+        raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
+    zero = cfg.zero_optimization
+    if layout.pp > 1 and zero.stage >= 2:
+        raise ValueError(f"ZeRO stage {zero.stage} with pp {layout.pp}: gradients are "
+                         f"partitioned while the pipeline still accumulates them; use "
+                         f"zero_optimization.stage 0 or 1 with pipeline parallelism")
+    dtype = PRECISION_DTYPE[cfg.precision]
+    comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
+    comm_elem = DTYPE_BYTES.get(comm_dtype, 4)
+    micro_batch = int(cfg.train_micro_batch_size_per_gpu)
+    micro_batches = int(cfg.gradient_accumulation_steps)
+    weights_all = [_numel(p[1]) for p in work.params]
+    total_weight = sum(weights_all)
+    if total_weight == 0:
+        raise ValueError(f"model {work.name!r} has only empty parameters")
+    plan = _Tasks()
+    step_plans = []
+    for s, indices in enumerate(split_stages(work.params, layout.pp)):
+        params = [_tp_shard(work.params[i], layout.tp) for i in indices]
+        builder = _StageBuilder(plan, s, layout=layout, hw=hw, cfg=cfg, work=work, params=params,
+                                weights=[weights_all[i] for i in indices],
+                                total_weight=total_weight, micro_batches=micro_batches,
+                                micro_batch=micro_batch, dtype=dtype, comm_elem=comm_elem,
+                                comm_dtype=comm_dtype)
+        builder.build()
+        step_plans.append(builder.step_plan)
+    samples = micro_batch * micro_batches * layout.dp
+    notes = []
+    if layout.tp > 1 and not (work.seq_len and work.hidden):
+        notes.append("sequence length or hidden size unknown: TP all-reduces cost latency only")
+    interference = float(getattr(hw, "comm_compute_interference", 0.0)) \
+        if getattr(hw, "kind", "gpu") == "cpu" else 0.0
+    return SimPlan(plan.resolve(), layout, work.name, micro_batch, micro_batches, dtype,
+                   zero.stage, samples, samples * work.seq_len,
+                   3.0 * work.forward_flops_per_sample * samples, interference,
+                   tuple(step_plans), tuple(notes))
