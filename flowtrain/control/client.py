@@ -106,6 +106,10 @@ class ControlClient:
         self._last_heard = 0.0
         self._route_blocked = False
         self._aborted = False
+        # Run by close() before BYE, each within its timeout: the telemetry actor publishes
+        # the records its rate limit held back, so the last step of a run is not lost.
+        self.before_close: list[Callable[[], Awaitable[None]]] = []
+        self.telemetry_dropped = 0  # frames publish_nowait could not queue
         self._barrier_waiters: dict[str, _Waiter] = {}
         self._kv_waiters: dict[int, _Waiter] = {}
         self._requests = itertools.count(1)
@@ -196,11 +200,33 @@ class ControlClient:
     async def publish(self, topic: str, body: dict) -> None:
         await self._send(Kind.TELEMETRY, {"topic": topic, "body": body})
 
+    def publish_nowait(self, topic: str, body: dict) -> bool:
+        """Queues a telemetry frame if ZeroMQ takes it at once; False (dropped) when its queue
+        is full. Telemetry must never make training wait. On the client's loop only."""
+        dealer = self._dealer
+        if dealer is None:
+            raise RuntimeError(
+                f"rank {self.rank}'s control client is not serving; run ControlClient.serve() first"
+            )
+        error = send_now(dealer, self.codec.encode(Kind.TELEMETRY, {"topic": topic, "body": body}))
+        if error is None:
+            return True
+        if not isinstance(error, zmq.Again):
+            raise error
+        self.telemetry_dropped += 1
+        return False
+
     async def close(self, *, finished: bool = True, timeout: float = 1.0) -> None:
         """Says BYE (if ``finished``), stops ``serve()``, closes the socket within ``timeout`` s."""
         if self._dealer is None or self._scope is None:
             return
         if finished:
+            for hook in list(self.before_close):
+                with anyio.move_on_after(timeout):
+                    try:
+                        await hook()
+                    except Exception as exc:  # a failing hook must not keep BYE from going out
+                        _log().warning("close hook failed", rank=self.rank, error=repr(exc))
             try:
                 with anyio.fail_after(timeout):
                     await self._send(Kind.BYE, {})

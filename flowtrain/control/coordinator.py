@@ -1,6 +1,8 @@
 """The job's coordinator: a ZeroMQ ROUTER that every rank joins, plus a PUB socket for telemetry.
 
 It runs barriers, a key/value store, routes frames between ranks, and declares silent ranks stuck.
+What it learns about ranks (joined, beating, failed, stuck, finished) it also publishes as
+telemetry records (flowtrain.telemetry), next to the records the ranks send.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from flowtrain.control.protocol import (
 )
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
+from flowtrain.telemetry.schema import (TOPIC_PREFIX, TelemetryError, event_record,
+                                        heartbeat_record, topic_of, validate)
 
 
 def _log() -> Any:
@@ -121,7 +125,11 @@ class Coordinator:
         heartbeat_misses: int = 5,
         join_timeout: float = 300.0,
         on_event: Callable[[CoordinatorEvent], None] | None = None,
+        on_telemetry: Callable[[dict], None] | None = None,
+        job_record: dict | None = None,
     ) -> None:
+        """``on_telemetry`` gets every schema record the coordinator publishes (the recorder and
+        the launcher's progress line hang there); ``job_record`` is published when it starts."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         check_heartbeat(heartbeat_interval, heartbeat_misses)
@@ -133,6 +141,8 @@ class Coordinator:
         self.heartbeat_misses = heartbeat_misses
         self.join_timeout = join_timeout
         self.on_event = on_event
+        self.on_telemetry = on_telemetry
+        self.job_record = job_record
         self.codec = FrameCodec(secret, COORDINATOR_SENDER)
         self.rejected = RejectCounter("coordinator")
         self.undeliverable = 0  # frames for a rank that is not (or no longer) connected
@@ -174,6 +184,8 @@ class Coordinator:
             self.pub_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router, self._pub = router, pub
             started = time.monotonic()
+            if self.job_record is not None:
+                self.publish_record(self.job_record)
             _log().info(
                 "coordinator listening",
                 endpoint=self.endpoint,
@@ -188,7 +200,8 @@ class Coordinator:
             self._router = self._pub = None
             # A bounded linger lets an ABORT sent just before shutdown still reach the ranks.
             router.close(linger=int(CLOSE_LINGER * 1000))
-            pub.close(linger=0)
+            # Also bounded for PUB: the last records (a failure, the final step) reach subscribers.
+            pub.close(linger=int(CLOSE_LINGER * 1000))
             with anyio.CancelScope(shield=True):
                 # term() waits out the linger; a thread keeps the loop free meanwhile.
                 await anyio.to_thread.run_sync(context.term)
@@ -199,6 +212,12 @@ class Coordinator:
             if state.joined and not state.finished:
                 self._send(state.rank, Kind.ABORT, {"reason": reason})
         _log().warning("coordinator aborted the job", reason=reason)
+
+    def publish_record(self, record: dict) -> None:
+        """Publishes one telemetry record (flowtrain.telemetry schema) from the coordinator's
+        side and hands it to ``on_telemetry``; TelemetryError if it breaks the schema."""
+        validate(record)
+        self._rank_telemetry(record)
 
     def ranks(self) -> dict[int, RankState]:
         return {
@@ -280,6 +299,7 @@ class Coordinator:
         kind = frame.kind
         if kind == Kind.HEARTBEAT:
             state.status = body
+            self._rank_telemetry(heartbeat_record(rank, body))
         elif kind == Kind.BARRIER:
             self._on_barrier(rank, _field(body, "name", str, kind))
         elif kind == Kind.KV_SET:
@@ -335,6 +355,10 @@ class Coordinator:
             _log().warning("rank joined again", rank=rank, host=state.host, pid=state.pid)
             return
         _log().info("rank joined", rank=rank, host=state.host, pid=state.pid)
+        self._rank_telemetry(event_record(
+            "rank_joined", f"rank {rank} joined from {state.host or '?'} (pid {state.pid})",
+            rank=rank, data={"host": state.host, "pid": state.pid,
+                             "local_rank": state.local_rank}))
         self._emit(RankJoined(rank=rank, host=state.host, pid=state.pid))
 
     def _on_barrier(self, rank: int, name: str) -> None:
@@ -391,15 +415,41 @@ class Coordinator:
         _log().error(
             "rank reported a failure", rank=rank, kind=failure.kind, message=failure.message
         )
+        self._rank_telemetry(event_record(
+            "rank_failed", f"rank {rank}: {failure.message}", rank=rank,
+            data={"kind": failure.kind, "actor": getattr(failure, "actor", None),
+                  "host": failure.host, "pid": failure.pid, "source": "rank"}))
         self._emit(RankFailed(rank=rank, failure=failure))
 
     def _on_telemetry(self, rank: int, topic: str, body: dict) -> None:
-        pub = self._pub
-        if pub is None:
+        if topic.startswith(TOPIC_PREFIX):
+            # A schema record: the rank field is the verified sender, whatever the body says.
+            record = dict(body, rank=rank)
+            try:
+                validate(record)
+            except TelemetryError as exc:
+                raise FrameRejected("malformed", f"telemetry from rank {rank}: {exc}") from None
+            if topic != topic_of(record):
+                raise FrameRejected("malformed", f"a {record['kind']} record from rank {rank} "
+                                                 f"under topic {topic!r}")
+            self._publish(topic, rank, record)
             return
-        parts = self.codec.encode_published(topic, {"topic": topic, "rank": rank, "body": body})
-        # PUB never blocks: with no or slow subscribers ZeroMQ drops, which telemetry tolerates.
-        send_now(pub, parts)
+        self._publish(topic, rank, body, record=False)
+
+    def _rank_telemetry(self, record: dict) -> None:
+        self._publish(topic_of(record), record["rank"], record)
+
+    def _publish(self, topic: str, rank: int, body: dict, record: bool = True) -> None:
+        pub = self._pub
+        if pub is not None:
+            parts = self.codec.encode_published(topic, {"topic": topic, "rank": rank, "body": body})
+            # PUB never blocks: with no or slow subscribers ZeroMQ drops, which telemetry tolerates.
+            send_now(pub, parts)
+        if record and self.on_telemetry is not None:
+            try:
+                self.on_telemetry(body)
+            except Exception:
+                _log().exception("on_telemetry raised; the coordinator carries on")
 
     def _on_bye(self, rank: int) -> None:
         state = self._states[rank]
@@ -409,6 +459,7 @@ class Coordinator:
         for key, waiters in list(self._kv_waiters.items()):
             self._kv_waiters[key] = [(r, req) for r, req in waiters if r != rank]
         _log().info("rank finished", rank=rank)
+        self._rank_telemetry(event_record("rank_finished", f"rank {rank} finished", rank=rank))
         self._emit(RankFinished(rank=rank))
         if not self._all_finished_reported and all(s.finished for s in self._states.values()):
             self._all_finished_reported = True
@@ -440,6 +491,9 @@ class Coordinator:
                         missing=missing,
                         join_timeout=self.join_timeout,
                     )
+                    self._rank_telemetry(event_record(
+                        "join_timeout", f"ranks {missing} did not join within "
+                        f"{self.join_timeout:g} s", data={"missing": missing}))
                     self._emit(JoinTimeout(missing=missing))
 
     def _declare_stuck(self, state: RankState, silence: float) -> None:
@@ -450,6 +504,10 @@ class Coordinator:
             f"last status: {format_status(state.status)}"
         )
         _log().error("rank is stuck", rank=state.rank, message=message)
+        self._rank_telemetry(event_record(
+            "rank_stuck", f"rank {state.rank}: {message}", rank=state.rank,
+            data={"silence_s": round(silence, 3), "missed_beats": missed,
+                  "last_status": dict(state.status), "host": state.host, "pid": state.pid}))
         failure = RankFailure(
             rank=state.rank,
             kind="stuck",
