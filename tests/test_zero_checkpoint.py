@@ -2,8 +2,9 @@
 world size and stage, they continue the loss curve of one uninterrupted single-process run, and
 ``flowtrain checkpoint consolidate`` gives the saving engine's fp32 parameters bit for bit.
 
-Four launches (1, 4, 2, 1 ranks, tests/data/reshard_worker.py) share one checkpoint directory;
-each checks many cases, one engine after another."""
+Four phases (1, 4, 2, 1 ranks, tests/data/reshard_worker.py; the 4- and 2-rank ones launched,
+the 1-rank ones in this process) share one checkpoint directory; each checks many cases, one
+engine after another."""
 
 from __future__ import annotations
 
@@ -38,9 +39,15 @@ pytestmark = [pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The phases in order; the 1-rank ones in this process (world size 1, no launch)."""
     root = tmp_path_factory.mktemp("reshard")
     out: dict[str, Any] = {"ckpt": root / "ckpt"}
     for phase, world in PHASES:
+        if world == 1:
+            with ec.world1():
+                results, tensors = rw.run_phase(phase, str(root / "ckpt"))
+            out[phase] = {"ranks": [results], "tensors": tensors}
+            continue
         ec.launch(world, WORKER, phase, str(root / phase), str(root / "ckpt"),
                   run_dir=root / f"run-{phase}", timeout=180)
         ranks = [json.loads(Path(f"{root / phase}.rank{r}.json").read_text())

@@ -9,9 +9,6 @@ from typing import Any
 
 from flowtrain.engine.checkpoint import TENSOR_DIR, load, resolve, save
 from flowtrain.engine.dataloader import rng_state, set_rng_state
-from flowtrain.engine.dcp_load import full_state_dict
-from flowtrain.engine.dcp_load import load as load_tensors
-from flowtrain.engine.dcp_state import FORMAT, snapshot, write
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
@@ -22,6 +19,9 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
                 exclude_frozen_parameters: bool = False) -> str:
     """Writes the parameters, optimizer, scheduler, loss scaler, counters, dataloader position
     and random generators; every rank must call it, and writes only what it holds."""
+    # torch.distributed.checkpoint is imported on the first save or load, not with the engine
+    from flowtrain.engine.dcp_state import FORMAT, snapshot, write
+
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     tensors, description = snapshot(engine, exclude_frozen_parameters)
     shared = None
@@ -56,6 +56,9 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
     """Loads a checkpoint saved by ``save_checkpoint`` on any number of ranks with any ZeRO
     stage; returns (path, client_state), or (None, None) when ``load_dir`` holds none, as
     DeepSpeed does. Every rank must call it."""
+    from flowtrain.engine.dcp_load import full_state_dict
+    from flowtrain.engine.dcp_load import load as load_tensors
+
     path = resolve(load_dir, tag)
     if path is None:
         log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))

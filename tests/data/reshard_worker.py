@@ -7,7 +7,8 @@ The global batch is 8 samples of a 40-sample dataset whatever the world size (mi
 8 / N), read through the engine's dataloader, so every world size trains on the same samples
 in the same steps and the loss curves agree to fp32 rounding.
 
-Phases (argv[1]; argv[2] OUT, argv[3] CKPT, the directory all phases' checkpoints live in):
+Phases (argv[1]; argv[2] OUT, argv[3] CKPT, the directory all phases' checkpoints live in;
+the 1-rank ones may run inside the test process through ``run_phase``):
   one_a  1 rank   the reference: stage 0, 8 steps, saving w1_s0 at step 4
   four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (1 -> 4)
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
@@ -252,15 +253,10 @@ PHASES: dict[str, dict[str, Callable[[str], dict[str, Any]]]] = {
 }
 
 
-def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
-    torch.set_num_threads(1)
-    phase, out, ckpt = sys.argv[1:4]
+def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's results by case, in JSON's types; the tensors by case). The 1-rank phases
+    also run inside the test process (tests/test_zero_checkpoint.py), which spares a launch."""
     flowtrain.init_distributed()
-    rank = dist.get_rank()
     results: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     for case, run in PHASES[phase].items():
@@ -273,6 +269,18 @@ def main() -> None:
         except Exception:  # recorded so the other cases still report
             results[case] = {"error": traceback.format_exc()}
         dist.barrier()
+    return json.loads(json.dumps(results)), tensors
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
+                                      exit=True)
+    torch.set_num_threads(1)
+    phase, out, ckpt = sys.argv[1:4]
+    results, tensors = run_phase(phase, ckpt)
+    rank = dist.get_rank()
     path = Path(f"{out}.rank{rank}.json")
     path.with_suffix(".tmp").write_text(json.dumps(results))
     path.with_suffix(".tmp").replace(path)
