@@ -1,0 +1,400 @@
+"""The monitor (tui/): its run model, replay and live sources, the screens driven headless with a
+Pilot (replayed rows, stuck rank, events, keys, a damaged recording), text snapshots, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from tui.app import MonitorApp
+from tui.event_log import EventLog
+from tui.header import BAD_STYLE, GOOD_STYLE, UNKNOWN_STYLE, figure_style
+from tui.rank_table import RankTable
+from tui.source import LiveSource, ReplaySource
+from tui.state import RunState
+from tui.timeline import Timeline, busy_share, lane_columns, lane_of
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE_SNAPSHOTS = os.environ.get("FLOWTRAIN_UPDATE_SNAPSHOTS") == "1"
+SIZE = (120, 34)
+T0 = 1_800_000_000.0
+LAST_STEP = 12
+TOTAL_STEPS = 20
+
+
+@pytest.fixture()
+def anyio_backend() -> str:
+    return "asyncio"  # Textual runs on asyncio
+
+
+# ----------------------------------------------------------------------------- the recording
+def _record(kind: str, rank: int, t: float, **fields: Any) -> dict[str, Any]:
+    return {"v": 1, "kind": kind, "rank": rank, "t": t, **fields}
+
+
+def _step(rank: int, step: int, t: float) -> dict[str, Any]:
+    scale = 65536.0 if step < 5 else 32768.0
+    return _record(
+        "step", rank, t, step=step, loss=3.0 - 0.1 * step + 0.001 * rank, lr=1e-3,
+        loss_scale=scale, skipped=0 if step < 5 else 1, grad_norm=1.5, step_s=0.4,
+        samples_per_s=80.0 + step - 2 * rank, tokens_per_s=None, forward_s=0.1,
+        backward_s=0.2, comm_s=0.12, optimizer_s=0.04, overlap=0.5,
+        comm_share=(0.30, 0.26)[rank], mfu=(0.70, 0.66)[rank],
+        mem={"model_states": 1 << 20, "parameters": 1 << 19, "gradients": 1 << 19,
+             "optimizer_state": 1 << 20, "process_rss": 512 << 20, "device_allocated": None})
+
+
+def _spans(rank: int, step: int, t: float) -> dict[str, Any]:
+    late = 0.04 * rank  # rank 1's reduces run late: the timeline should show it
+    spans = [["forward/mb0", 0.0, 0.1], ["backward/mb0", 0.1, 0.3],
+             ["reduce/bucket0", 0.2 + late, 0.32 + late], ["reduce/bucket1", 0.28, 0.36],
+             ["comm/wait", 0.3, 0.36 + late], ["optimizer/step", 0.36 + late, 0.4 + late]]
+    return _record("spans", rank, t, step=step, spans=spans, step_start=t - 0.4)
+
+
+def synthetic_records() -> list[dict[str, Any]]:
+    """A 2-rank run: 12 steps every 0.5 s, an overflow and a skipped step at step 5, then
+    rank 1 falls silent (last heard at +7 s), rank 0 waits in a reduce and the coordinator
+    reports rank 1 stuck at +10 s; the recording ends at +12 s."""
+    records = [_record("job", -1, T0, job_id="20300115-080000-test", world_size=2,
+                       run_dir="runs/20300115-080000-test", started=T0, total_steps=TOTAL_STEPS,
+                       config_summary={"zero_stage": 2, "dtype": "fp16"})]
+    for step in range(1, LAST_STEP + 1):
+        t = T0 + 1.0 + 0.5 * step
+        for rank in (0, 1):
+            records.append(_step(rank, step, t + 0.01 * rank))
+            records.append(_spans(rank, step, t + 0.01 * rank))
+        if step == 5:
+            records.append(_record("event", 0, t + 0.02, event="overflow",
+                                   message="gradient overflow, loss scale 65536 -> 32768",
+                                   data={"step": 5, "loss_scale": 32768.0}))
+            records.append(_record("event", 0, t + 0.02, event="skipped_step",
+                                   message="step 5 skipped (overflow)", data={"step": 5}))
+    for second in range(2, 13):
+        for rank in (0, 1):
+            if rank == 1 and second > 7:
+                continue
+            waiting = second > 7
+            records.append(_record("heartbeat", rank, T0 + second + 0.005,
+                                   status="busy", busy_actor="reducer" if waiting else "trainer",
+                                   pending_collective="reduce/bucket0" if waiting else None))
+    records.append(_record("event", 1, T0 + 10.0, event="rank_stuck",
+                           message="rank 1 silent for 3.0s, busy in backward",
+                           data={"rank": 1, "silent_s": 3.0}))
+    records.sort(key=lambda r: r["t"])
+    return records
+
+
+class LocalDamage(Exception):
+    """Stands in for flowtrain.telemetry.TelemetryDamage until the telemetry package lands."""
+
+    def __init__(self, offset: int, records_read: int, reason: str) -> None:
+        super().__init__(f"damaged at byte {offset} after {records_read} records: {reason}")
+        self.offset, self.records_read, self.reason = offset, records_read, reason
+
+
+def local_read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The contract's reader in a few lines: records in order, then damage at the first byte
+    that does not start a whole record."""
+    data = Path(path).read_bytes()
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    count = offset = 0
+    while True:
+        try:
+            record = unpacker.unpack()
+        except msgpack.OutOfData:
+            break
+        except Exception as exc:
+            raise LocalDamage(offset, count, f"not msgpack: {exc}") from None
+        yield record
+        count += 1
+        offset = unpacker.tell()
+    if offset < len(data):
+        raise LocalDamage(offset, count, "the file ends inside a record")
+
+
+def write_recording(path: Path, records: list[dict[str, Any]]) -> list[int]:
+    """Writes the stream and returns each record's end offset."""
+    ends, blob = [], b""
+    for record in records:
+        blob += msgpack.packb(record, use_bin_type=True)
+        ends.append(len(blob))
+    path.write_bytes(blob)
+    return ends
+
+
+@pytest.fixture()
+def recording(tmp_path: Path) -> Path:
+    path = tmp_path / "run" / "telemetry.msgpack"
+    path.parent.mkdir()
+    write_recording(path, synthetic_records())
+    return path
+
+
+def replay(path: Path, speed: float = math.inf) -> ReplaySource:
+    return ReplaySource(path, speed, reader=local_read_records, damage_type=LocalDamage)
+
+
+async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("the screen did not get there in time")
+        await pilot.pause(0.02)
+
+
+async def replayed(pilot: Any, app: MonitorApp) -> None:
+    """Waits for the replay to end and the screen to catch up with it."""
+    await wait_for(pilot, lambda: getattr(app.source, "done", False))
+    app.redraw(force=True)
+    await pilot.pause()
+
+
+def row(app: MonitorApp, rank: int) -> dict[str, str]:
+    table = app.query_one(RankTable)
+    cells = table.get_row(str(rank))
+    keys = [column.key.value for column in table.columns.values()]
+    return {key: cell.plain for key, cell in zip(keys, cells)}
+
+
+def screen_text(app: MonitorApp) -> str:
+    """The screen as plain text, read back from the SVG screenshot (Textual's public export):
+    each text run sits at column x / character width of line N."""
+    svg = app.export_screenshot()
+    width, height = app.size
+    lines = [[" "] * width for _ in range(height)]
+    pattern = re.compile(r'<text [^>]*x="([\d.]+)"[^>]*textLength="([\d.]+)"[^>]*'
+                         r'line-(\d+)\)"[^>]*>(.*?)</text>')
+    for x, length, line, raw in pattern.findall(svg):
+        text = html.unescape(raw).replace("\xa0", " ")
+        char = float(length) / len(text)
+        column = round(float(x) / char)
+        for offset, ch in enumerate(text):
+            if int(line) < height and column + offset < width:
+                lines[int(line)][column + offset] = ch
+    return "\n".join("".join(chars).rstrip() for chars in lines) + "\n"
+
+
+def check_snapshot(name: str, text: str) -> None:
+    path = SNAPSHOTS / f"{name}.txt"
+    if UPDATE_SNAPSHOTS or not path.exists():
+        if not UPDATE_SNAPSHOTS:
+            pytest.fail(f"no snapshot {path}; run with FLOWTRAIN_UPDATE_SNAPSHOTS=1 to write it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        return
+    expected = path.read_text(encoding="utf-8")
+    assert text == expected, f"screen differs from {path} (FLOWTRAIN_UPDATE_SNAPSHOTS=1 " \
+                             f"rewrites it):\n{text}"
+
+
+# ----------------------------------------------------------------------------- the model
+def test_state_marks_a_silent_rank_stale_after_three_usual_intervals() -> None:
+    state = RunState()
+    for second in range(5):
+        for rank in (0, 1):
+            state.apply(_record("heartbeat", rank, T0 + second, status="busy",
+                                busy_actor=None, pending_collective=None))
+    for second in range(5, 9):
+        state.apply(_record("heartbeat", 0, T0 + second, status="busy", busy_actor=None,
+                            pending_collective=None))
+    state.now = T0 + 4 + 2.9  # rank 1 usually reports every 1 s; silent for 2.9 s
+    assert state.ranks[1].status(state.now, state.ended) == "busy"
+    state.now = T0 + 4 + 3.1
+    assert state.ranks[1].status(state.now, state.ended) == "stale"
+    assert state.ranks[0].status(state.now, state.ended) == "busy"
+
+
+def test_state_stuck_event_marks_the_rank_until_it_steps_again() -> None:
+    state = RunState()
+    state.apply(_step(1, 3, T0))
+    state.apply(_record("event", -1, T0 + 1, event="rank_stuck", message="silent",
+                        data={"rank": 1}))
+    assert state.ranks[1].status(T0 + 1, False) == "stuck"
+    state.apply(_step(1, 4, T0 + 2))
+    assert state.ranks[1].status(T0 + 2, False) != "stuck"
+
+
+def test_state_history_averages_loss_and_sums_throughput_over_complete_steps() -> None:
+    state = RunState()
+    for record in synthetic_records():
+        state.apply(record)
+    losses = state.loss_history()
+    assert len(losses) == LAST_STEP
+    assert losses[-1] == pytest.approx(3.0 - 0.1 * LAST_STEP + 0.0005)
+    assert state.throughput_history()[0] == pytest.approx((80.0 + 1) + (80.0 + 1 - 2))
+    # ETA: 12 of 20 steps took 7.01 s since the job started, 8 left at that pace.
+    assert state.eta() == pytest.approx(8 * (state.now - T0) / 12)
+
+
+def test_health_figures_hold_each_value_against_its_target() -> None:
+    state = RunState()
+    state.apply(_step(0, 1, T0))
+    state.apply(_step(1, 1, T0))
+    mfu, mbu, comm = state.health()
+    assert mfu.value == pytest.approx(0.68) and mfu.meets is True
+    assert figure_style(mfu) == GOOD_STYLE
+    assert mbu.value is None and mbu.meets is None and "n/a" in mbu.text()
+    assert figure_style(mbu) == UNKNOWN_STYLE
+    assert comm.value == pytest.approx(0.28) and comm.meets is False
+    assert figure_style(comm) == BAD_STYLE
+
+
+def test_timeline_lanes_follow_task_names_and_overlaps_count_once() -> None:
+    assert [lane_of(n) for n in ("forward/mb0", "backward/mb3", "reduce/bucket2",
+                                 "gather/bucket0", "optimizer/step", "comm/wait", "mystery")] \
+        == [0, 0, 1, 2, 3, 4, 5]
+    spans = [("reduce/a", 0.0, 0.5), ("reduce/b", 0.25, 0.75), ("forward/mb0", 0.0, 1.0)]
+    assert busy_share(spans, 1, 1.0) == pytest.approx(0.75)
+    columns = lane_columns(spans, 1.0, 4)
+    assert columns[1] == [True, True, True, False]
+    assert columns[0] == [True, True, True, True]
+
+
+# ----------------------------------------------------------------------------- replay on screen
+async def test_replay_shows_rank_rows_stuck_rank_events_and_health(recording: Path) -> None:
+    app = MonitorApp(replay(recording))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        rank0, rank1 = row(app, 0), row(app, 1)
+        assert rank0["step"] == rank1["step"] == str(LAST_STEP)
+        assert rank0["loss"] == "1.8000" and rank1["loss"] == "1.8010"
+        assert rank0["scale"] == "32768"
+        assert rank0["status"] == "busy (reducer)"
+        assert rank1["status"] == "STUCK"
+        # Rank 1 was last heard 5 s before the end of the recording.
+        assert rank1["age"] == "5.0s"
+        header = str(app.query_one("#header").render())
+        assert f"step {LAST_STEP}/{TOTAL_STEPS}" in header
+        assert "FLOPs util 68% (>60%)" in header and "comm share 28% (<20%)" in header
+        assert "mem-BW util n/a (>75%)" in header
+        await pilot.press("t", "t")
+        log = app.query_one(EventLog).lines()
+        assert [line.split(" | ")[2] for line in log] == ["overflow", "skipped_step",
+                                                          "rank_stuck"]
+        assert "step 5 skipped (overflow)" in log[1]
+        assert log[2].startswith("+10.0s | rank 1 | rank_stuck")
+
+
+async def test_pause_stops_the_replay_and_resume_goes_on(recording: Path) -> None:
+    app = MonitorApp(replay(recording, speed=10.0), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: (app.state.current_step() or 0) >= 2)
+        await pilot.press("p")
+        paused_at = app.state.current_step()
+        shown = row(app, 0)["step"]
+        await pilot.pause(0.6)  # 6 s of recording at 10x: about 10 steps if it went on
+        assert app.state.current_step() == paused_at
+        assert row(app, 0)["step"] == shown
+        assert "paused" in str(app.query_one("#header").render())
+        await pilot.press("p")
+        await wait_for(pilot, lambda: (app.state.current_step() or 0) > (paused_at or 0) + 1)
+
+
+async def test_keys_pick_ranks_switch_views_change_speed_and_quit(recording: Path) -> None:
+    source = replay(recording, speed=2.0)
+    app = MonitorApp(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: len(app.state.ranks) == 2 and app.selected_rank == 0)
+        await pilot.press("r")
+        assert app.selected_rank == 1
+        assert app.query_one(RankTable).cursor_row == 1
+        await pilot.press("up")
+        assert app.selected_rank == 0
+        await pilot.press("t")
+        assert app.view == "timeline"
+        await pilot.press("down")
+        assert app.selected_rank == 1
+        await wait_for(pilot, lambda: app.state.ranks[1].spans_step is not None)
+        app.redraw(force=True)
+        await pilot.pause()
+        assert "rank 1  step" in str(app.query_one(Timeline).render())
+        await pilot.press("tab")
+        assert app.view == "events"
+        await pilot.press("tab")
+        assert app.view == "overview"
+        await pilot.press("plus")
+        assert source.speed == 10.0
+        await pilot.press("plus", "plus")
+        assert math.isinf(source.speed)
+        await pilot.press("minus")
+        assert source.speed == 10.0
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running
+
+
+async def test_damaged_recording_shows_the_good_records_and_where_it_stopped(
+        tmp_path: Path) -> None:
+    records = synthetic_records()
+    ends = write_recording(tmp_path / "whole.msgpack", records)
+    good = next(i for i, r in enumerate(records) if r["kind"] == "step" and r["step"] == 7)
+    cut = tmp_path / "telemetry.msgpack"
+    whole = (tmp_path / "whole.msgpack").read_bytes()
+    cut.write_bytes(whole[:ends[good] + 5])  # 5 bytes into the next record
+    app = MonitorApp(replay(cut))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        assert row(app, 0)["step"] == "7"
+        assert row(app, 1)["step"] == "6"
+        notice = str(app.query_one("#notice").render())
+        assert f"stopped at byte {ends[good]} after {good + 1} records" in notice
+        assert "ends inside a record" in notice
+        assert not app.query_one("#notice").has_class("hidden")
+
+
+async def test_live_source_holds_records_while_paused() -> None:
+    records = synthetic_records()
+    gate = asyncio.Event()
+
+    async def feed() -> Any:
+        for record in records[:10]:
+            yield record
+        await gate.wait()
+        for record in records[10:20]:
+            yield record
+        await asyncio.Event().wait()
+
+    source = LiveSource("tcp://127.0.0.1:1", b"k" * 32, feed=feed)
+    state = RunState()
+    task = asyncio.create_task(source.run(state))
+    try:
+        while state.records < 10:
+            await asyncio.sleep(0.01)
+        source.set_paused(True)
+        gate.set()
+        await asyncio.sleep(0.1)
+        assert state.records == 10
+        assert "paused, 10 records held" in source.describe()
+        source.set_paused(False)
+        assert state.records == 20
+    finally:
+        task.cancel()
+
+
+# ----------------------------------------------------------------------------- snapshots
+@pytest.mark.parametrize("view", ["overview", "timeline", "events"])
+async def test_snapshot(recording: Path, view: str) -> None:
+    app = MonitorApp(replay(recording))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        while app.view != view:
+            await pilot.press("t")
+        if view == "timeline":
+            await pilot.press("r")
+        app.redraw(force=True)
+        await pilot.pause()
+        check_snapshot(f"monitor_{view}", screen_text(app))

@@ -1,0 +1,176 @@
+"""``MonitorApp``: the header, a notice line and three views (overview, timeline, events) over
+one ``RunState`` that a live or replay source feeds from a worker.
+
+Drawing is decoupled from the record rate: a timer redraws the visible view a few times a
+second when the state moved, and a key press redraws at once, so 64 ranks at 10 Hz cost the
+screen no more than 2 ranks do.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import ContentSwitcher, DataTable, Footer, Static
+
+from tui.event_log import EventLog
+from tui.header import JobHeader
+from tui.plots import HistoryPlots
+from tui.rank_table import RankTable
+from tui.source import ReplaySource, Source
+from tui.state import RunState
+from tui.timeline import Timeline
+
+VIEWS = ("overview", "timeline", "events")
+REFRESH_S = 0.2
+
+
+class MonitorApp(App[None]):
+    """The monitor of one run; ``source`` decides whether it is live or a replay."""
+
+    TITLE = "flowtrain monitor"
+    CSS = """
+    #notice {
+        height: auto;
+        padding: 0 1;
+        background: $error 30%;
+    }
+    #notice.hidden {
+        display: none;
+    }
+    #views, #overview, #timeline, #events {
+        height: 1fr;
+    }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "quit", "quit"),
+        Binding("p", "toggle_pause", "pause/resume"),
+        Binding("r", "next_rank", "next rank"),
+        Binding("up", "previous_rank", "rank up", show=False),
+        Binding("down", "next_rank", "rank down", show=False),
+        Binding("t", "next_view", "switch view"),
+        # Tab would otherwise move the focus; here it switches views like t.
+        Binding("tab", "next_view", "switch view", show=False, priority=True),
+        Binding("plus,equals_sign", "faster", "faster"),
+        Binding("minus", "slower", "slower"),
+    ]
+
+    def __init__(self, source: Source, state: RunState | None = None,
+                 refresh_s: float = REFRESH_S) -> None:
+        super().__init__()
+        self.source = source
+        self.state = state if state is not None else RunState()
+        self.view = VIEWS[0]
+        self.selected_rank: int | None = None
+        self._refresh_s = refresh_s
+        self._drawn: tuple[object, ...] = ()
+        self.source_error: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield JobHeader(id="header")
+        yield Static("", id="notice", classes="hidden")
+        with ContentSwitcher(initial=VIEWS[0], id="views"):
+            with Vertical(id="overview"):
+                yield RankTable(id="ranks")
+                yield HistoryPlots(id="plots")
+            with VerticalScroll(id="timeline"):
+                yield Timeline(id="timeline-view")
+            with Vertical(id="events"):
+                yield EventLog(id="event-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.run_worker(self._feed(), name="source", exclusive=True, exit_on_error=False)
+        self.set_interval(self._refresh_s, self.redraw)
+        self.query_one(RankTable).focus()
+        self.redraw(force=True)
+
+    async def _feed(self) -> None:
+        try:
+            await self.source.run(self.state)
+        except Exception as exc:  # shown on screen: the monitor outlives a broken source
+            self.source_error = f"{type(exc).__name__}: {exc}"
+        self.redraw(force=True)
+
+    # ------------------------------------------------------------------ drawing
+    def redraw(self, force: bool = False) -> None:
+        """Brings the header, the notice and the visible view up to date with the state."""
+        describe = self.source.describe()
+        key = (self.state.version, self.state.now, describe, self.view, self.selected_rank,
+               self.source_error)
+        if key == self._drawn and not force:
+            return
+        self._drawn = key
+        self.query_one(JobHeader).show(self.state, describe)
+        self._show_notice()
+        if self.view == "overview":
+            table = self.query_one(RankTable)
+            table.show(self.state)
+            if self.selected_rank is None and self.state.ranks:
+                self.selected_rank = table.rank_at_cursor()
+            self.query_one(HistoryPlots).show(self.state)
+        elif self.view == "timeline":
+            self.query_one(Timeline).show(self.state, self.selected_rank)
+        else:
+            self.query_one(EventLog).show(self.state)
+
+    def _show_notice(self) -> None:
+        lines = []
+        if self.state.damage is not None:
+            lines.append(self.state.damage.text())
+        if self.source_error is not None:
+            lines.append(f"the data source stopped: {self.source_error}")
+        notice = self.query_one("#notice", Static)
+        notice.update("\n".join(lines))
+        notice.set_class(not lines, "hidden")
+
+    # ------------------------------------------------------------------ actions
+    def action_toggle_pause(self) -> None:
+        self.source.set_paused(not self.source.paused)
+        self.redraw(force=True)
+
+    def action_next_view(self) -> None:
+        self.view = VIEWS[(VIEWS.index(self.view) + 1) % len(VIEWS)]
+        self.query_one(ContentSwitcher).current = self.view
+        if self.view == "overview":
+            self.query_one(RankTable).focus()
+        elif self.view == "events":
+            self.query_one(EventLog).focus()
+        self.redraw(force=True)
+
+    def action_next_rank(self) -> None:
+        self._step_rank(+1)
+
+    def action_previous_rank(self) -> None:
+        self._step_rank(-1)
+
+    def _step_rank(self, delta: int) -> None:
+        ranks = sorted(self.state.ranks)
+        if not ranks:
+            return
+        if self.selected_rank not in ranks:
+            self.selected_rank = ranks[0]
+        else:
+            index = ranks.index(self.selected_rank)
+            self.selected_rank = ranks[(index + delta) % len(ranks)]
+        table = self.query_one(RankTable)
+        table.show(self.state)
+        table.select_rank(self.selected_rank)
+        self.redraw(force=True)
+
+    def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
+        # Arrows on the focused rank table move its cursor; the picked rank follows it.
+        if message.data_table.id == "ranks" and message.row_key.value is not None:
+            self.selected_rank = int(message.row_key.value)
+
+    def action_faster(self) -> None:
+        if isinstance(self.source, ReplaySource):
+            self.source.faster()
+            self.redraw(force=True)
+
+    def action_slower(self) -> None:
+        if isinstance(self.source, ReplaySource):
+            self.source.slower()
+            self.redraw(force=True)

@@ -1,0 +1,58 @@
+"""The job header: world, step, elapsed, ETA, where the data comes from, and the health figures
+colored by whether each meets its target."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from tui import format as fmt
+from tui.health import HealthFigure
+from tui.state import RunState
+
+GOOD_STYLE = "bold green"
+BAD_STYLE = "bold red"
+UNKNOWN_STYLE = "dim"
+
+
+def figure_style(figure: HealthFigure) -> str:
+    """Green when the target is met, red when not, dim when the run does not report it."""
+    meets = figure.meets
+    return UNKNOWN_STYLE if meets is None else GOOD_STYLE if meets else BAD_STYLE
+
+
+def header_text(state: RunState, source: str) -> Text:
+    """Two lines: the job and its progress, then the health figures."""
+    job = state.job
+    step = state.current_step()
+    total = f"/{job.total_steps}" if job.total_steps else ""
+    line = Text()
+    line.append(f"job {job.job_id}", style="bold")
+    line.append(f"  world {state.world_size()}")
+    line.append(f"  step {fmt.MISSING if step is None else step}{total}")
+    line.append(f"  elapsed {fmt.seconds(state.elapsed())}")
+    line.append(f"  ETA {fmt.seconds(state.eta())}")
+    if state.ended:
+        line.append("  job ended", style="bold")
+    line.append(f"  [{source}]", style="italic")
+    line.append("\n")
+    for index, figure in enumerate(state.health()):
+        if index:
+            line.append("   ")
+        line.append(figure.text(), style=figure_style(figure))
+    return line
+
+
+class JobHeader(Static):
+    """The two header lines; redrawn by the app when the state or the source changes."""
+
+    DEFAULT_CSS = """
+    JobHeader {
+        height: 2;
+        padding: 0 1;
+        background: $panel;
+    }
+    """
+
+    def show(self, state: RunState, source: str) -> None:
+        self.update(header_text(state, source))

@@ -1,0 +1,60 @@
+"""Loss and throughput over the run's steps, as labelled sparklines (one value per step:
+the loss averaged over ranks, the samples/s summed over ranks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Label, Sparkline
+
+from tui import format as fmt
+from tui.state import RunState
+
+
+def series_label(name: str, values: Sequence[float], show: Callable[[float], str]) -> str:
+    """``loss 2.3012 (min 1.9, max 4.1, 120 steps)``; what a sparkline alone cannot say."""
+    if not values:
+        return f"{name}: no complete step yet"
+    return (f"{name} {show(values[-1])}  (min {show(min(values))}, max {show(max(values))}, "
+            f"{len(values)} steps)")
+
+
+class HistoryPlots(Vertical):
+    """Two sparklines under their labels; the data is replaced only when the history grew."""
+
+    DEFAULT_CSS = """
+    HistoryPlots {
+        height: 8;
+    }
+    HistoryPlots Label {
+        padding: 0 1;
+        color: $text-muted;
+    }
+    HistoryPlots Sparkline {
+        height: 2;
+        margin: 0 1;
+    }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._shown: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+
+    def compose(self) -> ComposeResult:
+        yield Label(series_label("loss", [], fmt.loss), id="loss-label")
+        yield Sparkline([], id="loss-plot")
+        yield Label(series_label("samples/s", [], fmt.rate), id="rate-label")
+        yield Sparkline([], id="rate-plot")
+
+    def show(self, state: RunState) -> None:
+        losses = tuple(state.loss_history())
+        rates = tuple(state.throughput_history())
+        if (losses, rates) == self._shown:
+            return
+        self._shown = (losses, rates)
+        self.query_one("#loss-label", Label).update(series_label("loss", losses, fmt.loss))
+        self.query_one("#loss-plot", Sparkline).data = list(losses)
+        self.query_one("#rate-label", Label).update(series_label("samples/s", rates, fmt.rate))
+        self.query_one("#rate-plot", Sparkline).data = list(rates)

@@ -1,0 +1,241 @@
+"""Where the monitor's records come from: a recording replayed at a chosen speed, or the
+coordinator's PUB socket live. Both fold records into the same ``RunState`` and never block the
+app's event loop: file reads run in a thread, the live socket is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from tui.state import DamageNotice, RunState
+
+# The replay speeds that +/- step through; inf replays as fast as the screen can take it.
+SPEEDS: tuple[float, ...] = (1.0, 2.0, 10.0, math.inf)
+SPEED_NAMES = ("1", "2", "10", "max")
+# The replay clock wakes at least this often so that ages and the header tick smoothly.
+TICK_S = 0.05
+READ_BATCH = 512
+LIVE_BUFFER = 200_000
+
+Reader = Callable[[Path], Iterable[Any]]
+
+
+def parse_speed(text: str) -> float:
+    """``"1" | "2" | "10" | "max"`` to a speed factor (inf for max)."""
+    if text not in SPEED_NAMES:
+        raise ValueError(f"replay speed {text!r} is not one of {', '.join(SPEED_NAMES)}")
+    return SPEEDS[SPEED_NAMES.index(text)]
+
+
+def speed_name(speed: float) -> str:
+    return "max" if math.isinf(speed) else f"{speed:g}x"
+
+
+class Source(Protocol):
+    """What the app needs of a record source."""
+
+    paused: bool
+
+    async def run(self, state: RunState) -> None:
+        """Feeds ``state`` until the source is exhausted (replay) or cancelled (live)."""
+
+    def set_paused(self, paused: bool) -> None:
+        """Stops (or restarts) the state from advancing; records are not lost meanwhile."""
+
+    def describe(self) -> str:
+        """A few words for the header: what is shown and how."""
+
+
+def _default_reader() -> tuple[Reader, type[BaseException]]:
+    # Imported on first use: the telemetry package is the one owner of the recording format.
+    from flowtrain.telemetry import TelemetryDamage, read_records
+
+    return read_records, TelemetryDamage
+
+
+def _as_damage(item: Any) -> DamageNotice | None:
+    """A damage report, whether the reader raised it or handed it over as an item."""
+    if isinstance(item, dict):
+        return None
+    try:
+        return DamageNotice(int(item.offset), int(item.records_read), str(item.reason))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+class ReplaySource:
+    """Replays ``telemetry.msgpack``, spacing records as their timestamps were spaced, divided
+    by the speed; a damaged tail ends the replay with a notice saying where it stopped."""
+
+    def __init__(self, path: str | Path, speed: float = 1.0, *, reader: Reader | None = None,
+                 damage_type: type[BaseException] | None = None) -> None:
+        if not (speed > 0):
+            raise ValueError(f"replay speed must be positive, got {speed!r}")
+        self.path = Path(path)
+        self.speed = speed
+        self.paused = False
+        self.done = False
+        self._reader = reader
+        self._damage_type = damage_type
+        self._virtual: float | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    # ------------------------------------------------------------ controls
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if paused:
+            self._resumed.clear()
+        else:
+            self._resumed.set()
+
+    def faster(self) -> None:
+        self.speed = SPEEDS[min(len(SPEEDS) - 1, self._speed_index() + 1)]
+
+    def slower(self) -> None:
+        self.speed = SPEEDS[max(0, self._speed_index() - 1)]
+
+    def _speed_index(self) -> int:
+        # A speed set outside the list (a test's 1000x) steps from the listed one below it.
+        return max((i for i, s in enumerate(SPEEDS) if s <= self.speed), default=0)
+
+    def describe(self) -> str:
+        if self.done:
+            return f"replay of {self.path.name}: finished"
+        state = "paused" if self.paused else speed_name(self.speed)
+        return f"replay of {self.path.name} at {state}"
+
+    # ------------------------------------------------------------ the replay
+    async def run(self, state: RunState) -> None:
+        reader, damage_type = self._reader, self._damage_type
+        if reader is None or damage_type is None:
+            default_reader, default_damage = _default_reader()
+            reader = reader or default_reader
+            damage_type = damage_type or default_damage
+        records: Iterator[Any] = iter(await asyncio.to_thread(reader, self.path))
+        try:
+            while True:
+                batch, damage, exhausted = await asyncio.to_thread(
+                    _take, records, READ_BATCH, damage_type)
+                for record in batch:
+                    await self._wait_for(record, state)
+                    state.apply(record)
+                if damage is not None:
+                    state.damage = damage
+                    state.version += 1
+                if exhausted:
+                    break
+                await asyncio.sleep(0)
+        finally:
+            self.done = True
+            state.version += 1
+
+    async def _wait_for(self, record: dict[str, Any], state: RunState) -> None:
+        """Sleeps until the replay clock reaches the record's time (or not at all at max)."""
+        t = record.get("t")
+        if not isinstance(t, (int, float)):
+            return
+        if self._virtual is None:
+            self._virtual = float(t)
+        loop = asyncio.get_running_loop()
+        while t > self._virtual or self.paused:
+            if self.paused:
+                await self._resumed.wait()
+                continue
+            if math.isinf(self.speed):
+                self._virtual = float(t)
+                break
+            before = loop.time()
+            await asyncio.sleep(min(TICK_S, (t - self._virtual) / self.speed))
+            if not self.paused:
+                self._virtual += (loop.time() - before) * self.speed
+                state.now = max(state.now, min(self._virtual, float(t)))
+                state.version += 1
+        if math.isinf(self.speed) and state.records % READ_BATCH == 0:
+            # At max speed nothing else would let the app redraw or take a key press.
+            await asyncio.sleep(0)
+
+
+def _take(records: Iterator[Any], count: int, damage_type: type[BaseException]
+          ) -> tuple[list[dict[str, Any]], DamageNotice | None, bool]:
+    """Up to ``count`` records (run in a thread, the file read is blocking), any damage, and
+    whether the recording is over."""
+    batch: list[dict[str, Any]] = []
+    try:
+        for _ in range(count):
+            item = next(records)
+            damage = _as_damage(item)
+            if damage is not None:
+                return batch, damage, True
+            if isinstance(item, dict):
+                batch.append(item)
+    except StopIteration:
+        return batch, None, True
+    except damage_type as exc:
+        return batch, _as_damage(exc) or DamageNotice(-1, len(batch), str(exc)), True
+    return batch, None, False
+
+
+RecordFeed = Callable[[], AsyncIterator[dict[str, Any]]]
+
+
+class LiveSource:
+    """Subscribes to the coordinator's telemetry; while paused, records are held, not dropped,
+    and the clock stops, so a paused screen does not turn every rank stale."""
+
+    def __init__(self, endpoint: str, secret: bytes, *, feed: RecordFeed | None = None) -> None:
+        self.endpoint = endpoint
+        self.paused = False
+        self._secret = secret
+        self._feed = feed
+        self._held: deque[dict[str, Any]] = deque(maxlen=LIVE_BUFFER)
+        self._state: RunState | None = None
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if not paused and self._state is not None:
+            while self._held:
+                self._state.apply(self._held.popleft())
+            self._state.now = max(self._state.now, time.time())
+
+    def describe(self) -> str:
+        held = f", {len(self._held)} records held" if self._held else ""
+        return f"live from {self.endpoint}" + (f" (paused{held})" if self.paused else "")
+
+    async def run(self, state: RunState) -> None:
+        self._state = state
+        ticker = asyncio.create_task(self._tick(state))
+        try:
+            async for record in (self._feed or self._subscribe)():
+                if self.paused:
+                    self._held.append(record)
+                else:
+                    state.apply(record)
+        finally:
+            ticker.cancel()
+
+    async def _tick(self, state: RunState) -> None:
+        # Ages grow between records; the wall clock is the live clock.
+        while True:
+            if not self.paused:
+                state.now = max(state.now, time.time())
+                state.version += 1
+            await asyncio.sleep(TICK_S * 5)
+
+    async def _subscribe(self) -> AsyncIterator[dict[str, Any]]:
+        from flowtrain.telemetry import Subscriber
+
+        subscriber = Subscriber(self.endpoint, self._secret)
+        try:
+            while True:
+                record = await subscriber.arecv()
+                if record is not None:
+                    yield dict(record)
+        finally:
+            subscriber.close()

@@ -1,0 +1,275 @@
+"""The monitor's model of one run, built from telemetry records (schema v1) by live or replay.
+
+Widgets only read a ``RunState``; sources only call ``apply`` and set ``now``. Keeping the model
+free of Textual lets the tests and the benchmark drive it without an app.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tui.health import HealthFigure, health_figures
+
+SCHEMA_VERSION = 1
+# A rank is stale once it has been silent for this many of its usual reporting intervals.
+STALE_FACTOR = 3.0
+# Until a rank has shown its rhythm (a few gaps), silence longer than this marks it stale.
+DEFAULT_INTERVAL_S = 5.0
+# Records published together (a step and its spans) arrive microseconds apart; such gaps say
+# nothing about how often the rank reports and would make every rank look stale at once.
+BURST_GAP_S = 1e-3
+HISTORY_STEPS = 600
+EVENT_LIMIT = 5000
+
+
+@dataclass
+class JobInfo:
+    """The job header, from the launcher's ``job`` record."""
+
+    job_id: str = "?"
+    world_size: int | None = None
+    run_dir: str | None = None
+    started: float | None = None
+    total_steps: int | None = None
+    config_summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EventEntry:
+    """One line of the event log."""
+
+    t: float
+    rank: int
+    event: str
+    message: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DamageNotice:
+    """Where a damaged recording stopped: the replay shows everything before ``offset``."""
+
+    offset: int
+    records_read: int
+    reason: str
+
+    def text(self) -> str:
+        return (f"recording damaged: replay stopped at byte {self.offset} after "
+                f"{self.records_read} records ({self.reason})")
+
+
+@dataclass
+class RankState:
+    """What the monitor knows about one rank: its latest records and how regularly it reports."""
+
+    rank: int
+    step: dict[str, Any] | None = None
+    heartbeat: dict[str, Any] | None = None
+    spans_step: int | None = None
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    last_seen: float | None = None
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    stuck: bool = False
+    stuck_reason: str = ""
+    failed: bool = False
+    finished: bool = False
+
+    def heard(self, t: float) -> None:
+        if self.last_seen is not None:
+            gap = t - self.last_seen
+            if gap > BURST_GAP_S:
+                self.gaps.append(gap)
+        if self.last_seen is None or t > self.last_seen:
+            self.last_seen = t
+
+    def usual_interval(self) -> float:
+        """The median gap between this rank's reports (robust to one slow step)."""
+        if len(self.gaps) < 2:
+            return DEFAULT_INTERVAL_S
+        return statistics.median(self.gaps)
+
+    def age(self, now: float) -> float | None:
+        return None if self.last_seen is None else max(0.0, now - self.last_seen)
+
+    def status(self, now: float, ended: bool) -> str:
+        """``failed``, ``stuck``, ``stale``, ``ended``, or the heartbeat's own status."""
+        if self.failed:
+            return "failed"
+        if self.stuck:
+            return "stuck"
+        if ended or self.finished:
+            return "ended"
+        age = self.age(now)
+        if age is not None and age > STALE_FACTOR * self.usual_interval():
+            return "stale"
+        if self.heartbeat is not None:
+            return str(self.heartbeat.get("status") or "ok")
+        return "ok" if self.step is not None else "waiting"
+
+
+@dataclass
+class StepTotals:
+    """One optimizer step summed over the ranks that have reported it so far."""
+
+    ranks: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    samples_per_s: float = 0.0
+
+
+class RunState:
+    """Everything the screens show, updated one telemetry record at a time."""
+
+    def __init__(self) -> None:
+        self.job = JobInfo()
+        self.ranks: dict[int, RankState] = {}
+        self.events: deque[EventEntry] = deque(maxlen=EVENT_LIMIT)
+        self.events_total = 0
+        self.steps: dict[int, StepTotals] = {}
+        self.now: float = 0.0
+        self.first_t: float | None = None
+        self.ended = False
+        self.damage: DamageNotice | None = None
+        self.records = 0
+        self.rejected = 0
+        # Bumped on every change, so widgets can skip redrawing when nothing moved.
+        self.version = 0
+
+    # ---------------------------------------------------------------- updates
+    def apply(self, record: dict[str, Any]) -> None:
+        """Folds one record in; a record that does not follow schema v1 is counted and ignored,
+        since a monitor that dies on one odd record would hide the run it is watching."""
+        kind = record.get("kind")
+        t = record.get("t")
+        rank = record.get("rank")
+        if record.get("v") != SCHEMA_VERSION or not isinstance(t, (int, float)) \
+                or not isinstance(rank, int) or not isinstance(kind, str):
+            self.rejected += 1
+            return
+        t = float(t)
+        self.records += 1
+        self.version += 1
+        if self.first_t is None:
+            self.first_t = t
+        self.now = max(self.now, t)
+        if kind == "job":
+            self._on_job(record)
+            return
+        if kind == "event":
+            self._on_event(record, t, rank)
+            return
+        if rank < 0:
+            return
+        state = self.rank(rank)
+        state.heard(t)
+        if kind == "step":
+            self._on_step(state, record)
+        elif kind == "spans":
+            spans = record.get("spans") or []
+            state.spans = [(str(s[0]), float(s[1]), float(s[2])) for s in spans if len(s) >= 3]
+            state.spans_step = record.get("step")
+        elif kind == "heartbeat":
+            state.heartbeat = record
+
+    def rank(self, rank: int) -> RankState:
+        state = self.ranks.get(rank)
+        if state is None:
+            state = self.ranks[rank] = RankState(rank)
+        return state
+
+    def _on_job(self, record: dict[str, Any]) -> None:
+        summary = record.get("config_summary")
+        self.job = JobInfo(
+            job_id=str(record.get("job_id", "?")),
+            world_size=record.get("world_size"),
+            run_dir=record.get("run_dir"),
+            started=record.get("started"),
+            total_steps=record.get("total_steps"),
+            config_summary=summary if isinstance(summary, dict) else {},
+        )
+        for rank in range(self.job.world_size or 0):
+            self.rank(rank)
+
+    def _on_step(self, state: RankState, record: dict[str, Any]) -> None:
+        state.step = record
+        # A rank that reports a new step is moving again, whatever was said about it before.
+        state.stuck = False
+        step = record.get("step")
+        if not isinstance(step, int):
+            return
+        totals = self.steps.get(step)
+        if totals is None:
+            totals = self.steps[step] = StepTotals()
+            while len(self.steps) > HISTORY_STEPS:
+                del self.steps[min(self.steps)]
+        totals.ranks += 1
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)):
+            totals.loss_sum += float(loss)
+            totals.loss_count += 1
+        rate = record.get("samples_per_s")
+        if isinstance(rate, (int, float)):
+            totals.samples_per_s += float(rate)
+
+    def _on_event(self, record: dict[str, Any], t: float, rank: int) -> None:
+        data = record.get("data") if isinstance(record.get("data"), dict) else {}
+        assert isinstance(data, dict)
+        name = str(record.get("event", "?"))
+        # The coordinator reports about a rank as rank -1; the rank concerned is in data.
+        subject = data.get("rank", rank)
+        subject = subject if isinstance(subject, int) else rank
+        self.events.append(EventEntry(t, subject, name, str(record.get("message", "")), data))
+        self.events_total += 1
+        if subject >= 0 and name in ("rank_stuck", "rank_failed", "rank_finished"):
+            target = self.rank(subject)
+            if name == "rank_stuck":
+                target.stuck = True
+                target.stuck_reason = str(record.get("message", ""))
+            elif name == "rank_failed":
+                target.failed = True
+            else:
+                target.finished = True
+        if name == "job_ended":
+            self.ended = True
+
+    # ---------------------------------------------------------------- derived
+    def current_step(self) -> int | None:
+        steps = [r.step.get("step") for r in self.ranks.values() if r.step is not None]
+        known = [s for s in steps if isinstance(s, int)]
+        return max(known) if known else None
+
+    def world_size(self) -> int:
+        return self.job.world_size or len([r for r in self.ranks if r >= 0])
+
+    def elapsed(self) -> float | None:
+        start = self.job.started if self.job.started is not None else self.first_t
+        return None if start is None else max(0.0, self.now - start)
+
+    def eta(self) -> float | None:
+        """Seconds left at the pace so far; None without a step count or any progress."""
+        step, elapsed, total = self.current_step(), self.elapsed(), self.job.total_steps
+        if step is None or elapsed is None or not total or step <= 0 or elapsed <= 0:
+            return None
+        return max(0, total - step) * elapsed / step
+
+    def loss_history(self) -> list[float]:
+        return [t.loss_sum / t.loss_count for _, t in self._complete_steps() if t.loss_count]
+
+    def throughput_history(self) -> list[float]:
+        return [t.samples_per_s for _, t in self._complete_steps()]
+
+    def _complete_steps(self) -> list[tuple[int, StepTotals]]:
+        # The newest step is left out until every rank has reported it, or the throughput
+        # line would dip each time only some ranks are in.
+        items = sorted(self.steps.items())
+        expected = self.world_size()
+        if items and items[-1][1].ranks < expected and not self.ended:
+            items = items[:-1]
+        return items
+
+    def health(self) -> list[HealthFigure]:
+        latest = [r.step for r in self.ranks.values() if r.step is not None]
+        return health_figures(latest)
