@@ -81,6 +81,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
+    pipeline = _is_pipeline(model)
+    if pipeline:  # the batch rule counts data-parallel ranks only
+        world_size = model.grid.shape.dp
     micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
     cfg = load_config(config, world_size=world_size, model=model,
                       optimizer_given=optimizer is not None,
@@ -102,8 +105,15 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     checkpointing.configure(deepspeed_config=cfg)
     _warm_up_kernels(optimizer)
     bucket_numel = _bucket_numel(cfg, model)
-    engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
-                             collate_fn=collate_fn, bucket_numel=bucket_numel)
+    if pipeline:
+        from flowtrain.pipe.engine import PipelineEngine
+
+        _check_pipeline_config(cfg, model)
+        engine = PipelineEngine(model, optimizer, cfg, training_data=training_data,
+                                collate_fn=collate_fn, bucket_numel=bucket_numel)
+    else:
+        engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
+                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).
     if lr_scheduler is None and cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler.type, engine.optimizer,
@@ -112,6 +122,28 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+
+
+def _is_pipeline(model: Any) -> bool:
+    from flowtrain.pipe.module import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def _check_pipeline_config(cfg: Any, model: Any) -> None:
+    stages = cfg.pipeline.stages
+    if isinstance(stages, int) and stages != model.num_stages:
+        raise ValueError(f"pipeline.stages {stages} in the config, but the PipelineModule has "
+                         f"{model.num_stages} stages; make them agree (or set \"auto\")")
+    if cfg.zero_optimization.stage >= 2:
+        raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with a "
+                         f"{model.num_stages}-stage PipelineModule: ZeRO stages 2 and 3 "
+                         f"partition gradients, which pipeline stages accumulate across "
+                         f"micro-batches; use stage 0 or 1")
+    tp = max(cfg.tensor_parallel.tp_size, cfg.tensor_parallel.autotp_size, 1)
+    if tp != model.grid.shape.tp:
+        raise ValueError(f"tensor_parallel.tp_size {tp} in the config, but the PipelineModule "
+                         f"was built with tp_size {model.grid.shape.tp}; make them agree")
 
 
 def _warm_up_kernels(optimizer: Any) -> None:

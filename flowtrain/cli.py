@@ -75,6 +75,22 @@ def _checkpoint_entry() -> tuple[AddArguments, Run]:
     return add_arguments, run
 
 
+def _trace_entry() -> tuple[AddArguments, Run]:
+    from flowtrain.telemetry.trace import add_arguments
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from flowtrain.telemetry.trace import TraceInputError
+        from flowtrain.telemetry.trace import run as trace_run
+
+        try:
+            print(trace_run(ns))
+        except (FileNotFoundError, TraceInputError) as exc:
+            raise UsageError("flowtrain trace", str(exc)) from None
+        return 0
+
+    return add_arguments, run
+
+
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace, list[str]], int]
 
@@ -85,6 +101,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
     "report": ("versions and availability of what flowtrain uses (like ds_report)", _report_entry),
     "checkpoint": ("work with saved checkpoints: consolidate one into a plain fp32 state dict",
                    _checkpoint_entry),
+    "trace": ("one Chrome/Perfetto trace of a run's measured task spans, a process per rank",
+              _trace_entry),
 }
 
 

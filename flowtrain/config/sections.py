@@ -85,6 +85,10 @@ def _stages_check(value: Any) -> Any:
 class PipelineConfig(Section):
     # "auto": the stage count comes from the PipelineModule, as in DeepSpeed.
     stages: Annotated[int | str, BeforeValidator(_stages_check)] = "auto"
+    # Not DeepSpeed keys: "enabled" is accepted for configs written that way (a PipelineModule
+    # is what turns the pipeline on); "schedule" picks 1F1B (PipeDream-Flush) or GPipe.
+    enabled: Bool = True
+    schedule: Choice("1f1b", "gpipe") = "1f1b"
     partition: Str() = "best"
     seed_layers: Bool = False
     activation_checkpoint_interval: Int(ge=0) = 0

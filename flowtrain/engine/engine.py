@@ -43,13 +43,21 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any, *,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
-                 bucket_numel: int = 25 * 2**20 // 4, rank: Any = None) -> None:
+                 bucket_numel: int = 25 * 2**20 // 4, rank: Any = None, grid: Any = None,
+                 ) -> None:
         super().__init__()
         self.module = model
         self.config = config
         self._rank = rank
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        # With pipeline or tensor parallelism (a flowtrain.parallel.ProcessGrid) gradients are
+        # reduced over this rank's data-parallel group: world_size is that group's size.
+        self.grid = grid
+        self.dp_group = grid.dp_group if grid is not None else None
+        self.model_parallel = grid is not None and (grid.shape.pp > 1 or grid.shape.tp > 1)
+        on = dist.is_initialized()
+        self.world_size = dist.get_world_size(self.dp_group) if on else 1
+        self.global_rank = dist.get_rank() if on else 0
+        self.dp_rank = dist.get_rank(self.dp_group) if on else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = next(model.parameters()).device
         self.precision = config.precision
@@ -103,7 +111,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
-        self._order_settled = self.world_size == 1 or config.flowtrain.bucket_order == "reverse"
+        self._order_settled = self.world_size == 1 or self.model_parallel or \
+            config.flowtrain.bucket_order == "reverse"
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
 
@@ -113,7 +122,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.channel = None
         if self.world_size > 1:
             self.channel = self._open_channel(config.flowtrain.data_channel)
-            reducer = BucketReducer(self.buckets, world_size=self.world_size,
+            reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
                                     comm_dtype=self.comm_dtype,
                                     predivide=config.gradient_predivide_factor,
                                     prescale=config.prescale_gradients, stages=self.stages,
@@ -140,7 +149,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if training_data is not None:
             self.training_dataloader = DistributedLoader(
                 training_data, batch_size=config.train_micro_batch_size_per_gpu,
-                rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
+                rank=self.dp_rank, world_size=self.world_size, collate_fn=collate_fn,
                 seed=config.flowtrain.seed or 0)
 
     # -- setup helpers --------------------------------------------------------------------------
@@ -157,9 +166,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
         if self.world_size == 1:
             return
+        src = self.grid.dp_ranks[0] if self.grid is not None else 0
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _open_channel(self, choice: str | None) -> Any:
         """The shared-memory channel when every rank is on this host and tensors are on the
@@ -172,7 +182,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
             rank = self._rank = current_rank()
         on_cpu = all(p.device.type == "cpu" for p in self.module.parameters())
-        single_host = rank.env.local_world_size == self.world_size
+        # the shared-memory channel spans every rank of the job: one data-parallel group only
+        single_host = rank.env.local_world_size == self.world_size and not self.model_parallel
         if choice is None:
             choice = "shm" if on_cpu and single_host and shm.available() else "torch"
         if choice != "shm":
@@ -295,6 +306,17 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             raise ValueError(f"backward needs a scalar loss tensor, got {type(loss).__name__}"
                              f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}")
         self._losses.append(loss.detach())
+        scale = self.loss_scaler.loss_scale
+        if scale_wrt_gas:
+            scale = scale / self.config.gradient_accumulation_steps
+        self.backward_pass(lambda: (loss.float() * scale if scale != 1.0 else loss).backward(
+            retain_graph=retain_graph))
+        return loss
+
+    def backward_pass(self, run: Any, name: str | None = None) -> None:
+        """Runs ``run()`` (an autograd backward) with the gradient buckets wired: on the
+        accumulation boundary (every micro-batch with ZeRO 2-3) each full bucket starts its
+        reduce at once. Pipeline stages call it with their own backward."""
         if not self.buckets.views_intact():
             self.buckets.attach_views()  # the user cleared .grad (e.g. zero_grad(set_to_none))
         boundary = self.is_gradient_accumulation_boundary()
@@ -304,12 +326,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._handed.clear()
         self.buckets.on_bucket_ready = self._bucket_ready if reduce_now else None
         self.buckets.record_order = reduce_now and not self._order_settled
-        scale = self.loss_scaler.loss_scale
-        if scale_wrt_gas:
-            scale = scale / self.config.gradient_accumulation_steps
         mb = self.micro_steps % self.config.gradient_accumulation_steps
-        with self.timer.span("backward", f"backward/mb{mb}"):
-            (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        with self.timer.span("backward", name or f"backward/mb{mb}"):
+            run()
         self.buckets.on_bucket_ready = None
         self.buckets.record_order = False
         if self.transient:
@@ -322,7 +341,6 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._send_stage("micro_batch", MicroBatchEnd(self.global_steps, self.micro_steps))
-        return loss
 
     def _bucket_ready(self, index: int) -> None:
         if not self.transient:
@@ -383,6 +401,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         else:
             grads = self.buckets.flat
         overflow = self.precision == "fp16" and has_inf_or_nan(self.buckets.flat)
+        if self.model_parallel and self.precision == "fp16":
+            overflow = self._across_model(float(overflow), dist.ReduceOp.MAX) > 0
         self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -395,6 +415,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if (clip and clip > 0) or printing:
             # The norm costs a pass over every gradient: only when clipping or logging needs it.
             norm = total_grad_norm(grads)
+            if self.model_parallel:  # every stage's and tensor slice's gradients count
+                norm = torch.tensor(self._across_model(float(norm) ** 2)) ** 0.5
             self._global_grad_norm = float(norm)
             if clip and clip > 0:
                 clip_(grads, norm, clip)
@@ -407,6 +429,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return False
+
+    def _across_model(self, value: float, op: Any = None) -> float:
+        """``value`` reduced (sum, or ``op``) over every rank: with pipeline or tensor
+        parallelism each holds a different part of the model (data-parallel copies add the
+        same reduced gradients: divided out)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        if op is None or op == dist.ReduceOp.SUM:
+            t /= self.world_size
+        return float(t)
 
     def _zero_step(self) -> bool:
         clip = self.config.gradient_clipping

@@ -70,16 +70,18 @@ def build_zero(engine: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]
     if zcfg.offloads_params and engine.zero_stage == 3:
         offload_param = _Placement(torch.device("cpu"))
     zero = ZeroOptimizer(engine.trainable, engine.buckets, stage=engine.zero_stage,
-                         world_size=engine.world_size, rank=engine.global_rank,
-                         reduce_scatter=zcfg.reduce_scatter, offload_optimizer=offload_optimizer,
-                         offload_param=offload_param)
+                         world_size=engine.world_size, rank=engine.dp_rank,
+                         group=engine.dp_group, reduce_scatter=zcfg.reduce_scatter,
+                         offload_optimizer=offload_optimizer, offload_param=offload_param,
+                         norm_over_world=engine.model_parallel)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
         return zero, None
     from flowtrain.zero.stage3 import ParamFetcher, Stage3Params
 
     # all-gathers get their own group: they run while the reducer's reduces are in flight
-    group = dist.new_group(ranks=list(range(engine.world_size)), backend=dist.get_backend())
+    group = dist.new_group(ranks=engine.grid.dp_ranks if engine.grid is not None else
+                           list(range(engine.world_size)), backend=dist.get_backend())
     actor = ParamFetcher(zero, group, timeout=comm.DEFAULT_TIMEOUT)
     fetcher = engine._runtime.spawn(actor)
     stage3 = Stage3Params(engine.module, engine.trainable, zero, fetcher,

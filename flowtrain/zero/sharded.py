@@ -42,7 +42,7 @@ class ZeroOptimizer:
     def __init__(self, params: Sequence[torch.nn.Parameter], buckets: GradBuckets, *,
                  stage: int, world_size: int, rank: int, group: Any = None,
                  reduce_scatter: bool = True, offload_optimizer: Any = None,
-                 offload_param: Any = None) -> None:
+                 offload_param: Any = None, norm_over_world: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer implements stages 1, 2 and 3, got {stage}")
         self.params = list(params)
@@ -52,6 +52,8 @@ class ZeroOptimizer:
         self.world_size = world_size
         self.rank = rank
         self.group = group
+        # pipeline/tensor parallel: the other ranks' shards of other model parts count too
+        self.norm_over_world = norm_over_world
         self.device = self.params[0].device
         # Stages 2-3 get reduce-scattered gradients only when a reducer runs (world size > 1);
         # zero_optimization.reduce_scatter false (stage 2) all-reduces and slices, as stage 1.
@@ -189,7 +191,9 @@ class ZeroOptimizer:
             norms = torch._foreach_norm(sources, 2.0, dtype=torch.float32) if sources else []
             sumsq = torch.stack(norms).double().square().sum() if norms else \
                 torch.zeros((), dtype=torch.float64, device=self.device)
-            if self.world_size > 1:
+            if self.norm_over_world:
+                dist.all_reduce(sumsq)
+            elif self.world_size > 1:
                 dist.all_reduce(sumsq, group=self.group)
             total = float(sumsq) / (loss_scale * loss_scale)
             if fp16 and not math.isfinite(total):

@@ -1,0 +1,170 @@
+"""Pipeline parallelism: the 1F1B and GPipe schedules and partitioning as pure functions, and
+real ranks (pp=2; pp=2 x dp=2 on 4 ranks; with ZeRO stage 1) against single-process training
+of the same layers on the same global batch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+import engine_common as ec  # noqa: E402
+
+from flowtrain.parallel import check_shape  # noqa: E402
+from flowtrain.pipe import bubble_fraction, partition_balanced, stage_ops  # noqa: E402
+from flowtrain.pipe.schedule import max_in_flight  # noqa: E402
+
+WORKER = ec.DATA / "pipe_worker.py"
+
+
+# -- schedules -------------------------------------------------------------------------------
+
+
+def _simulate(schedule: str, p: int, m: int, fwd: float = 1.0, bwd: float = 2.0) -> float:
+    """Runs every stage's op list with unit-cost compute and free, instant communication;
+    returns the step time (a receive waits for the matching send)."""
+    ops = {s: stage_ops(schedule, s, p, m) for s in range(p)}
+    pos = dict.fromkeys(range(p), 0)
+    clock = dict.fromkeys(range(p), 0.0)
+    sent: dict[tuple[str, int, int], float] = {}
+    while any(pos[s] < len(ops[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(ops[s]):
+                op = ops[s][pos[s]]
+                if op.kind in ("recv_act", "recv_grad"):
+                    src = s - 1 if op.kind == "recv_act" else s + 1
+                    key = ("act" if op.kind == "recv_act" else "grad", src, op.mb)
+                    if key not in sent:
+                        break
+                    clock[s] = max(clock[s], sent[key])
+                elif op.kind == "send_act":
+                    sent[("act", s, op.mb)] = clock[s]
+                elif op.kind == "send_grad":
+                    sent[("grad", s, op.mb)] = clock[s]
+                else:
+                    clock[s] += fwd if op.kind == "forward" else bwd
+                pos[s] += 1
+                progressed = True
+        assert progressed, f"{schedule} deadlocks at p={p} m={m}"
+    return max(clock.values())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 32), (3, 5)])
+def test_schedule_step_time_has_the_published_bubble(schedule: str, p: int, m: int) -> None:
+    ideal = m * 3.0  # every micro-batch's forward (1) and backward (2) on one stage
+    step = _simulate(schedule, p, m)
+    assert (step - ideal) / step == pytest.approx(bubble_fraction(p, m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2)])
+def test_1f1b_holds_fewer_activations_than_gpipe(p: int, m: int) -> None:
+    for s in range(p):
+        assert max_in_flight(stage_ops("1f1b", s, p, m)) == min(p - s, m)
+        assert max_in_flight(stage_ops("gpipe", s, p, m)) == m
+
+
+def test_every_micro_batch_runs_once_per_stage() -> None:
+    for schedule in ("1f1b", "gpipe"):
+        for s in range(3):
+            ops = stage_ops(schedule, s, 3, 5)
+            for kind in ("forward", "backward"):
+                assert sorted(o.mb for o in ops if o.kind == kind) == list(range(5))
+
+
+def test_bad_schedule_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        stage_ops("zigzag", 0, 2, 4)
+    with pytest.raises(ValueError, match="at least 1 micro-batch"):
+        stage_ops("1f1b", 0, 2, 0)
+
+
+# -- partitioning and the grid --------------------------------------------------------------------
+
+
+def test_partition_minimises_the_largest_stage() -> None:
+    costs = [5, 1, 1, 1, 1, 1, 5, 1]
+    bounds = partition_balanced(costs, 2)
+    parts = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert max(parts) == 8  # the best split of 16 with these layers: 8 + 8
+    assert bounds[0] == 0 and bounds[-1] == len(costs)
+    brute = min(max(sum(costs[:i]), sum(costs[i:])) for i in range(1, len(costs)))
+    assert max(parts) == brute
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 pipeline stages"):
+        partition_balanced([1, 1], 3)
+
+
+def test_balanced_partition_uses_flops_not_counts() -> None:
+    from flowtrain.pipe.module import layer_flops
+
+    layers = [nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 512), nn.ReLU(),
+              nn.Linear(512, 8)]
+    flops = layer_flops(layers, torch.zeros(4, 64))
+    assert flops[:3] == [2 * 4 * 64 * 64, 2 * 4 * 64 * 64, 2 * 4 * 64 * 512]
+    assert flops[3] == 4 * 512  # no matmul: one per output element
+    # FLOPs: the big layer goes with the cheap tail (max stage 296,960 FLOPs); counting
+    # layers would cut after three (max stage 327,680)
+    assert partition_balanced(flops, 2) == [0, 2, 5]
+    assert partition_balanced([1.0] * 5, 2) == [0, 3, 5]
+
+
+def test_impossible_grid_names_the_sizes() -> None:
+    with pytest.raises(ValueError, match=r"cannot lay out 6 ranks as 4 pipeline stages x 1 "
+                                         r"tensor-parallel.*one of \[1, 2, 3, 6\]"):
+        check_shape(6, 4, 1)
+    shape = check_shape(8, 2, 2)
+    assert shape.dp == 2
+    assert [shape.coords(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0),
+                                                          (1, 0, 1), (1, 1, 1)]
+    assert all(shape.rank_of(*shape.coords(r)) == r for r in range(8))
+
+
+# -- real ranks ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[int, list[dict[str, Any]]] = {}
+
+    def run(world: int) -> list[dict[str, Any]]:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"pipe{world}") / "out"
+            ec.launch(world, WORKER, str(out), "2", run_dir=out.parent / "run")
+            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
+            for r, data in enumerate(ranks):
+                for name, result in data.items():
+                    assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
+            cache[world] = ranks
+        return cache[world]
+
+    return run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["1f1b", "gpipe", "1f1b_zero1"])
+def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -> None:
+    ranks = pipe_run(world)
+    for r, data in enumerate(ranks):
+        got, ref = data[case], data["reference"]
+        dp_rank = got["dp_rank"]
+        assert got["losses"] == pytest.approx(ref["losses"][dp_rank], rel=1e-5, abs=1e-6), r
+        assert got["eval_loss"] == pytest.approx(ref["eval"][dp_rank], rel=1e-5, abs=1e-6)
+        # this stage's layers hold the single-process model's weights
+        for name, values in got["params"].items():
+            assert torch.allclose(torch.tensor(values), torch.tensor(ref["params"][name]),
+                                  rtol=1e-5, atol=1e-6), (r, name)
+        assert got["parts"] == [0, 4, 7]
+    stages = sorted({d[case]["stage"] for d in ranks})
+    assert stages == [0, 1]
+    names = set(ranks[0][case]["span_names"])
+    assert {"forward/mb0", "backward/mb3", "send_act/mb3", "recv_grad/mb0",
+            "optimizer/step"} <= names
