@@ -121,6 +121,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
+    from flowtrain import telemetry
+
+    telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
 
 

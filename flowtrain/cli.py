@@ -75,6 +75,21 @@ def _checkpoint_entry() -> tuple[AddArguments, Run]:
     return add_arguments, run
 
 
+def _monitor_entry() -> tuple[AddArguments, Run]:
+    from tui.cli import add_arguments
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from tui.cli import MonitorInputError
+        from tui.cli import run as monitor_run
+
+        try:
+            return monitor_run(ns)
+        except MonitorInputError as exc:
+            raise UsageError("flowtrain monitor", str(exc)) from None
+
+    return add_arguments, run
+
+
 def _trace_entry() -> tuple[AddArguments, Run]:
     from flowtrain.telemetry.trace import add_arguments
 
@@ -103,6 +118,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
                    _checkpoint_entry),
     "trace": ("one Chrome/Perfetto trace of a run's measured task spans, a process per rank",
               _trace_entry),
+    "monitor": ("watch a running job live, or replay a finished run, in a terminal UI",
+                _monitor_entry),
 }
 
 

@@ -8,13 +8,13 @@ import html
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 
+from flowtrain.telemetry import encode
 from tui.app import MonitorApp
 from tui.event_log import EventLog
 from tui.header import BAD_STYLE, GOOD_STYLE, UNKNOWN_STYLE, figure_style
@@ -64,23 +64,25 @@ def _spans(rank: int, step: int, t: float) -> dict[str, Any]:
 
 
 def synthetic_records() -> list[dict[str, Any]]:
-    """A 2-rank run: 12 steps every 0.5 s, an overflow and a skipped step at step 5, then
+    """A 2-rank run: 12 steps every 0.5 s, a step skipped for an overflow at step 5, then
     rank 1 falls silent (last heard at +7 s), rank 0 waits in a reduce and the coordinator
     reports rank 1 stuck at +10 s; the recording ends at +12 s."""
     records = [_record("job", -1, T0, job_id="20300115-080000-test", world_size=2,
                        run_dir="runs/20300115-080000-test", started=T0, total_steps=TOTAL_STEPS,
                        config_summary={"zero_stage": 2, "dtype": "fp16"})]
+    records += [_record("event", rank, T0 + 0.5, event="rank_joined",
+                        message=f"rank {rank} joined", data={}) for rank in (0, 1)]
     for step in range(1, LAST_STEP + 1):
         t = T0 + 1.0 + 0.5 * step
         for rank in (0, 1):
             records.append(_step(rank, step, t + 0.01 * rank))
             records.append(_spans(rank, step, t + 0.01 * rank))
         if step == 5:
-            records.append(_record("event", 0, t + 0.02, event="overflow",
-                                   message="gradient overflow, loss scale 65536 -> 32768",
-                                   data={"step": 5, "loss_scale": 32768.0}))
             records.append(_record("event", 0, t + 0.02, event="skipped_step",
-                                   message="step 5 skipped (overflow)", data={"step": 5}))
+                                   message="step 5 skipped: gradient overflow, loss scale "
+                                           "65536 -> 32768",
+                                   data={"step": 5, "reason": "overflow",
+                                         "loss_scale": 32768.0}))
     for second in range(2, 13):
         for rank in (0, 1):
             if rank == 1 and second > 7:
@@ -96,40 +98,11 @@ def synthetic_records() -> list[dict[str, Any]]:
     return records
 
 
-class LocalDamage(Exception):
-    """Stands in for flowtrain.telemetry.TelemetryDamage until the telemetry package lands."""
-
-    def __init__(self, offset: int, records_read: int, reason: str) -> None:
-        super().__init__(f"damaged at byte {offset} after {records_read} records: {reason}")
-        self.offset, self.records_read, self.reason = offset, records_read, reason
-
-
-def local_read_records(path: Path) -> Iterator[dict[str, Any]]:
-    """The contract's reader in a few lines: records in order, then damage at the first byte
-    that does not start a whole record."""
-    data = Path(path).read_bytes()
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(data)
-    count = offset = 0
-    while True:
-        try:
-            record = unpacker.unpack()
-        except msgpack.OutOfData:
-            break
-        except Exception as exc:
-            raise LocalDamage(offset, count, f"not msgpack: {exc}") from None
-        yield record
-        count += 1
-        offset = unpacker.tell()
-    if offset < len(data):
-        raise LocalDamage(offset, count, "the file ends inside a record")
-
-
 def write_recording(path: Path, records: list[dict[str, Any]]) -> list[int]:
     """Writes the stream and returns each record's end offset."""
     ends, blob = [], b""
     for record in records:
-        blob += msgpack.packb(record, use_bin_type=True)
+        blob += encode(record)  # validates against the schema as it writes
         ends.append(len(blob))
     path.write_bytes(blob)
     return ends
@@ -144,7 +117,7 @@ def recording(tmp_path: Path) -> Path:
 
 
 def replay(path: Path, speed: float = math.inf) -> ReplaySource:
-    return ReplaySource(path, speed, reader=local_read_records, damage_type=LocalDamage)
+    return ReplaySource(path, speed)
 
 
 async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -235,7 +208,7 @@ def test_state_history_averages_loss_and_sums_throughput_over_complete_steps() -
     losses = state.loss_history()
     assert len(losses) == LAST_STEP
     assert losses[-1] == pytest.approx(3.0 - 0.1 * LAST_STEP + 0.0005)
-    assert state.throughput_history()[0] == pytest.approx((80.0 + 1) + (80.0 + 1 - 2))
+    assert state.throughput_history()[0] == pytest.approx(80.0 + 1 - 1)
     # ETA: 12 of 20 steps took 7.01 s since the job started, 8 left at that pace.
     assert state.eta() == pytest.approx(8 * (state.now - T0) / 12)
 
@@ -283,10 +256,10 @@ async def test_replay_shows_rank_rows_stuck_rank_events_and_health(recording: Pa
         assert "mem-BW util n/a (>75%)" in header
         await pilot.press("t", "t")
         log = app.query_one(EventLog).lines()
-        assert [line.split(" | ")[2] for line in log] == ["overflow", "skipped_step",
-                                                          "rank_stuck"]
-        assert "step 5 skipped (overflow)" in log[1]
-        assert log[2].startswith("+10.0s | rank 1 | rank_stuck")
+        assert [line.split(" | ")[2] for line in log] == ["rank_joined", "rank_joined",
+                                                          "skipped_step", "rank_stuck"]
+        assert "step 5 skipped: gradient overflow" in log[2]
+        assert log[3].startswith("+10.0s | rank 1 | rank_stuck")
 
 
 async def test_pause_stops_the_replay_and_resume_goes_on(recording: Path) -> None:

@@ -1,5 +1,5 @@
 """Loss and throughput over the run's steps, as labelled sparklines (one value per step:
-the loss averaged over ranks, the samples/s summed over ranks)."""
+the loss and the job-wide samples/s, each averaged over the ranks that reported the step)."""
 
 from __future__ import annotations
 

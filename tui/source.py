@@ -9,10 +9,11 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from flowtrain.telemetry import Record, Subscriber, TelemetryDamage, read_records
 from tui.state import DamageNotice, RunState
 
 # The replay speeds that +/- step through; inf replays as fast as the screen can take it.
@@ -22,9 +23,6 @@ SPEED_NAMES = ("1", "2", "10", "max")
 TICK_S = 0.05
 READ_BATCH = 512
 LIVE_BUFFER = 200_000
-
-Reader = Callable[[Path], Iterable[Any]]
-
 
 def parse_speed(text: str) -> float:
     """``"1" | "2" | "10" | "max"`` to a speed factor (inf for max)."""
@@ -52,37 +50,17 @@ class Source(Protocol):
         """A few words for the header: what is shown and how."""
 
 
-def _default_reader() -> tuple[Reader, type[BaseException]]:
-    # Imported on first use: the telemetry package is the one owner of the recording format.
-    from flowtrain.telemetry import TelemetryDamage, read_records
-
-    return read_records, TelemetryDamage
-
-
-def _as_damage(item: Any) -> DamageNotice | None:
-    """A damage report, whether the reader raised it or handed it over as an item."""
-    if isinstance(item, dict):
-        return None
-    try:
-        return DamageNotice(int(item.offset), int(item.records_read), str(item.reason))
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
 class ReplaySource:
     """Replays ``telemetry.msgpack``, spacing records as their timestamps were spaced, divided
     by the speed; a damaged tail ends the replay with a notice saying where it stopped."""
 
-    def __init__(self, path: str | Path, speed: float = 1.0, *, reader: Reader | None = None,
-                 damage_type: type[BaseException] | None = None) -> None:
+    def __init__(self, path: str | Path, speed: float = 1.0) -> None:
         if not (speed > 0):
             raise ValueError(f"replay speed must be positive, got {speed!r}")
         self.path = Path(path)
         self.speed = speed
         self.paused = False
         self.done = False
-        self._reader = reader
-        self._damage_type = damage_type
         self._virtual: float | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -113,16 +91,10 @@ class ReplaySource:
 
     # ------------------------------------------------------------ the replay
     async def run(self, state: RunState) -> None:
-        reader, damage_type = self._reader, self._damage_type
-        if reader is None or damage_type is None:
-            default_reader, default_damage = _default_reader()
-            reader = reader or default_reader
-            damage_type = damage_type or default_damage
-        records: Iterator[Any] = iter(await asyncio.to_thread(reader, self.path))
+        records: Iterator[Record] = read_records(self.path)
         try:
             while True:
-                batch, damage, exhausted = await asyncio.to_thread(
-                    _take, records, READ_BATCH, damage_type)
+                batch, damage, exhausted = await asyncio.to_thread(_take, records, READ_BATCH)
                 for record in batch:
                     await self._wait_for(record, state)
                     state.apply(record)
@@ -162,23 +134,18 @@ class ReplaySource:
             await asyncio.sleep(0)
 
 
-def _take(records: Iterator[Any], count: int, damage_type: type[BaseException]
+def _take(records: Iterator[Record], count: int
           ) -> tuple[list[dict[str, Any]], DamageNotice | None, bool]:
-    """Up to ``count`` records (run in a thread, the file read is blocking), any damage, and
-    whether the recording is over."""
+    """Up to ``count`` records (run in a thread: the file read blocks), the damage that ended
+    the recording if any, and whether the recording is over."""
     batch: list[dict[str, Any]] = []
     try:
         for _ in range(count):
-            item = next(records)
-            damage = _as_damage(item)
-            if damage is not None:
-                return batch, damage, True
-            if isinstance(item, dict):
-                batch.append(item)
+            batch.append(dict(next(records)))
     except StopIteration:
         return batch, None, True
-    except damage_type as exc:
-        return batch, _as_damage(exc) or DamageNotice(-1, len(batch), str(exc)), True
+    except TelemetryDamage as damage:
+        return batch, DamageNotice(damage.offset, damage.records_read, damage.reason), True
     return batch, None, False
 
 
@@ -229,8 +196,6 @@ class LiveSource:
             await asyncio.sleep(TICK_S * 5)
 
     async def _subscribe(self) -> AsyncIterator[dict[str, Any]]:
-        from flowtrain.telemetry import Subscriber
-
         subscriber = Subscriber(self.endpoint, self._secret)
         try:
             while True:

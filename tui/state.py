@@ -112,12 +112,13 @@ class RankState:
 
 @dataclass
 class StepTotals:
-    """One optimizer step summed over the ranks that have reported it so far."""
+    """One optimizer step over the ranks that have reported it so far."""
 
     ranks: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
-    samples_per_s: float = 0.0
+    rate_sum: float = 0.0
+    rate_count: int = 0
 
 
 class RunState:
@@ -212,7 +213,8 @@ class RunState:
             totals.loss_count += 1
         rate = record.get("samples_per_s")
         if isinstance(rate, (int, float)):
-            totals.samples_per_s += float(rate)
+            totals.rate_sum += float(rate)
+            totals.rate_count += 1
 
     def _on_event(self, record: dict[str, Any], t: float, rank: int) -> None:
         data = record.get("data") if isinstance(record.get("data"), dict) else {}
@@ -259,7 +261,9 @@ class RunState:
         return [t.loss_sum / t.loss_count for _, t in self._complete_steps() if t.loss_count]
 
     def throughput_history(self) -> list[float]:
-        return [t.samples_per_s for _, t in self._complete_steps()]
+        # samples_per_s is job-wide (train batch / step time) on every rank: averaged, not
+        # summed, so that a slower rank still shows.
+        return [t.rate_sum / t.rate_count for _, t in self._complete_steps() if t.rate_count]
 
     def _complete_steps(self) -> list[tuple[int, StepTotals]]:
         # The newest step is left out until every rank has reported it, or the throughput
