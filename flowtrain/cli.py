@@ -106,6 +106,39 @@ def _trace_entry() -> tuple[AddArguments, Run]:
     return add_arguments, run
 
 
+def _simulate_entry() -> tuple[AddArguments, Run]:
+    from sims.simulate import add_arguments
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from sims.simulate import SimulateError
+        from sims.simulate import run as simulate_run
+
+        try:
+            return simulate_run(ns)
+        except SimulateError as exc:
+            raise UsageError("flowtrain simulate", str(exc)) from None
+
+    return add_arguments, run
+
+
+def _calibrate_entry() -> tuple[AddArguments, Run]:
+    def add(p: argparse.ArgumentParser) -> None:
+        from sims.calibrate import build_parser
+
+        # calibrate's own parser defines its flags; they are copied here (all but -h) so that
+        # `flowtrain calibrate --help` lists them and bad flags fail like every subcommand's
+        for action in build_parser()._actions:
+            if not isinstance(action, argparse._HelpAction):
+                p._add_action(action)
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from sims.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[argv.index("calibrate") + 1:])
+
+    return add, run
+
+
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace, list[str]], int]
 
@@ -120,6 +153,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
               _trace_entry),
     "monitor": ("watch a running job live, or replay a finished run, in a terminal UI",
                 _monitor_entry),
+    "simulate": ("predict a step's time, overlap, bubble and memory for a model, config and "
+                 "cluster", _simulate_entry),
+    "calibrate": ("measure this host and write the simulator's this-host hardware profile",
+                  _calibrate_entry),
 }
 
 

@@ -1,0 +1,153 @@
+"""Predicted against measured, per task class: reads a run directory's ``plan.json`` and
+``spans/rank*.jsonl`` (written by the engine of a launched run) and sums both sides the way the
+engine times its spans, so the simulator's error is known task class by task class."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sims.executor import Timeline
+
+CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
+# What the engine's ``optimizer/step`` span covers besides the update itself: the offload copies
+# and the post-step all-gather of whole buckets run inside it.
+_AFTER_STEP = ("optimizer", "allgather", "copy")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run directory's plan and measured steps: ``steps[rank]`` lists that rank's steps, each a
+    list of (name, start_s, end_s) from the step's start."""
+
+    path: Path
+    plan: dict[str, Any]
+    steps: dict[int, list[list[tuple[str, float, float]]]]
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """Reads ``run_dir``; a missing or malformed file is a ValueError naming it."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ValueError(f"--compare: run directory {str(root)!r} does not exist")
+    plan_path = root / "plan.json"
+    try:
+        plan = json.loads(plan_path.read_text())
+    except OSError:
+        raise ValueError(f"--compare: {str(plan_path)!r} is missing; it is written by rank 0 "
+                         f"of a run started with `flowtrain launch`") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--compare: {str(plan_path)!r} is not valid JSON (line {exc.lineno}: "
+                         f"{exc.msg})") from None
+    for key in ("config", "world_size", "param_specs", "forward_flops_per_micro_batch"):
+        if not isinstance(plan, dict) or key not in plan:
+            raise ValueError(f"--compare: {str(plan_path)!r} lacks {key!r}; expected the keys "
+                             f"v, config, world_size, param_specs, forward_flops_per_micro_batch")
+    if plan.get("v") != 1:
+        raise ValueError(f"--compare: {str(plan_path)!r} has schema version {plan.get('v')!r}; "
+                         f"this flowtrain reads version 1")
+    steps: dict[int, list[list[tuple[str, float, float]]]] = {}
+    for path in sorted((root / "spans").glob("rank*.jsonl")):
+        rank_text = path.stem.removeprefix("rank")
+        if not rank_text.isdigit():
+            continue
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                rows.append([(str(n), float(a), float(b)) for n, a, b in record["spans"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise ValueError(f"--compare: {str(path)!r} line {number} is not a span record "
+                                 f'{{"v": 1, "step": N, "spans": [[name, start_s, end_s], ...]}}'
+                                 ) from None
+        if rows:
+            steps[int(rank_text)] = rows
+    if not steps:
+        raise ValueError(f"--compare: no measured spans in {str(root / 'spans')!r} "
+                         f"(rank*.jsonl); the run recorded no complete step")
+    return RunRecord(root, plan, steps)
+
+
+def _class_of(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
+def measured_classes(run: RunRecord) -> tuple[dict[str, float], int]:
+    """Seconds per class in one step: the median over steps (the first left out when there are
+    more, as it builds plans and compiles kernels), averaged over ranks. ``step`` is the window
+    from the first span's start to the last one's end. Also returns the steps used per rank."""
+    per_rank: list[dict[str, float]] = []
+    used = 0
+    for rows in run.steps.values():
+        chosen = rows[1:] if len(rows) > 1 else rows
+        used = max(used, len(chosen))
+        sums: dict[str, list[float]] = {c: [] for c in CLASSES}
+        for spans in chosen:
+            totals = dict.fromkeys(CLASSES, 0.0)
+            seen: set[str] = set()
+            for name, a, b in spans:
+                c = _class_of(name)
+                if c in totals and c != "step":
+                    totals[c] += b - a
+                    seen.add(c)
+            totals["step"] = max(b for _, _, b in spans) - min(a for _, a, _ in spans)
+            for c in CLASSES:
+                if c in seen or c == "step":
+                    sums[c].append(totals[c])
+        per_rank.append({c: statistics.median(v) for c, v in sums.items() if v})
+    out: dict[str, float] = {}
+    for c in CLASSES:
+        values = [r[c] for r in per_rank if c in r]
+        if values:
+            out[c] = sum(values) / len(values)
+    return out, used
+
+
+def predicted_classes(timeline: Timeline) -> dict[str, float]:
+    """The same sums over a simulated step (stage 0): a forward or backward pass runs from the
+    end of the pass before it (so waits inside it, like ZeRO-3 gathers, count, as they do in
+    the engine's span); a reduce or gather from when its data was ready (launch) to its end,
+    queueing included; the optimizer from its first task to the end of the post-step work."""
+    tasks, start, end = timeline.tasks, timeline.start, timeline.end
+    out: dict[str, float] = {}
+    passes: dict[str, float] = {}
+    for i, t in enumerate(tasks):
+        if t.stage == 0 and t.kind in ("forward", "backward"):
+            key = "/".join(t.name.split("/")[:2])
+            passes[key] = max(passes.get(key, 0.0), end[i])
+    previous = 0.0
+    for key, finish in sorted(passes.items(), key=lambda kv: kv[1]):
+        c = _class_of(key)
+        out[c] = out.get(c, 0.0) + finish - previous
+        previous = finish
+    for i, t in enumerate(tasks):
+        if t.stage == 0 and t.kind in ("reduce", "gather"):
+            ready = max((end[d] for d in t.deps if tasks[d].kind not in ("reduce", "gather")),
+                        default=0.0)
+            out[t.kind] = out.get(t.kind, 0.0) + end[i] - min(ready, start[i])
+    post = [i for i, t in enumerate(tasks[:timeline.planned]) if t.stage == 0 and
+            t.kind in _AFTER_STEP and "/mb" not in t.name]
+    first_step = [i for i in post if tasks[i].kind == "optimizer" or tasks[i].name.startswith(
+        "copy/d2h/")]
+    if first_step:
+        out["optimizer"] = max(end[i] for i in post) - min(start[i] for i in first_step)
+    out["step"] = timeline.step_time
+    return out
+
+
+def comparison_rows(predicted: dict[str, float], measured: dict[str, float]
+                    ) -> list[dict[str, Any]]:
+    """One row per class present on either side; error % is (predicted - measured) / measured."""
+    rows = []
+    for c in CLASSES:
+        p, m = predicted.get(c), measured.get(c)
+        if p is None and m is None:
+            continue
+        error = None if p is None or not m else 100.0 * (p - m) / m
+        rows.append({"class": c, "predicted_s": p, "measured_s": m, "error_pct": error})
+    return rows
