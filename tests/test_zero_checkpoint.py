@@ -80,6 +80,8 @@ RESUMES = [
     pytest.param("one_b", "w4_s2->s0", id="4->1_ranks_stage2->0"),
     pytest.param("two", "w4_s3->s1", id="4->2_ranks_stage3->1", marks=needs_stage3),
     pytest.param("one_b", "w4_s3->s0", id="4->1_ranks_stage3->0", marks=needs_stage3),
+    pytest.param("four", "w1_s0->s3", id="1->4_ranks_stage0->3", marks=needs_stage3),
+    pytest.param("two", "w4_s2->s3", id="4->2_ranks_stage2->3", marks=needs_stage3),
 ]
 
 
@@ -200,16 +202,25 @@ def test_every_rank_writes_its_own_pieces(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.multiprocess
-def test_module_only_and_custom_load_fn(runs: dict[str, Any]) -> None:
+def test_load_module_only(runs: dict[str, Any]) -> None:
     state = consolidate(runs["ckpt"] / "w4_s2")
     only = case(runs, "one_b", "module_only")
     assert only["global_steps"] == 0 and only["optimizer_state"] == 0
-    custom = case(runs, "one_b", "custom_load_fn")
+    for key, value in only["tensors"]["loaded"].items():
+        assert torch.equal(value, state[key]), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("phase,name", [
+    pytest.param("one_b", "custom_load_fn", id="1_rank_stage1"),
+    pytest.param("two", "custom_load_fn_s3", id="2_ranks_stage3", marks=needs_stage3)])
+def test_custom_load_fn(runs: dict[str, Any], phase: str, name: str) -> None:
+    state = consolidate(runs["ckpt"] / "w4_s2")
+    custom = case(runs, phase, name)
     assert custom["keys"] == list(state)  # the whole state dict, in the model's order
     assert custom["global_steps"] == rw.HALF and custom["optimizer_steps"] == [float(rw.HALF)]
-    for got in (only, custom):
-        for key, value in got["tensors"]["loaded"].items():
-            assert torch.equal(value, state[key]), key
+    for key, value in custom["tensors"]["loaded"].items():
+        assert torch.equal(value, state[key]), key
 
 
 @pytest.mark.multiprocess

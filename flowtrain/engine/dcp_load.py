@@ -4,6 +4,7 @@ dict, for ``custom_load_fn`` and ``flowtrain checkpoint consolidate``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -84,6 +85,27 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
                     whole.reshape(-1).narrow(0, p.offset, p.length))
     if params:
         sync_model(engine)
+
+
+def load_through(engine: Any, custom_load_fn: Any, directory: Path,
+                 description: dict[str, Any]) -> None:
+    """``custom_load_fn(src=<the whole fp32 state dict>, dst=<the module>)`` writes the module
+    (under ZeRO stage 3 while every parameter is gathered), then the fp32 masters are taken
+    from the module's parameters, in their dtype, as DeepSpeed does. Every rank calls it."""
+    src = full_state_dict(directory, description)
+    gathered = getattr(engine, "gathered_parameters", None)
+    with gathered() if gathered is not None else contextlib.nullcontext():
+        custom_load_fn(src=src, dst=engine.module)
+        held = holdings(engine, split=False)
+        with torch.no_grad():
+            for p in held.pieces:
+                param = engine.trainable[p.param]
+                if held.stepped[p.holder] is param:
+                    continue  # stage 0 without masters: the optimizer steps the parameter
+                value = param.detach().reshape(-1).narrow(0, p.offset, p.length)
+                _flat(held.stepped[p.holder], "a master").narrow(0, p.start, p.length).copy_(
+                    value)
+    sync_model(engine)
 
 
 def sync_model(engine: Any) -> None:

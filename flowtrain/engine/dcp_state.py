@@ -64,9 +64,9 @@ def holdings(engine: Any, *, split: bool) -> Holdings:
     """Stage 0: every parameter whole, or (``split``, for writing in parallel) this rank's 1/N
     of each. ZeRO: the overlap of each bucket's shard with each of the bucket's parameters."""
     names = list(engine._names)
-    shapes = [tuple(p.shape) for p in engine.trainable]
     pieces: list[Piece] = []
     if engine.zero is None:
+        shapes = [tuple(p.shape) for p in engine.trainable]
         stepped = list(engine.master.master) if engine.master is not None \
             else list(engine.trainable)
         for i, shape in enumerate(shapes):
@@ -82,6 +82,11 @@ def holdings(engine: Any, *, split: bool) -> Holdings:
     zero = engine.zero
     plan = getattr(zero, "plan", None) or zero.buckets.plan
     stepped = list(zero.master)
+    # the plan's shapes: under stage 3 a released parameter is an empty placeholder
+    shapes = [tuple(p.shape) for p in engine.trainable]
+    for bucket in plan:
+        for slot in bucket.slots:
+            shapes[slot.index] = tuple(slot.shape)
     members = []
     for b, bucket in enumerate(plan):
         shard = zero.shards[b]

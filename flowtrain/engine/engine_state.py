@@ -56,8 +56,8 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
     """Loads a checkpoint saved by ``save_checkpoint`` on any number of ranks with any ZeRO
     stage; returns (path, client_state), or (None, None) when ``load_dir`` holds none, as
     DeepSpeed does. Every rank must call it."""
-    from flowtrain.engine.dcp_load import full_state_dict
     from flowtrain.engine.dcp_load import load as load_tensors
+    from flowtrain.engine.dcp_load import load_through
 
     path = resolve(load_dir, tag)
     if path is None:
@@ -71,8 +71,7 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
                  saved_world_size=saved_layout[1], zero_stage=engine.zero_stage,
                  world_size=engine.world_size)
     if custom_load_fn is not None:
-        custom_load_fn(src=full_state_dict(path / TENSOR_DIR, description), dst=engine.module)
-        _masters_from_model(engine)
+        load_through(engine, custom_load_fn, path / TENSOR_DIR, description)
     load_tensors(engine, path / TENSOR_DIR, description, params=custom_load_fn is None,
                  module=custom_load_fn is None,
                  optimizer=load_optimizer_states and not load_module_only,
@@ -101,14 +100,6 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
                      f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
     engine._zero_grads()
     return str(path), shared.get("client_state", {})
-
-
-def _masters_from_model(engine: Any) -> None:
-    """After ``custom_load_fn`` wrote the module: the fp32 masters from its parameters."""
-    if engine.zero is not None:
-        engine.zero.reload_from_model()
-    elif engine.master is not None:
-        engine.master.load_state_dict([p.detach().float() for p in engine.trainable])
 
 
 def map_loader_state(saved: dict[str, Any], world_size: int,

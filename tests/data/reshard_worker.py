@@ -10,9 +10,10 @@ in the same steps and the loss curves agree to fp32 rounding.
 Phases (argv[1]; argv[2] OUT, argv[3] CKPT, the directory all phases' checkpoints live in;
 the 1-rank ones may run inside the test process through ``run_phase``):
   one_a  1 rank   the reference: stage 0, 8 steps, saving w1_s0 at step 4
-  four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (1 -> 4)
+  four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (and 3) (1 -> 4)
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
-                  w4_s2 into bf16 stage 2, w4_s3 into stage 1; stage 1 fp32 and bf16 save
+                  w4_s2 into bf16 stage 2; with stage 3: w4_s3 into stage 1, w4_s2 into
+                  stage 3, custom_load_fn at stage 3; stage 1 fp32 and bf16 save
   one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0;
                   load_module_only, custom_load_fn, entries that do not match
 """
@@ -83,6 +84,8 @@ def config(stage: int, precision: str = "fp32") -> dict[str, Any]:
                                                      "warmup_type": "linear"}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
     }
+    if stage == 3:  # the weights and fc1.bias partitioned, the two small biases kept whole
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -195,15 +198,19 @@ def module_only(ckpt: str) -> dict[str, Any]:
     return out
 
 
-def custom_load(ckpt: str) -> dict[str, Any]:
+def custom_load(stage: int) -> Callable[[str], dict[str, Any]]:
     """custom_load_fn gets the whole fp32 state dict and the module; the optimizer loads too."""
+    return lambda ckpt: _custom_load(ckpt, stage)
+
+
+def _custom_load(ckpt: str, stage: int) -> dict[str, Any]:
     seen: dict[str, Any] = {}
 
     def load_fn(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
         seen["keys"] = list(src)
         dst.load_state_dict(src)
 
-    engine, _ = build(1, seed=SEED + 77)
+    engine, _ = build(stage, seed=SEED + 77)
     engine.load_checkpoint(os.path.join(ckpt, "w4_s2"), custom_load_fn=load_fn)
     steps = sorted({float(s["step"]) for s in engine.optimizer.state.values()})
     out = {"keys": seen["keys"], "global_steps": engine.global_steps, "optimizer_steps": steps,
@@ -242,13 +249,15 @@ def mismatches(ckpt: str) -> dict[str, Any]:
 PHASES: dict[str, dict[str, Callable[[str], dict[str, Any]]]] = {
     "one_a": {"reference": saving("w1_s0", 0)},
     "four": {"save_s2": saving("w4_s2", 2), "save_s3": saving("w4_s3", 3),
-             "w1_s0->s1": resuming("w1_s0", 1)},
+             "w1_s0->s1": resuming("w1_s0", 1), "w1_s0->s3": resuming("w1_s0", 3)},
     "two": {"w4_s2->s0": resuming("w4_s2", 0), "w1_s0->s1": resuming("w1_s0", 1),
-            "w4_s3->s1": resuming("w4_s3", 1), "w4_s2->s2_bf16": resuming("w4_s2", 2, "bf16"),
+            "w4_s3->s1": resuming("w4_s3", 1), "w4_s2->s3": resuming("w4_s2", 3),
+            "w4_s2->s2_bf16": resuming("w4_s2", 2, "bf16"),
+            "custom_load_fn_s3": custom_load(3),
             "save_s1": saving("w2_s1", 1), "save_s1_bf16": saving("w2_s1_bf16", 1, "bf16")},
     "one_b": {"w2_s1->s2": resuming("w2_s1", 2), "w4_s2->s0": resuming("w4_s2", 0),
               "w4_s3->s0": resuming("w4_s3", 0), "w2_s1_bf16->s0": resuming("w2_s1_bf16", 0),
-              "module_only": module_only, "custom_load_fn": custom_load,
+              "module_only": module_only, "custom_load_fn": custom_load(1),
               "mismatches": mismatches},
 }
 
