@@ -32,8 +32,8 @@ def model_state_bytes(psi: int, *, stage: int, dp: int, mixed: bool = True,
     """Per-device bytes of parameters, gradients and Adam state for ``psi`` parameters.
 
     ZeRO paper (Rajbhandari et al., arXiv:1910.02054, Sec. 5), mixed precision with K = 12:
-    baseline (2 + 2 + K)Ψ; stage 1 (P_os) 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g) 2Ψ + (2 + K)Ψ/N_d;
-    stage 3 (P_os+g+p) (2 + 2 + K)Ψ/N_d. fp32 training: 4-byte parameters and gradients, K = 8.
+    baseline (2 + 2 + K)Ψ; stage 1 (P_os) 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g)
+    2Ψ + (2 + K)Ψ/N_d; stage 3 (P_os+g+p) (2 + 2 + K)Ψ/N_d. fp32 training: 4-byte parameters and gradients, K = 8.
     ``offload_optimizer`` (ZeRO-Offload) moves the optimizer part, fp32 master included, to the
     host; ``offload_param`` (stage 3 only) moves the parameter shard there too. "host" is what
     was moved; "total" is what stays on the device.
@@ -113,7 +113,8 @@ def _stage_params(model: ModelSpec, pp: int) -> list[int]:
     owners = model.layer_of()
     counts = _stage_layers(model.layers, pp)
     first = [sum(counts[:i]) for i in range(pp)]
-    stage_of_layer = {layer: s for s in range(pp) for layer in range(first[s], first[s] + counts[s])}
+    stage_of_layer = {layer: s for s in range(pp)
+                      for layer in range(first[s], first[s] + counts[s])}
     held = [0] * pp
     seen_layer = False
     for (_, shape), layer in zip(model.params, owners):

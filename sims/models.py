@@ -5,13 +5,13 @@ Llama 3) or traced from any ``nn.Module`` factory on the meta device."""
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 ParamShapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -186,8 +186,9 @@ def architecture_params(arch: Architecture) -> ParamShapes:
         out.append(("model.embed_tokens.weight", (v, h)))
         for i in range(arch.layers):
             p = f"model.layers.{i}."
-            out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+            a = p + "self_attn."
+            out += [(a + "q_proj.weight", (h, h)), (a + "k_proj.weight", (kv, h)),
+                    (a + "v_proj.weight", (kv, h)), (a + "o_proj.weight", (h, h)),
                     (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
                     (p + "mlp.down_proj.weight", (h, f)),
                     (p + "input_layernorm.weight", (h,)),
@@ -333,8 +334,6 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
     for index, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(recorder.enter(index), with_kwargs=True))
         handles.append(block.register_forward_hook(recorder.leave))
-    from torch.utils.flop_counter import FlopCounterMode
-
     try:
         with torch.enable_grad(), FlopCounterMode(display=False) as counter, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):

@@ -1,0 +1,204 @@
+"""sims.memory: ZeRO model states against the ZeRO paper's worked example and formulas, and the
+per-rank memory of a config (stages, offload, checkpointing, tensor and pipeline parallelism)
+against hand computations."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flowtrain.config import ConfigError
+from sims.memory import memory_per_rank, model_state_bytes
+from sims.models import get_model, layer_activation_bytes
+
+PSI = 7_500_000_000
+
+
+@pytest.mark.parametrize("stage,published_gb,exact", [
+    (0, 120, 16 * PSI), (1, 31.4, 4 * PSI + 12 * PSI / 64), (2, 16.6, 2 * PSI + 14 * PSI / 64),
+    (3, 1.9, 16 * PSI / 64)])
+def test_zero_paper_worked_example(stage: int, published_gb: float, exact: float) -> None:
+    # Rajbhandari et al., arXiv:1910.02054, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 (mixed Adam):
+    # 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device.
+    got = model_state_bytes(PSI, stage=stage, dp=64)
+    assert got["total"] == exact
+    assert round(got["total"] / 1e9, 1) == published_gb
+    assert got["host"] == 0
+
+
+@pytest.mark.parametrize("stage,expected", [
+    (0, (4, 4, 8)), (1, (4, 4, 8 / 16)), (2, (4, 4 / 16, 8 / 16)), (3, (4 / 16, 4 / 16, 8 / 16))])
+def test_fp32_training(stage: int, expected: tuple[float, float, float]) -> None:
+    # fp32 parameters and gradients (4 bytes each), Adam moments only (K = 8); N_d = 16
+    psi = 1000
+    got = model_state_bytes(psi, stage=stage, dp=16, mixed=False)
+    assert (got["parameters"], got["gradients"], got["optimizer"]) == tuple(
+        e * psi for e in expected)
+
+
+def test_offload_moves_the_optimizer_and_then_the_parameters() -> None:
+    psi, n = 64_000, 8
+    two = model_state_bytes(psi, stage=2, dp=n, offload_optimizer=True)
+    assert (two["parameters"], two["gradients"], two["optimizer"]) == (2 * psi, 2 * psi / n, 0)
+    assert two["host"] == 12 * psi / n and two["total"] == 2 * psi + 2 * psi / n
+    three = model_state_bytes(psi, stage=3, dp=n, offload_optimizer=True, offload_param=True)
+    assert three["total"] == 2 * psi / n and three["host"] == 14 * psi / n
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"psi": 0, "stage": 1, "dp": 2}, "psi \\(parameter count\\) must be an integer > 0, got 0"),
+    ({"psi": 10, "stage": 4, "dp": 2}, "ZeRO stage must be one of \\(0, 1, 2, 3\\), got 4"),
+    ({"psi": 10, "stage": 1, "dp": 0}, "dp \\(data-parallel ranks\\) must be an integer > 0"),
+    ({"psi": 10, "stage": 2, "dp": 2, "offload_param": True}, "offload_param needs ZeRO stage 3"),
+    ({"psi": 10, "stage": 0, "dp": 2, "offload_optimizer": True}, "needs ZeRO stage 1, 2 or 3")])
+def test_model_state_errors(kwargs: dict, message: str) -> None:
+    psi = kwargs.pop("psi")
+    with pytest.raises(ValueError, match=message):
+        model_state_bytes(psi, **kwargs)
+
+
+def _config(**extra: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "bf16": {"enabled": True}, **extra}
+
+
+GPT2 = get_model("gpt2")
+N = GPT2.num_params
+
+
+def test_one_device_without_zero() -> None:
+    got = memory_per_rank(GPT2, _config(), world_size=1)
+    assert got["model_states"] == 16 * N
+    assert got["activations"] == 4 * GPT2.activation_bytes_per_sample
+    # one rank: no gradient buckets in flight; the fp32 gradient the optimizer steps on
+    assert got["gradient_buckets"] == 0 and got["fp32_gradients"] == 4 * N
+    assert got["peak"] == 16 * N + 4 * GPT2.activation_bytes_per_sample + 4 * N
+
+
+def test_checkpointing_follows_the_config_section() -> None:
+    ckpt = memory_per_rank(GPT2, _config(activation_checkpointing={}), world_size=1)
+    assert ckpt["activations"] == 4 * GPT2.checkpointed_activation_bytes_per_sample
+    # by hand: 12 layer inputs 2sh per sample, one layer recomputed, the loss end
+    s, h = 1024, 768
+    layer = s * h * (34 + 5 * 12 * s / h)
+    outside = s * h + 4 * s * h + 4 * s * 50257
+    assert ckpt["activations"] == 4 * (12 * 2 * s * h + layer + outside)
+    off = memory_per_rank(GPT2, _config(activation_checkpointing={}), world_size=1,
+                          checkpointing=False)
+    assert off["activations"] == 4 * GPT2.activation_bytes_per_sample
+
+
+def test_cpu_checkpointing_moves_the_layer_inputs_to_the_host() -> None:
+    got = memory_per_rank(GPT2, _config(activation_checkpointing={"cpu_checkpointing": True}),
+                          world_size=1)
+    s, h = 1024, 768
+    assert got["host"] == 4 * 12 * 2 * s * h
+    kept = GPT2.checkpointed_activation_bytes_per_sample - 12 * 2 * s * h
+    assert got["activations"] == 4 * kept
+
+
+def test_zero3_buffers_by_hand() -> None:
+    got = memory_per_rank(GPT2, _config(zero_optimization={"stage": 3}), world_size=8)
+    assert got["model_states"] == 16 * N / 8
+    # two reduce buckets of min(reduce_bucket_size 5e8, Ψ) bf16 elements
+    assert got["gradient_buckets"] == 2 * N * 2
+    # gathered: the largest module (wte, 50257 x 768) plus the 5e7-element prefetch window;
+    # resident: every parameter of <= 1e5 elements (biases and norms, 13h per layer + ln_f)
+    resident = 12 * 13 * 768 + 2 * 768
+    assert got["gathered_parameters"] == 2 * (50257 * 768 + 50_000_000) + 2 * resident * 7 / 8
+    assert got["fp32_gradients"] == 4 * N / 8
+    capped = memory_per_rank(GPT2, _config(zero_optimization={
+        "stage": 3, "stage3_max_live_parameters": 1_000_000, "sub_group_size": 1000}),
+        world_size=8)
+    assert capped["gathered_parameters"] == 2 * 1_000_000 + 2 * resident * 7 / 8
+    assert capped["fp32_gradients"] == 4 * 1000
+
+
+def test_optimizer_offload_on_the_host() -> None:
+    got = memory_per_rank(GPT2, _config(zero_optimization={
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}), world_size=4)
+    assert got["optimizer"] == 0 and got["fp32_gradients"] == 0
+    # Adam state and master (12Ψ/N), the fp32 step gradient (4Ψ/N), 16-bit gradient and
+    # parameter copy buffers (2 x 2Ψ/N)
+    assert got["host"] == (12 + 4 + 4) * N / 4
+
+
+def test_fp32_training_doubles_the_activations() -> None:
+    bf16 = memory_per_rank(GPT2, _config(), world_size=1)
+    fp32 = memory_per_rank(GPT2, {"train_micro_batch_size_per_gpu": 4,
+                                  "gradient_accumulation_steps": 2}, world_size=1)
+    assert fp32["activations"] == 2 * bf16["activations"]
+    assert fp32["model_states"] == 16 * N and fp32["fp32_gradients"] == 0
+
+
+def test_tensor_parallel_splits_states_and_uses_the_split_formula() -> None:
+    llama = get_model("llama2-7b")
+    got = memory_per_rank(llama, _config(zero_optimization={"stage": 1}), world_size=8, tp=2)
+    psi = math.ceil(llama.num_params / 2)
+    assert got["stage_parameters"] == psi and got["dp"] == 4
+    assert got["model_states"] == 4 * psi + 12 * psi / 4
+    s, h, f, a = 4096, 4096, 11008, 32
+    layer = s * (8 * h + (4 * h + 4 * h + 8 * f) / 2 + 2 * a * s / 2)
+    outside = 4 * s * h + 4 * s * 32000 / 2
+    assert layer_activation_bytes(llama.arch, s, tp=2) == layer
+    assert got["activations"] == 4 * (32 * layer + outside)
+
+
+def test_pipeline_first_stage_holds_p_micro_batches() -> None:
+    llama = get_model("llama2-7b")
+    cfg = _config(gradient_accumulation_steps=8, pipeline={"stages": 4},
+                  zero_optimization={"stage": 1})
+    got = memory_per_rank(llama, cfg, world_size=16)
+    assert got["pp"] == 4 and got["pipeline_stage"] == 0 and got["in_flight_micro_batches"] == 4
+    layer = layer_activation_bytes(llama.arch, 4096)
+    assert got["activations"] == 4 * 4 * 8 * layer  # micro 4, 4 in flight, 8 layers
+    # stage 0: the embedding and layers 0-7
+    per_layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    assert got["stage_parameters"] == 32000 * 4096 + 8 * per_layer
+    # with fewer micro-batches than stages, only those are in flight
+    few = memory_per_rank(llama, {**cfg, "gradient_accumulation_steps": 2}, world_size=16)
+    assert few["in_flight_micro_batches"] == 2
+
+
+def test_config_file_equals_dict(tmp_path: Path) -> None:
+    cfg = _config(zero_optimization={"stage": 2})
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    assert memory_per_rank(GPT2, str(path), world_size=4) == memory_per_rank(GPT2, cfg,
+                                                                             world_size=4)
+
+
+def test_traced_model_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sims.models import trace_module
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data"))
+    spec = trace_module("sim_models:gpt2_tiny", seq_len=16)
+    got = memory_per_rank(spec, _config(), world_size=1)
+    assert got["activations"] == 4 * spec.activation_bytes_per_sample
+    assert got["model_states"] == 16 * spec.num_params
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"world_size": 6, "tp": 4}, ValueError, "world_size 6 is not a multiple of tp x pp = 4 x 1"),
+    ({"world_size": 13, "pp": 13}, ValueError, "pp 13 is more pipeline stages than gpt2's 12"),
+    ({"world_size": 0}, ValueError, "world_size must be an integer > 0, got 0"),
+    ({"world_size": 2, "tp": 0}, ValueError, "tp must be an integer > 0, got 0")])
+def test_memory_errors(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        memory_per_rank(GPT2, _config(), **kwargs)
+
+
+def test_bad_configs(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="config must be a FlowtrainConfig, a dict or a JSON "
+                                        "path, got int"):
+        memory_per_rank(GPT2, 3, world_size=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="could not be read as JSON"):
+        memory_per_rank(GPT2, bad, world_size=1)
+    # the batch rule is checked against the data-parallel size (8 / tp 2 = 4 ranks)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        memory_per_rank(GPT2, _config(train_batch_size=64), world_size=8, tp=2)
