@@ -5,21 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import math
 import os
 import re
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from flowtrain.telemetry import encode
+from flowtrain.cli import main as cli_main
+from flowtrain.control.coordinator import Coordinator
+from flowtrain.telemetry import encode, write_live_endpoint
 from tui.app import MonitorApp
+from tui.cli import SECRET_ENV, MonitorInputError, resolve_source
 from tui.event_log import EventLog
 from tui.header import BAD_STYLE, GOOD_STYLE, UNKNOWN_STYLE, figure_style
 from tui.rank_table import RankTable
-from tui.source import LiveSource, ReplaySource
+from tui.source import LiveSource, ReplaySource, parse_speed
 from tui.state import RunState
 from tui.timeline import Timeline, busy_share, lane_columns, lane_of
 
@@ -268,6 +275,7 @@ async def test_pause_stops_the_replay_and_resume_goes_on(recording: Path) -> Non
         await wait_for(pilot, lambda: (app.state.current_step() or 0) >= 2)
         await pilot.press("p")
         paused_at = app.state.current_step()
+        assert paused_at is not None and paused_at < LAST_STEP - 2
         shown = row(app, 0)["step"]
         await pilot.pause(0.6)  # 6 s of recording at 10x: about 10 steps if it went on
         assert app.state.current_step() == paused_at
@@ -371,3 +379,88 @@ async def test_snapshot(recording: Path, view: str) -> None:
         app.redraw(force=True)
         await pilot.pause()
         check_snapshot(f"monitor_{view}", screen_text(app))
+
+
+async def test_live_monitor_shows_what_the_coordinator_publishes() -> None:
+    secret = b"s" * 32
+    coordinator = Coordinator(world_size=2, secret=secret)
+    shift = time.time() - (T0 + 12.0)  # the recording's last record lands "now"
+    records = [dict(r, t=r["t"] + shift) for r in synthetic_records()]
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(coordinator.serve)
+        app = MonitorApp(LiveSource(coordinator.pub_endpoint, secret), refresh_s=0.05)
+        async with app.run_test(size=SIZE) as pilot:
+            # PUB drops what it sends before the subscription is through: repeat the job record
+            # until it shows, then send the run.
+            while app.state.job.world_size is None:
+                coordinator.publish_record(records[0])
+                await pilot.pause(0.05)
+            for record in records[1:]:
+                coordinator.publish_record(record)
+            await wait_for(pilot, lambda: row(app, 1)["status"] == "STUCK"
+                           if "1" in app.query_one(RankTable).rows else False)
+            assert row(app, 0)["step"] == row(app, 1)["step"] == str(LAST_STEP)
+            assert "live from tcp://" in str(app.query_one("#header").render())
+        tasks.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- the command
+def _run_dir(base: Path, name: str, started: float, status: str = "succeeded",
+             telemetry: bool = True) -> Path:
+    run = base / "runs" / name
+    run.mkdir(parents=True)
+    (run / "job.json").write_text(json.dumps({"job_id": name, "start_time": started,
+                                              "status": status}))
+    if telemetry:
+        write_recording(run / "telemetry.msgpack", synthetic_records())
+    return run
+
+
+def test_monitor_without_argument_replays_the_newest_run(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_dir(tmp_path, "20300101-000000-aaaa", started=100.0)
+    newest = _run_dir(tmp_path, "20300101-000001-bbbb", started=200.0)
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source(None, parse_speed("10"))
+    assert isinstance(source, ReplaySource)
+    assert source.path == newest / "telemetry.msgpack" and source.speed == 10.0
+
+
+def test_monitor_subscribes_live_only_when_the_run_is_running_and_its_endpoint_answers(
+        tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, "20300101-000000-live", started=1.0, status="running")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        write_live_endpoint(run, endpoint, b"x" * 32)
+        live = resolve_source(str(run))
+        assert isinstance(live, LiveSource) and live.endpoint == endpoint
+    # The launcher died without updating job.json: nobody answers, so the recording replays.
+    assert isinstance(resolve_source(str(run)), ReplaySource)
+
+
+def test_monitor_endpoint_needs_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(MonitorInputError, match=SECRET_ENV):
+        resolve_source("tcp://127.0.0.1:5555")
+    monkeypatch.setenv(SECRET_ENV, "zz")
+    with pytest.raises(MonitorInputError, match="hex digits"):
+        resolve_source("tcp://127.0.0.1:5555")
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    assert isinstance(resolve_source("tcp://127.0.0.1:5555"), LiveSource)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["monitor", "{tmp}/missing"], "run directory {tmp}/missing does not exist"),
+    (["monitor", "{tmp}/runs/20300101-000000-none"], "has no telemetry.msgpack to replay"),
+    (["monitor", "--speed", "3", "{tmp}"], "invalid choice: '3'"),
+])
+def test_monitor_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _run_dir(tmp_path, "20300101-000000-none", started=1.0, telemetry=False)
+    code = cli_main([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("flowtrain monitor: error: ")
+    assert expected.format(tmp=tmp_path) in err

@@ -126,7 +126,10 @@ class ReplaySource:
             before = loop.time()
             await asyncio.sleep(min(TICK_S, (t - self._virtual) / self.speed))
             if not self.paused:
-                self._virtual += (loop.time() - before) * self.speed
+                # A stalled loop (a busy machine, a slow redraw) must not jump the replay ahead:
+                # the clock moves at most two ticks per wake-up.
+                waited = min(loop.time() - before, 2 * TICK_S)
+                self._virtual += waited * self.speed
                 state.now = max(state.now, min(self._virtual, float(t)))
                 state.version += 1
         if math.isinf(self.speed) and state.records % READ_BATCH == 0:
