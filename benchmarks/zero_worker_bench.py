@@ -1,0 +1,189 @@
+"""One rank of benchmarks/zero_vs_deepspeed.py: trains the benchmark GPT with flowtrain or DeepSpeed
+at one ZeRO stage and appends one JSON line (samples/s, peak RSS, losses, what ran) to --out.
+
+flowtrain ranks come from ``flowtrain launch``, DeepSpeed ranks from torchrun; both read RANK and
+WORLD_SIZE from the environment. A flowtrain config the engine cannot run yet ("not supported
+yet") is written as an ``unavailable`` line and the rank exits 0, so the benchmark goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+VOCAB = 96
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config both engines get (flowtrain adds its own section)."""
+    zero: dict = {"stage": args.stage, "reduce_bucket_size": args.reduce_bucket_size,
+                  "allgather_bucket_size": args.reduce_bucket_size,
+                  "contiguous_gradients": True, "overlap_comm": args.overlap_comm}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    adam = {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+    if args.torch_adam:
+        adam["torch_adam"] = True
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch,
+           "gradient_accumulation_steps": args.grad_accum,
+           "gradient_clipping": args.clip,
+           "steps_per_print": int(os.environ.get("BENCH_PRINT", 10**9)),
+           "wall_clock_breakdown": False,
+           "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": adam}}
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if args.engine == "deepspeed" and args.offload and args.torch_adam:
+        # ZeRO-Offload otherwise insists on DeepSpeedCPUAdam (a C++ op build).
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    if args.engine == "flowtrain" and args.data_channel != "auto":
+        cfg["flowtrain"] = {"data_channel": args.data_channel}
+    return cfg
+
+
+def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed cycle of distinct micro-batches per rank, the same for both engines."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(args.data_batches):
+        b = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=gen)
+        out.append((b[:, :-1].contiguous(), b[:, 1:].contiguous()))
+    return out
+
+
+def write(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["flowtrain", "deepspeed"], required=True)
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer device cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="sequences per rank per micro-step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping")
+    parser.add_argument("--reduce-bucket-size", type=int, default=500_000,
+                        help="reduce_bucket_size and allgather_bucket_size (elements)")
+    parser.add_argument("--overlap-comm", action="store_true", help="zero overlap_comm")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="torch.optim.AdamW in both engines instead of their own kernels")
+    parser.add_argument("--data-channel", choices=["auto", "shm", "torch"], default="shm",
+                        help="flowtrain's data_channel")
+    parser.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=256, help="model width")
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--data-batches", type=int, default=4,
+                        help="distinct micro-batches per rank")
+    parser.add_argument("--out", required=True, help="file to append the result line to")
+    args = parser.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    t_start = time.perf_counter()
+    if args.engine == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        # Without oneccl_bindings_for_pytorch the CPU accelerator already picks gloo; say so.
+        deepspeed.init_distributed(dist_backend="gloo")
+        initialize = deepspeed.initialize
+    else:
+        import flowtrain
+
+        initialize = flowtrain.initialize
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=args.seq_len, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd))
+    params = sum(p.numel() for p in model.parameters())
+    data = batches(args, rank)
+    rss_before = peak_rss_mib()  # imports and the model, before the engine exists
+    cfg = ds_config(args)
+    t_import = time.perf_counter()
+    try:
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Exception as exc:  # noqa: BLE001 - "not supported yet" is a result, not a crash
+        if args.engine == "flowtrain" and "not supported yet" in str(exc):
+            write(args.out, {"engine": args.engine, "rank": rank, "unavailable": str(exc)})
+            return
+        raise
+
+    t_init = time.perf_counter()
+    micro = 0
+
+    def step() -> float:
+        nonlocal micro
+        total = 0.0
+        for _ in range(args.grad_accum):
+            x, y = data[micro % len(data)]
+            micro += 1
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        return total / args.grad_accum
+
+    losses = [step() for _ in range(args.warmup)]
+    t_warm = time.perf_counter()
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    step_times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        losses.append(step())
+        step_times.append(time.perf_counter() - t)
+    if dist.is_initialized():
+        dist.barrier()
+    elapsed = time.perf_counter() - start
+
+    if args.engine == "deepspeed":
+        opt = f"{type(engine.basic_optimizer).__name__} in {type(engine.optimizer).__name__}"
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        channel = backend
+    else:
+        inner = getattr(engine.optimizer, "optimizer", None)
+        opt = type(engine.optimizer).__name__ + (f" in {type(inner).__name__}" if inner else "")
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        channel = "shm" if getattr(engine, "channel", None) is not None else backend
+    write(args.out, {
+        "engine": args.engine, "rank": rank, "world": world, "params": params,
+        "samples_per_s": args.steps * args.grad_accum * args.micro_batch * world / elapsed,
+        "step_s": elapsed / args.steps, "step_times": step_times,
+        "samples_per_step": args.grad_accum * args.micro_batch * world,
+        "peak_rss_mib": peak_rss_mib(),
+        "rss_before_engine_mib": rss_before, "losses": losses, "optimizer": opt,
+        "backend": backend, "channel": channel,
+        "threads": torch.get_num_threads(),
+        "since_process_start_s": time.time() - psutil.Process().create_time(),
+        "import_s": t_import - t_start, "init_s": t_init - t_import,
+        "warmup_s": t_warm - t_init})
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
