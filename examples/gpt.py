@@ -36,13 +36,15 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        # (batch, time, channels) -> (batch, heads, time, head size)
+        batch, time, _ = x.shape
+        # Head counts come from self.n_head, not from x's width, so that a tensor-parallel
+        # split (flowtrain.tp.parallelize: n_head / tp heads per rank) runs unchanged.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # (batch, time, heads x head size) -> (batch, heads, time, head size)
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(batch, time, channels)
+        y = y.transpose(1, 2).reshape(batch, time, -1)
         return self.proj(y)
 
 

@@ -82,8 +82,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
     pipeline = _is_pipeline(model)
-    if pipeline:  # the batch rule counts data-parallel ranks only
-        world_size = model.grid.shape.dp
+    grid = model.grid if pipeline else _tensor_parallel_grid(config, model)
+    if grid is not None:  # the batch rule counts data-parallel ranks only
+        world_size = grid.shape.dp
     micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
     cfg = load_config(config, world_size=world_size, model=model,
                       optimizer_given=optimizer is not None,
@@ -92,6 +93,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     params = list(model_parameters) if model_parameters is not None else \
         [p for p in model.parameters() if p.requires_grad]
+    if grid is not None and grid.shape.tp > 1 and not pipeline:
+        # the split replaced the layers: the parameters given before it are gone
+        params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         if cfg.optimizer is None:
             raise ValueError("no optimizer: pass optimizer= or give the config an "
@@ -112,8 +116,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         engine = PipelineEngine(model, optimizer, cfg, training_data=training_data,
                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
     else:
+        if grid is not None and cfg.zero_optimization.stage:
+            raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with "
+                             f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO with tensor "
+                             f"parallelism is not supported yet; use stage 0")
         engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
-                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
+                                 collate_fn=collate_fn, bucket_numel=bucket_numel, grid=grid)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).
     if lr_scheduler is None and cfg.scheduler is not None:
         lr_scheduler = build_scheduler(cfg.scheduler.type, engine.optimizer,
@@ -125,6 +133,42 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+
+
+def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> Any:
+    """With tensor_parallel.tp_size > 1: the grid, and the model split across its
+    tensor-parallel group (every rank first takes rank 0's whole weights)."""
+    tp = _raw_tp_size(config)
+    if tp == 1:
+        return None
+    from flowtrain.parallel import build_grid
+    from flowtrain.tp import parallelize
+
+    grid = build_grid(pp=1, tp=tp)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+    parallelize(model, grid.tp_group)
+    return grid
+
+
+def _raw_tp_size(config: Any) -> int:
+    """tensor_parallel.tp_size (or autotp_size) as written, before the full validation (the
+    batch rule needs the data-parallel size, which depends on it)."""
+    import json
+
+    raw = config
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return 1  # load_config reports the file's problem
+    section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    if not isinstance(section, dict):
+        return 1
+    sizes = [section.get(k, 1) for k in ("tp_size", "autotp_size")]
+    return max([int(v) for v in sizes if isinstance(v, int) and not isinstance(v, bool)] + [1])
 
 
 def _is_pipeline(model: Any) -> bool:

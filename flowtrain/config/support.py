@@ -11,7 +11,8 @@ from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 # "pipeline", "tensor_parallel", "flops_profiler", each monitor section name, each opaque
 # section name (see model.OPAQUE_SECTIONS).
 SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2", "zero_stage_3",
-                                "cpu_offload_optimizer", "cpu_offload_param", "pipeline"}
+                                "cpu_offload_optimizer", "cpu_offload_param", "pipeline",
+                                "tensor_parallel"}
 
 # Not on the roadmap: these get "not supported", never "not supported yet".
 NEVER_SUPPORTED = {"nvme_offload", "partial_offload", "amp"}

@@ -414,9 +414,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             (self.global_steps + 1) % self.config.steps_per_print == 0
         if (clip and clip > 0) or printing:
             # The norm costs a pass over every gradient: only when clipping or logging needs it.
-            norm = total_grad_norm(grads)
             if self.model_parallel:  # every stage's and tensor slice's gradients count
-                norm = torch.tensor(self._across_model(float(norm) ** 2)) ** 0.5
+                norm = torch.tensor(self._across_model(self._local_sumsq())) ** 0.5
+            else:
+                norm = total_grad_norm(grads)
             self._global_grad_norm = float(norm)
             if clip and clip > 0:
                 clip_(grads, norm, clip)
@@ -429,6 +430,19 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return False
+
+    def _local_sumsq(self) -> float:
+        """This rank's share of the squared gradient norm: parameters split across the
+        tensor-parallel group count whole, replicated ones 1/tp (every tp rank holds them)."""
+        tp = self.grid.shape.tp if self.grid is not None else 1
+        stepped = self.master.master if self.master is not None else self.trainable
+        total = 0.0
+        for param, tensor in zip(self.trainable, stepped):
+            if tensor.grad is None:
+                continue
+            sq = float(tensor.grad.detach().float().square().sum())
+            total += sq if getattr(param, "tensor_parallel", False) else sq / tp
+        return total
 
     def _across_model(self, value: float, op: Any = None) -> float:
         """``value`` reduced (sum, or ``op``) over every rank: with pipeline or tensor
