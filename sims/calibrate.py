@@ -1,0 +1,631 @@
+"""`flowtrain calibrate`: measures this host (matmul, memory copies, gloo collectives over
+loopback, how much a collective slows compute), fits the cost model and writes a profile.
+
+Measuring and fitting are separate: the measurements are plain JSON (``--save-measurements``)
+and ``fit_profile`` turns them into a HardwareProfile without touching the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from sims.costs import ring_factor, ring_steps
+from sims.hardware import HardwareProfile, Link, host_profile_path
+
+MEASUREMENTS_VERSION = 1
+MEASURED_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class CalibrationError(RuntimeError):
+    """Measuring or fitting failed; the message says what and how to retry."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much to measure: --quick trades points and repetitions for time."""
+
+    matmul_sizes: tuple[int, ...]  # square fp32 matmuls, n x n @ n x n
+    low_precision_sizes: tuple[int, ...]  # bf16 / fp16, stopped early when too slow
+    seconds_per_point: float  # each matmul or copy size is repeated for about this long
+    max_op_seconds: float  # skip larger sizes of a dtype once one op would take longer
+    memory_elements: int  # float32 elements in the copy benchmark (well past the L3 cache)
+    collective_bytes: tuple[int, ...]  # full-buffer sizes, multiples of 4 x 4 B x ranks
+    collective_trials: int
+    trial_seconds: float  # back-to-back collectives per trial, about this long
+    interference_bytes: int
+    interference_window_s: float
+
+
+DEFAULT = Settings(
+    matmul_sizes=(32, 64, 128, 256, 512, 1024), low_precision_sizes=(64, 256, 512, 1024),
+    seconds_per_point=0.1, max_op_seconds=0.1, memory_elements=1 << 25,
+    collective_bytes=(4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20),
+    collective_trials=5, trial_seconds=0.03, interference_bytes=8 << 20,
+    interference_window_s=1.0)
+QUICK = Settings(
+    matmul_sizes=(64, 256, 512), low_precision_sizes=(256, 512), seconds_per_point=0.04,
+    max_op_seconds=0.03, memory_elements=1 << 24,
+    collective_bytes=(16 << 10, 1 << 20, 8 << 20), collective_trials=3, trial_seconds=0.02,
+    interference_bytes=4 << 20, interference_window_s=0.4)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _repeat(fn: Callable[[], object], seconds: float, min_reps: int = 3) -> float:
+    """Median time of ``fn`` over about ``seconds`` of repetitions (after one warm-up)."""
+    fn()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < min_reps or time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(settings: Settings) -> list[dict[str, Any]]:
+    """Single-thread matmul times: one thread is one device of a CPU profile, as
+    ``flowtrain launch`` gives each of cores ranks one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    records: list[dict[str, Any]] = []
+    try:
+        for dtype in DTYPES:
+            sizes = settings.matmul_sizes if dtype == "float32" else settings.low_precision_sizes
+            last: tuple[int, float] | None = None
+            for n in sizes:
+                if last and last[1] * (n / last[0]) ** 3 > settings.max_op_seconds:
+                    break  # this dtype is too slow here for larger sizes to be worth the time
+                a = torch.randn(n, n).to(getattr(torch, dtype))
+                b = torch.randn(n, n).to(getattr(torch, dtype))
+                seconds = _repeat(lambda: torch.mm(a, b), settings.seconds_per_point)
+                records.append({"dtype": dtype, "n": n, "flops": 2.0 * n**3,
+                                "seconds": seconds})
+                last = (n, seconds)
+    finally:
+        torch.set_num_threads(previous)
+    return records
+
+
+def measure_memory(settings: Settings) -> list[dict[str, Any]]:
+    """Single-thread streaming copy and add (bytes read + written), and a 4 KiB copy whose
+    time stands for the latency of one host copy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = settings.memory_elements
+        src, other, dst = torch.ones(n), torch.ones(n), torch.zeros(n)
+        small_src, small_dst = torch.ones(1024), torch.zeros(1024)
+        return [
+            {"kind": "copy", "bytes_moved": 2 * 4 * n,
+             "seconds": _repeat(lambda: dst.copy_(src), settings.seconds_per_point)},
+            {"kind": "add", "bytes_moved": 3 * 4 * n,
+             "seconds": _repeat(lambda: torch.add(src, other, out=dst),
+                                settings.seconds_per_point)},
+            {"kind": "small_copy", "bytes_moved": 2 * 4 * 1024,
+             "seconds": _repeat(lambda: small_dst.copy_(small_src), 0.01, min_reps=50)},
+        ]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: float,
+                        start_method: str | None = None
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Gloo collectives over loopback for each rank count, then the interference test on the
+    smallest; every wait is bounded by ``timeout_s``.
+
+    Where each rank runs one thread, the ranks are forked from this process: torch is imported
+    already, so they start in milliseconds (importing torch in each took 5-25 s on a busy
+    2-core host). Where ranks need more threads they come from a fork server that imported
+    torch once, since a child forked after the parent used OpenMP hangs in its first
+    multi-threaded op (GNU libgomp)."""
+    world = max(ranks)
+    if start_method is None:
+        one_thread = (os.cpu_count() or 1) // min(ranks) <= 1
+        start_method = "fork" if one_thread else "forkserver"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["sims.calibrate"])
+    port = _free_port()
+    pipes: list[Connection] = []
+    procs = []
+    for rank in range(world):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, name=f"calibrate-rank{rank}",
+                           args=(rank, world, port, tuple(ranks), settings, timeout_s,
+                                 child_end))
+        proc.start()
+        child_end.close()
+        pipes.append(parent_end)
+        procs.append(proc)
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for rank, pipe in enumerate(pipes):
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                raise CalibrationError(
+                    f"calibration rank {rank} of {world} sent nothing within {timeout_s:g} s "
+                    f"(exit code {procs[rank].exitcode}); rerun with a larger --timeout or on a "
+                    "less busy host")
+            try:
+                results[rank] = pipe.recv()
+            except EOFError:
+                raise CalibrationError(f"calibration rank {rank} died without a result (exit "
+                                       f"code {procs[rank].exitcode})") from None
+            if "error" in results[rank]:
+                raise CalibrationError(f"calibration rank {rank} failed:\n"
+                                       f"{results[rank]['error']}")
+        for proc in procs:
+            proc.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    shares = [r["interference"] for r in results.values() if "interference" in r]
+    interference = {key: statistics.fmean(s[key] for s in shares) for key in shares[0]}
+    interference["ranks"] = min(ranks)
+    return results[0]["collectives"], interference
+
+
+def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], settings: Settings,
+               timeout_s: float, conn: Connection) -> None:
+    """One forked rank: measures what its groups ask and sends the outcome (or its error)."""
+    try:
+        warnings.simplefilter("ignore", FutureWarning)  # torch's rename of the *_tensor ops
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        result: dict[str, Any] = {"collectives": []}
+        groups = {n: (dist.group.WORLD if n == world else dist.new_group(list(range(n))))
+                  for n in sorted(ranks)}
+        for n, group in groups.items():
+            if rank < n:
+                _set_threads(n)
+                result["collectives"] += _time_collectives(group, n, settings)
+            dist.barrier()
+        smallest = min(ranks)
+        if rank < smallest:
+            _set_threads(smallest)
+            result["interference"] = _interference(groups[smallest], settings)
+        dist.barrier()
+        conn.send(result)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - handed to the parent, which reports it
+        conn.send({"error": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def _set_threads(ranks: int) -> None:
+    """The thread count ``flowtrain launch`` gives each of ``ranks`` ranks on this host."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+
+
+def _collective_call(op: str, group: Any, ranks: int, nbytes: int) -> Callable[[], None]:
+    full = torch.ones(nbytes // 4)
+    shard = torch.ones(nbytes // 4 // ranks)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+
+
+def _agreed_repeats(estimate_s: float, target_s: float, group: Any, cap: int = 16) -> int:
+    """How many back-to-back calls fill ``target_s``; every rank must issue the same number,
+    so the largest proposal wins."""
+    k = torch.tensor([max(1, min(cap, math.ceil(target_s / max(estimate_s, 1e-6))))])
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
+    return int(k.item())
+
+
+def _time_collectives(group: Any, ranks: int, settings: Settings) -> list[dict[str, Any]]:
+    records = []
+    for op in MEASURED_OPS:
+        for nbytes in settings.collective_bytes:
+            call = _collective_call(op, group, ranks, nbytes)
+            start = time.perf_counter()
+            call()
+            k = _agreed_repeats(time.perf_counter() - start, settings.trial_seconds, group)
+            trials = []
+            for _ in range(settings.collective_trials):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for _ in range(k):
+                    call()
+                trials.append((time.perf_counter() - start) / k)
+            records.append({"op": op, "ranks": ranks, "bytes": nbytes,
+                            "seconds": statistics.median(trials), "trials": trials})
+    return records
+
+
+def _interference(group: Any, settings: Settings) -> dict[str, float]:
+    """Matmul throughput alone, then while a background thread runs back-to-back all-reduces,
+    then alone again. The compute lost per second of collective is the fraction of the
+    collective's time that also occupies the compute resource."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def matmul_rate(keep_going: Callable[[float], bool]) -> float:
+        count, start = 0, time.perf_counter()
+        while keep_going(time.perf_counter() - start):
+            torch.mm(a, b)
+            count += 1
+        return count / (time.perf_counter() - start)
+
+    window = settings.interference_window_s
+    call = _collective_call("all_reduce", group, 2, settings.interference_bytes)
+    start = time.perf_counter()
+    call()
+    collectives = _agreed_repeats(time.perf_counter() - start, window, group, cap=10_000)
+    dist.barrier(group=group)
+    alone_before = matmul_rate(lambda t: t < window)
+    dist.barrier(group=group)
+    comm_times: list[float] = []
+
+    def run_collectives() -> None:
+        begin = time.perf_counter()
+        for _ in range(collectives):
+            call()
+        comm_times.append((time.perf_counter() - begin) / collectives)
+
+    thread = threading.Thread(target=run_collectives, name="calibrate-collectives", daemon=True)
+    thread.start()
+    during = matmul_rate(lambda _t: thread.is_alive())
+    thread.join(timeout=60)
+    if thread.is_alive() or not comm_times:
+        raise CalibrationError("the background all-reduces of the interference test did not "
+                               "finish within 60 s")
+    dist.barrier(group=group)
+    alone_after = matmul_rate(lambda t: t < window)
+    alone = (alone_before + alone_after) / 2
+    return {"matmul_per_s_alone": alone, "matmul_per_s_during": during,
+            "all_reduce_seconds_during": comm_times[0],
+            "fraction": min(1.0, max(0.0, 1.0 - during / alone))}
+
+
+def host_facts() -> dict[str, Any]:
+    """What the profile describes: the CPU model, core count and memory of this host."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "cpu": model, "cores": os.cpu_count() or 1,
+            "memory_bytes": int(psutil.virtual_memory().total), "torch": torch.__version__,
+            "recorded": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[str, Any]:
+    """Every measurement, as the JSON that ``fit_profile`` reads. Collectives go first so the
+    ranks are forked before this process has started its own compute threads."""
+    collectives, interference = measure_collectives(settings, ranks, timeout_s)
+    return {"v": MEASUREMENTS_VERSION, "host": host_facts(), "threads_per_device": 1,
+            "matmul": measure_matmul(settings), "memory": measure_memory(settings),
+            "collectives": collectives, "interference": interference}
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def _solve_relative(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of ``seconds = u * x0 + v * x1`` over rows (u, v, seconds), each row divided
+    by its seconds so the error minimised is relative: a 4 KiB call counts as much as a
+    32 MiB one. A negative x0 (latency) is refitted as 0, since it cannot be."""
+    a = [(u / t, v / t) for u, v, t in rows]
+    saa = sum(p * p for p, _ in a)
+    sab = sum(p * q for p, q in a)
+    sbb = sum(q * q for _, q in a)
+    sa = sum(p for p, _ in a)
+    sb = sum(q for _, q in a)
+    det = saa * sbb - sab * sab
+    if det <= 1e-12 * saa * sbb:
+        raise CalibrationError("cannot fit latency and bandwidth: the points need at least two "
+                               "different sizes")
+    x0 = (sa * sbb - sb * sab) / det
+    x1 = (saa * sb - sab * sa) / det
+    if x0 < 0:
+        x0, x1 = 0.0, sb / sbb
+    return x0, x1
+
+
+def _seconds_per_byte_to_link(latency: float, per_byte: float, what: str) -> Link:
+    if per_byte <= 0:
+        raise CalibrationError(f"{what}: the measured times do not grow with the buffer size, so "
+                               "no bandwidth can be fitted; rerun on a less busy host")
+    return Link(latency, 1.0 / per_byte)
+
+
+def fit_link(points: Sequence[tuple[float, float]], what: str = "collective") -> Link:
+    """The Link whose ``latency + bytes / bandwidth`` best fits (bytes, seconds) points."""
+    latency, per_byte = _solve_relative([(1.0, nbytes, t) for nbytes, t in points])
+    return _seconds_per_byte_to_link(latency, per_byte, what)
+
+
+def fit_collectives(measurements: dict[str, Any], skipped: list[str] | None = None
+                    ) -> dict[str, dict[int, Link]]:
+    """One fitted Link per measured (op, rank count): ``collective_seconds`` then uses it for
+    exactly that op and rank count, with ``nbytes`` the full buffer as measured. An entry that
+    cannot be fitted raises CalibrationError, or, when ``skipped`` is given, is left out (the
+    ring formula covers it) and named there."""
+    grouped: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in measurements["collectives"]:
+        grouped.setdefault((r["op"], int(r["ranks"])), []).append((r["bytes"], r["seconds"]))
+    fitted: dict[str, dict[int, Link]] = {}
+    for (op, ranks), points in sorted(grouped.items()):
+        try:
+            fitted.setdefault(op, {})[ranks] = fit_link(points, f"{op} over {ranks} ranks")
+        except CalibrationError as exc:
+            if skipped is None:
+                raise
+            skipped.append(str(exc))
+    return {op: by_ranks for op, by_ranks in fitted.items() if by_ranks}
+
+
+def fit_ring_link(measurements: dict[str, Any]) -> Link:
+    """The per-rank link (latency per ring step, bandwidth) that explains the measured
+    all-reduces of every rank count through the ring formula: what the simulator uses for rank
+    counts, and ops, that were not measured. All-reduce only, because gloo's reduce-scatter is
+    not a ring (it is several times slower than the formula over the same link)."""
+    records = [r for r in measurements["collectives"] if r["op"] == "all_reduce"] \
+        or measurements["collectives"]
+    rows = [(float(ring_steps(r["op"], r["ranks"])), ring_factor(r["op"], r["ranks"]) * r["bytes"],
+             r["seconds"]) for r in records]
+    latency, per_byte = _solve_relative(rows)
+    return _seconds_per_byte_to_link(latency, per_byte, "ring link")
+
+
+def fit_efficiency(records: Sequence[dict[str, Any]]) -> tuple[float, tuple[tuple[float, float],
+                                                                               ...]]:
+    """Peak FLOP/s (the best rate seen) and the fraction of it reached at each measured op size,
+    so the roofline reproduces every measured matmul."""
+    best: dict[float, float] = {}
+    for r in records:
+        best[r["flops"]] = max(best.get(r["flops"], 0.0), r["flops"] / r["seconds"])
+    if not best:
+        raise CalibrationError("no matmul measurements to fit an efficiency curve from")
+    peak = max(best.values())
+    return peak, tuple((flops, rate / peak) for flops, rate in sorted(best.items()))
+
+
+def _need(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise CalibrationError(f"measurements: missing field '{where}{key}'")
+    if not isinstance(d[key], kind):
+        raise CalibrationError(f"measurements: field '{where}{key}' has the wrong type, got "
+                               f"{d[key]!r}")
+    return d[key]
+
+
+def check_measurements(m: Any) -> dict[str, Any]:
+    """Enough structure for fit_profile; errors name the field."""
+    if not isinstance(m, dict):
+        raise CalibrationError(f"measurements must be a JSON object, got {type(m).__name__}")
+    if m.get("v") != MEASUREMENTS_VERSION:
+        raise CalibrationError(f"measurements: field 'v' must be {MEASUREMENTS_VERSION}, got "
+                               f"{m.get('v')!r}")
+    host = _need(m, "host", dict, "")
+    _need(host, "cores", int, "host.")
+    _need(host, "memory_bytes", int, "host.")
+    for key, fields in (("matmul", ("dtype", "flops", "seconds")),
+                        ("memory", ("kind", "bytes_moved", "seconds")),
+                        ("collectives", ("op", "ranks", "bytes", "seconds"))):
+        for i, record in enumerate(_need(m, key, list, "")):
+            for f in fields:
+                _need(record, f, (str,) if f in ("dtype", "kind", "op") else (int, float),
+                      f"{key}[{i}].")
+            if key == "collectives" and record["op"] not in MEASURED_OPS:
+                raise CalibrationError(f"measurements: field 'collectives[{i}].op' must be one "
+                                       f"of {', '.join(MEASURED_OPS)}, got {record['op']!r}")
+    _need(_need(m, "interference", dict, ""), "fraction", (int, float), "interference.")
+    return m
+
+
+def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> HardwareProfile:
+    """The CPU profile of the measured host. One device is one core (the measurements are
+    single-threaded, and ``flowtrain launch`` gives each rank cores // ranks threads); there is
+    no second node, so the inter-node link repeats the loopback ring link per rank."""
+    m = check_measurements(measurements)
+    host = m["host"]
+    cores = host["cores"]
+    peaks: dict[str, float] = {}
+    curve: tuple[tuple[float, float], ...] = ()
+    for dtype in DTYPES:
+        records = [r for r in m["matmul"] if r["dtype"] == dtype]
+        if records:
+            peaks[dtype], dtype_curve = fit_efficiency(records)
+            if dtype == "float32":
+                curve = dtype_curve
+    if not curve:
+        raise CalibrationError("measurements: no float32 matmul records, which the efficiency "
+                               "curve is fitted from")
+    by_kind = {r["kind"]: r for r in m["memory"]}
+    for kind in ("copy", "small_copy"):
+        if kind not in by_kind:
+            raise CalibrationError(f"measurements: no memory record of kind {kind!r}")
+    streaming = max(r["bytes_moved"] / r["seconds"] for r in m["memory"]
+                    if r["kind"] in ("copy", "add"))
+    copy = by_kind["copy"]
+    ring = fit_ring_link(m)
+    skipped: list[str] = []
+    collectives = fit_collectives(m, skipped)
+    when = f"measured on {host.get('hostname', '?')} ({host.get('cpu', '?')}, {cores} cores) " \
+           f"{host.get('recorded', '')} by flowtrain calibrate"
+    ranks_seen = sorted({r["ranks"] for r in m["collectives"]})
+    return HardwareProfile(
+        name=name, kind="cpu", devices_per_node=cores,
+        device_memory_bytes=host["memory_bytes"] // cores,
+        peak_flops=peaks, memory_bandwidth=streaming,
+        intra_node=ring,
+        inter_node=Link(ring.latency_s, ring.bandwidth * cores),
+        host_to_device=Link(by_kind["small_copy"]["seconds"],
+                            copy["bytes_moved"] / 2 / copy["seconds"]),
+        efficiency=curve, collectives=collectives,
+        comm_compute_interference=float(m["interference"]["fraction"]),
+        host_memory_bandwidth=streaming,
+        sources={
+            "peak_flops": f"{when}: best single-thread torch.mm rate per dtype",
+            "efficiency": f"{when}: float32 torch.mm rate / peak at each size",
+            "memory_bandwidth": f"{when}: single-thread copy/add, bytes read + written per s",
+            "devices_per_node": "one device = one core (flowtrain launch gives each rank "
+                                "cores // ranks threads)",
+            "device_memory_bytes": "host memory / cores",
+            "intra_node": f"{when}: gloo over loopback, {ranks_seen} ranks, all ops fitted "
+                          "together through the ring formulas",
+            "inter_node": "not measured (one host): the loopback link, per rank",
+            "host_to_device": f"{when}: memcpy in host memory (offload on a CPU host); "
+                              "latency = a 4 KiB copy",
+            "collectives": f"{when}: least squares of seconds = latency + bytes / bandwidth per "
+                           "op and rank count, relative error"
+                           + "".join(f"; left out: {reason}" for reason in skipped),
+            "comm_compute_interference": f"{when}: 1 - matmul rate during back-to-back "
+                                         f"all-reduces / alone, {m['interference'].get('ranks', 2)}"
+                                         " ranks",
+        })
+
+
+def write_profile(measurements: dict[str, Any], out: str | os.PathLike[str],
+                  name: str = "this-host") -> HardwareProfile:
+    """Fits the measurements and saves the profile at ``out``."""
+    profile = fit_profile(measurements, name)
+    profile.save(out)
+    return profile
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _rank_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        counts = ()
+    if not counts or counts[0] < 2 or counts[-1] > 16:
+        raise argparse.ArgumentTypeError(f"must be comma-separated rank counts from 2 to 16, "
+                                         f"e.g. 2,4; got {text!r}")
+    return counts
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowtrain calibrate",
+        description="Measure this host (matmul, memory, gloo collectives, comm/compute "
+                    "interference), fit the simulator's cost model and write a hardware "
+                    "profile that `flowtrain simulate --hardware this-host` reads.")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes and repetitions: well under 20 s instead of ~60 s")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="profile path (default: $FLOWTRAIN_HOST_PROFILE or "
+                             "~/.cache/flowtrain/host_profile.json)")
+    parser.add_argument("--ranks", type=_rank_counts, default=(2, 4),
+                        help="gloo rank counts to measure collectives for (default: 2,4)")
+    parser.add_argument("--timeout", type=_positive, default=120.0,
+                        help="seconds the collective ranks may take before they are stopped "
+                             "(default: 120)")
+    parser.add_argument("--name", default="this-host", help="profile name (default: this-host)")
+    parser.add_argument("--save-measurements", type=Path, default=None, metavar="PATH",
+                        help="also write the raw measurements as JSON")
+    parser.add_argument("--from-measurements", type=Path, default=None, metavar="PATH",
+                        help="fit measurements saved earlier instead of measuring")
+    return parser
+
+
+def summary(profile: HardwareProfile) -> list[str]:
+    """The fitted figures, one line each, in the units people quote."""
+    lines = [f"profile {profile.name}: {profile.devices_per_node} devices (cores)"]
+    for dtype, peak in profile.peak_flops.items():
+        lines.append(f"  matmul {dtype:<9} peak {peak / 1e9:8.1f} GFLOP/s per core")
+    small, large = profile.efficiency[0], profile.efficiency[-1]
+    lines.append(f"  float32 efficiency {small[1]:.2f} at {small[0]:.3g} FLOPs .. "
+                 f"{large[1]:.2f} at {large[0]:.3g} FLOPs")
+    lines.append(f"  memory bandwidth {profile.memory_bandwidth / 1e9:.1f} GB/s per core "
+                 "(read + write)")
+    for op, by_ranks in profile.collectives.items():
+        for ranks, link in sorted(by_ranks.items()):
+            lines.append(f"  {op:<14} {ranks} ranks: latency {link.latency_s * 1e6:8.1f} us, "
+                         f"bandwidth {link.bandwidth / 1e9:6.3f} GB/s")
+    ring = profile.intra_node
+    lines.append(f"  ring link: {ring.latency_s * 1e6:.1f} us per step, "
+                 f"{ring.bandwidth / 1e9:.3f} GB/s per rank")
+    lines.append(f"  comm/compute interference {profile.comm_compute_interference:.2f}")
+    for reason in profile.sources.get("collectives", "").split("; left out: ")[1:]:
+        lines.append(f"  warning: {reason}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`flowtrain calibrate`; returns the exit code (2 for bad flags, 1 when calibration
+    fails)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the problem
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    out = args.out if args.out is not None else host_profile_path()
+    started = time.monotonic()
+    try:
+        if args.from_measurements is not None:
+            try:
+                measurements = json.loads(args.from_measurements.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise CalibrationError(f"cannot read measurements {str(args.from_measurements)!r}"
+                                       f": {exc}") from None
+        else:
+            settings = QUICK if args.quick else DEFAULT
+            print(f"measuring this host ({'quick' if args.quick else 'full'}; gloo ranks "
+                  f"{','.join(map(str, args.ranks))}) ...", flush=True)
+            measurements = measure(settings, args.ranks, args.timeout)
+            if args.save_measurements is not None:
+                args.save_measurements.parent.mkdir(parents=True, exist_ok=True)
+                args.save_measurements.write_text(json.dumps(measurements, indent=1) + "\n")
+        profile = write_profile(measurements, out, args.name)
+    except CalibrationError as exc:
+        print(f"flowtrain calibrate: error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(summary(profile)))
+    print(f"wrote {out} in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
