@@ -132,6 +132,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
+    from flowtrain import telemetry
+
+    telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
 
 

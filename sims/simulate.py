@@ -160,7 +160,7 @@ def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> 
         return get_model(name, seq_len)
     except SimulateError:
         raise
-    except (ValueError, ImportError, AttributeError) as exc:
+    except (ValueError, ImportError, AttributeError, RuntimeError) as exc:
         raise SimulateError(f"--model: {exc}") from None
 
 
