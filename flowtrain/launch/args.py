@@ -45,6 +45,8 @@ class LaunchConfig:
     rank_offset: int = 0
     from_parent: bool = False  # node launcher started by a hostfile launch over ssh
     argv: list[str] = field(default_factory=list)
+    total_steps: int | None = None  # for the progress line's ETA and the telemetry job record
+    trace: bool = False  # write runs/<id>/trace.json (flowtrain trace) when the job ends
 
     @property
     def mode(self) -> str:
@@ -93,6 +95,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for every rank to join the coordinator (default: 300)")
     p.add_argument("--grace-period", default="3", metavar="SECONDS",
                    help="seconds between SIGTERM and SIGKILL when tearing down (default: 3)")
+    p.add_argument("--total-steps", default=None, metavar="N",
+                   help="optimizer steps the job will run, for the progress line's ETA "
+                   "(default: $FLOWTRAIN_TOTAL_STEPS, else no ETA)")
+    p.add_argument("--trace", action="store_true",
+                   help="write a Chrome/Perfetto trace of the measured task spans to "
+                   "<run dir>/trace.json when the job ends (as 'flowtrain trace' does)")
     p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
                    help="run the target as an executable instead of with python (no heartbeats)")
     p.add_argument("-m", "--module", action="store_true",
@@ -236,6 +244,13 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         offset = _int(ns.rank_offset, "--rank-offset", 0)
     if hosts:
         world = sum(len(s) for s in hosts.values())
+    from flowtrain.telemetry.launcher import TOTAL_STEPS_ENV, parse_total_steps
+
+    try:
+        total_steps = parse_total_steps(ns.total_steps, "--total-steps") if ns.total_steps \
+            is not None else parse_total_steps(os.environ.get(TOTAL_STEPS_ENV), TOTAL_STEPS_ENV)
+    except ValueError as exc:
+        raise LaunchInputError(str(exc)) from None
     if offset + nproc > world:
         raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of {world}")
     return LaunchConfig(
@@ -245,5 +260,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         run_dir=run_dir, job_id=job_id, heartbeat_interval=interval, heartbeat_misses=misses,
         join_timeout=join_timeout, grace_period=grace, ssh_command=ssh_command, hosts=hosts,
         control_endpoint=ns.control_endpoint, world_size=world, rank_offset=offset,
-        from_parent=ns.from_parent, argv=list(argv),
+        from_parent=ns.from_parent, argv=list(argv), total_steps=total_steps, trace=ns.trace,
     )

@@ -21,7 +21,7 @@ from flowtrain.launch.hostfile import LaunchInputError, all_loopback
 from flowtrain.launch.multinode import node_command, read_secret_from_stdin
 from flowtrain.launch.rundir import RunDir
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
-from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor
+from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
 from flowtrain.log import configure_logging, get_logger
 
 log = get_logger("flowtrain.launch")
@@ -130,11 +130,13 @@ def run_launch(cfg: LaunchConfig) -> int:
         return Coordinator(world_size=cfg.world_size, secret=secret, host=bind, port=port,
                            heartbeat_interval=cfg.heartbeat_interval,
                            heartbeat_misses=cfg.heartbeat_misses, join_timeout=cfg.join_timeout,
-                           on_event=on_event)
+                           on_event=on_event, on_telemetry=telemetry.on_record,
+                           job_record=telemetry.job_record)
 
     def endpoint_for(coordinator: Any) -> str | None:
         if coordinator is None:
             return fixed_endpoint
+        telemetry.advertise(coordinator, secret)
         return tcp_endpoint(advertise, coordinator.endpoint.rsplit(":", 1)[1])
 
     def build_children(endpoint: str | None) -> list[Child]:
@@ -170,16 +172,21 @@ def run_launch(cfg: LaunchConfig) -> int:
         "end_time": None, "status": "running", "exit_code": None, "root_cause": None, "ranks": [],
     }
     rd.write_job(record)
+    telemetry = _job_telemetry(cfg, rd, started) if hosting else None
     log.info("job starting", console=True, job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,
              nproc_per_node=cfg.nproc_per_node, run_dir=str(rd.path))
     supervisor = Supervisor(grace_period=cfg.grace_period,
                             make_coordinator=make_coordinator if hosting else None,
                             build_children=build_children, endpoint_for=endpoint_for,
-                            watch_stdin=cfg.from_parent)
+                            watch_stdin=cfg.from_parent,
+                            progress=telemetry.progress if telemetry else None,
+                            on_exit=_exit_reporter(telemetry) if telemetry else None)
     supervisor.run()
     if supervisor.start_error:
         record.update(end_time=time.time(), status="failed", exit_code=2, root_cause=None)
         rd.write_job(record)
+        if telemetry is not None:
+            telemetry.close(status="failed", exit_code=2, message=supervisor.start_error)
         raise LaunchInputError(supervisor.start_error + "; is another job using that port? "
                                "pick another --master-port")
     outcome = collect_outcome(supervisor, rd, started=started, join_timeout=cfg.join_timeout)
@@ -187,8 +194,13 @@ def run_launch(cfg: LaunchConfig) -> int:
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
                   ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records])
     rd.write_job(record)
+    if telemetry is not None:
+        telemetry.close(status=outcome.status, exit_code=outcome.exit_code,
+                        message=outcome.root_cause.failure.message if outcome.root_cause else None)
     log.info("job ended", console=True, status=outcome.status, exit_code=outcome.exit_code,
              root_cause=record["root_cause"])
+    if cfg.trace and not joins_remote:
+        _write_trace(rd.path)
     if cfg.from_parent:
         _report_to_parent(outcome)
     else:
@@ -196,6 +208,39 @@ def run_launch(cfg: LaunchConfig) -> int:
         if report:
             print(report, file=sys.stderr, flush=True)
     return outcome.exit_code
+
+
+def _job_telemetry(cfg: LaunchConfig, rd: RunDir, started: float) -> Any:
+    """The recorder and progress line of a launch that hosts the coordinator."""
+    from flowtrain.telemetry.launcher import JobTelemetry, ProgressLine
+
+    summary = {"mode": cfg.mode, "script": cfg.target, "args": list(cfg.target_args),
+               "nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
+               "hosts": list(cfg.hosts), "heartbeat_interval": cfg.heartbeat_interval,
+               "heartbeat_misses": cfg.heartbeat_misses}
+    progress = None if cfg.from_parent else ProgressLine(sys.stdout, cfg.total_steps)
+    return JobTelemetry(rd.path, job_id=cfg.job_id, world_size=cfg.world_size,
+                        total_steps=cfg.total_steps, config_summary=summary, started=started,
+                        progress=progress)
+
+
+def _exit_reporter(telemetry: Any) -> Any:
+    def report(child: Child, failure: bool) -> None:
+        telemetry.child_exited(child.rank, child.label, child.exit_code, describe_exit(child),
+                               failure)
+
+    return report
+
+
+def _write_trace(run_dir: Path) -> None:
+    from flowtrain.telemetry.trace import TraceInputError, write_trace
+
+    try:
+        path, summary = write_trace(run_dir)
+    except (TraceInputError, OSError) as exc:
+        log.warning("no trace written", console=True, reason=str(exc))
+        return
+    log.info("trace written", console=True, path=str(path), **summary)
 
 
 def _report_to_parent(outcome: Outcome) -> None:

@@ -3,6 +3,7 @@ all succeed, or the first failure tears everything down (SIGTERM, grace period, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,8 +70,13 @@ class Supervisor:
 
     def __init__(self, *, grace_period: float, make_coordinator: Callable[[Callable[[Any], None]], Any] | None,
                  build_children: Callable[[str | None], list[Child]],
-                 endpoint_for: Callable[[Any], str | None], watch_stdin: bool = False) -> None:
+                 endpoint_for: Callable[[Any], str | None], watch_stdin: bool = False,
+                 progress: Any = None,
+                 on_exit: Callable[[Child, bool], None] | None = None) -> None:
         self.grace_period = grace_period
+        # flowtrain.telemetry.launcher.ProgressLine: rank output is written inside its hold()
+        self.progress = progress
+        self.on_exit = on_exit  # told of every child's exit and whether it is a failure
         self.make_coordinator = make_coordinator
         self.build_children = build_children
         self.endpoint_for = endpoint_for
@@ -194,7 +200,7 @@ class Supervisor:
                 if sink_ok:
                     data = child.prefix + line if child.prefix else line
                     try:
-                        with self._out_lock:
+                        with self._out_lock, self._holding_progress():
                             buffer = getattr(sink, "buffer", None)
                             if buffer is not None:
                                 buffer.write(data)
@@ -207,6 +213,9 @@ class Supervisor:
             pass
         finally:
             stream.close()
+
+    def _holding_progress(self) -> Any:
+        return self.progress.hold() if self.progress is not None else contextlib.nullcontext()
 
     def _wait_exit(self, child: Child) -> None:
         assert child.proc is not None
@@ -292,6 +301,11 @@ class Supervisor:
                 child: Child = payload
                 log.info("exited", child=child.label, pid=child.pid, exit_code=child.exit_code,
                          failure=self.is_failure(child))
+                if self.on_exit is not None:
+                    try:
+                        self.on_exit(child, self.is_failure(child))
+                    except Exception:  # telemetry must not break supervision
+                        log.exception("on_exit callback raised", child=child.label)
                 if self.is_failure(child):
                     tg.start_soon(self._teardown, f"{child.label} {describe_exit(child)}")
             elif kind == "coordinator":

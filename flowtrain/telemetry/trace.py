@@ -116,26 +116,16 @@ def build_trace(run_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
                        "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank,
                        "args": {"sort_index": rank}})
-        tids: dict[str, int] = {}
-
-        def tid(track: str) -> int:
-            if track not in tids:
-                tids[track] = TRACK_ORDER.index(track) if track in TRACK_ORDER else \
-                    len(TRACK_ORDER) + len(tids)
-                events.append({"ph": "M", "name": "thread_name", "pid": rank,
-                               "tid": tids[track], "args": {"name": track}})
-                events.append({"ph": "M", "name": "thread_sort_index", "pid": rank,
-                               "tid": tids[track], "args": {"sort_index": tids[track]}})
-            return tids[track]
-
+        lanes = _Lanes(rank, events)
         for (step, spans), start in zip(steps, starts):
             base = start - origin
             end = max((b for _, _, b in spans), default=0.0)
-            events.append(_complete(f"step {step}", "steps", rank, tid("steps"), base, 0.0, end,
-                                    step))
-            for name, a, b in spans:
+            events.append(_complete(f"step {step}", "steps", rank,
+                                    lanes.tid("steps", base, base + end), base, 0.0, end, step))
+            for name, a, b in sorted(spans, key=lambda span: span[1]):
                 track = track_of(name)
-                events.append(_complete(name, track, rank, tid(track), base, a, b, step))
+                events.append(_complete(name, track, rank, lanes.tid(track, base + a, base + b),
+                                        base, a, b, step))
                 span_count += 1
     summary = {"ranks": len(placed), "steps": max(len(s) for _, s, _ in placed),
                "spans": span_count, "aligned": aligned, "unreadable_lines": bad_lines}
@@ -143,6 +133,40 @@ def build_trace(run_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
              "otherData": {"run_dir": str(run), "origin_unix_s": origin if aligned else None,
                            "ranks_aligned": aligned}}
     return trace, summary
+
+
+class _Lanes:
+    """Thread ids of one rank's tracks. Trace viewers need the slices of one thread to nest, but
+    collectives overlap (several buckets reduce at once): an overlapping span goes to the next
+    lane of its track ("reduce", "reduce 2", ...), and the lanes are reused as spans end."""
+
+    def __init__(self, rank: int, events: list[dict[str, Any]]) -> None:
+        self.rank = rank
+        self.events = events
+        self.lanes: dict[str, list[tuple[int, float]]] = {}  # track -> [(tid, last end)]
+        self.next_extra = len(TRACK_ORDER)
+
+    def tid(self, track: str, start: float, end: float) -> int:
+        lanes = self.lanes.setdefault(track, [])
+        for i, (tid, busy_until) in enumerate(lanes):
+            if busy_until <= start + 1e-9:
+                lanes[i] = (tid, end)
+                return tid
+        if not lanes and track in TRACK_ORDER:
+            tid = TRACK_ORDER.index(track)
+        else:
+            tid = self.next_extra
+            self.next_extra += 1
+        name = track if not lanes else f"{track} {len(lanes) + 1}"
+        # sort index: a track's lanes stay together, in the order of TRACK_ORDER
+        order = (TRACK_ORDER.index(track) if track in TRACK_ORDER else len(TRACK_ORDER)) * 100 \
+            + len(lanes)
+        lanes.append((tid, end))
+        self.events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
+                            "args": {"name": name}})
+        self.events.append({"ph": "M", "name": "thread_sort_index", "pid": self.rank,
+                            "tid": tid, "args": {"sort_index": order}})
+        return tid
 
 
 def _complete(name: str, track: str, rank: int, tid: int, base: float, a: float, b: float,
