@@ -65,6 +65,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     from flowtrain.config import load_config
     from flowtrain.engine.engine import FlowtrainEngine
     from flowtrain.optimizers import build_optimizer
+    from flowtrain.profiling import engine_hook
     from flowtrain.schedulers import build_scheduler
 
     if model is None:
@@ -132,6 +133,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
+    engine.flops_profiler = engine_hook(engine)  # the flops_profiler section (rank 0), or None
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
 
 

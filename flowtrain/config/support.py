@@ -12,7 +12,7 @@ from flowtrain.config.params import AVAILABLE_OPTIMIZERS
 # section name (see model.OPAQUE_SECTIONS).
 SUPPORTED_FEATURES: set[str] = {"zero_stage_1", "zero_stage_2", "zero_stage_3",
                                 "cpu_offload_optimizer", "cpu_offload_param", "pipeline",
-                                "tensor_parallel"}
+                                "tensor_parallel", "flops_profiler"}
 
 # Not on the roadmap: these get "not supported", never "not supported yet".
 NEVER_SUPPORTED = {"nvme_offload", "partial_offload", "amp"}
