@@ -19,7 +19,9 @@ all-reduces. Task names (the first two path parts are the name the engine record
   partitioned) bucket to every rank (the engine records this inside ``optimizer/step``).
 - ``copy/d2h/bucket{i}``, ``copy/h2d/bucket{i}``: offload copies of a gradient shard down and a
   parameter shard up; ``copy/h2d/bucket{i}/fwd/mb{k}`` a parameter shard before its gather.
-- ``send/act/mb{k}``, ``send/grad/mb{k}``: pipeline sends to the next / previous stage.
+- ``send_act/mb{k}``, ``send_grad/mb{k}``: pipeline sends of activations to the next stage and
+  of input gradients to the previous one (the engine's PipeStage names; its ``recv_*`` spans
+  are the receiving pass's wait for them).
 - ``tp/fwd/mb{k}/layer{l}``, ``tp/bwd/mb{k}/layer{l}``: a layer's two tensor-parallel
   all-reduces of one pass (Megatron-style attention and MLP), merged into one task.
 """
@@ -108,6 +110,8 @@ class Workload:
     hidden: int = 0
     layers: int = 0
     activation_bytes_per_sample: float = 0.0
+    # one layer's input (the activations a pipeline stage sends on), when the shapes are unknown
+    layer_input_bytes_per_sample: float = 0.0
 
     @classmethod
     def from_model(cls, model: Any, precision: str) -> Workload:
@@ -117,7 +121,8 @@ class Workload:
         elem = DTYPE_BYTES[dtype]
         params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
         return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
-                   model.hidden, model.layers, float(model.activation_bytes_per_sample))
+                   model.hidden, model.layers, float(model.activation_bytes_per_sample),
+                   float(getattr(model, "layer_input_bytes_per_sample", 0.0)))
 
     @classmethod
     def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
@@ -191,14 +196,14 @@ class _Tasks:
 
 
 def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of stage ``stage``'s passes: ("F", k) / ("B", k). Warm-up forwards fill
-    the pipeline, then one forward and one backward alternate, then the backwards drain."""
-    warmup = min(stages - stage - 1, micro_batches)
-    ops = [("F", k) for k in range(warmup)]
-    for k in range(micro_batches - warmup):
-        ops += [("F", warmup + k), ("B", k)]
-    ops += [("B", k) for k in range(micro_batches - warmup, micro_batches)]
-    return ops
+    """The 1F1B order of stage ``stage``'s passes, ("F", k) / ("B", k), as the engine's
+    PipeStage runs them (``flowtrain.pipe.schedule.stage_ops``): warm-up forwards fill the
+    pipeline, then one forward and one backward alternate, then the backwards drain."""
+    from flowtrain.pipe.schedule import stage_ops
+
+    passes = {"forward": "F", "backward": "B"}
+    return [(passes[op.kind], op.mb) for op in stage_ops("1f1b", stage, stages, micro_batches)
+            if op.kind in passes]
 
 
 def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s: float,
@@ -210,16 +215,16 @@ def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s
         last: int | None = None
         for op, k in one_f_one_b(stages, s, micro_batches):
             if op == "F":
-                refs = [(s - 1, f"send/act/mb{k}")] if s > 0 else []
+                refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
                 last = out.add(s, f"forward/mb{k}", "forward", "compute", forward_s, [last], refs)
                 if s < stages - 1:
-                    out.add(s, f"send/act/mb{k}", "send", "comm:pp", send_s, [last])
+                    out.add(s, f"send_act/mb{k}", "send", "comm:pp", send_s, [last])
             else:
-                refs = [(s + 1, f"send/grad/mb{k}")] if s < stages - 1 else []
+                refs = [(s + 1, f"send_grad/mb{k}")] if s < stages - 1 else []
                 last = out.add(s, f"backward/mb{k}", "backward", "compute", backward_s, [last],
                                refs)
                 if s > 0:
-                    out.add(s, f"send/grad/mb{k}", "send", "comm:pp", send_s, [last])
+                    out.add(s, f"send_grad/mb{k}", "send", "comm:pp", send_s, [last])
     return out.resolve()
 
 
@@ -402,7 +407,9 @@ class _StageBuilder:
         for b in self.buckets:
             self.ready_after.setdefault(min(seg_of[s.index] for s in b.slots), []).append(b)
         self._cost_segments(work, weights, total_weight, dtype, cfg)
-        self.act_bytes = micro_batch * work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
+        # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
+        self.act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
+                                        or work.layer_input_bytes_per_sample)
         self.tp_s = 2 * costs.collective_seconds("all_reduce", self.act_bytes, self.tp, hw,
                                                  nodes=1) if self.tp > 1 else 0.0
         self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
@@ -460,18 +467,18 @@ class _StageBuilder:
         reduces: list[int] = []
         for op, k in one_f_one_b(self.pp, s, self.m):
             if op == "F":
-                refs = [(s - 1, f"send/act/mb{k}")] if s > 0 else []
+                refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
                 last = self._forward(k, last, refs)
                 if s < self.pp - 1:
-                    plan.add(s, f"send/act/mb{k}", "send", "comm:pp",
+                    plan.add(s, f"send_act/mb{k}", "send", "comm:pp",
                              costs.p2p_seconds(self.act_bytes, self.hw,
                                                self.layout.pipe_link_inter_node(s)),
                              [last], nbytes=self.act_bytes)
             else:
-                refs = [(s + 1, f"send/grad/mb{k}")] if s < self.pp - 1 else []
+                refs = [(s + 1, f"send_grad/mb{k}")] if s < self.pp - 1 else []
                 last = self._backward(k, last, refs, reduces)
                 if s > 0:
-                    plan.add(s, f"send/grad/mb{k}", "send", "comm:pp",
+                    plan.add(s, f"send_grad/mb{k}", "send", "comm:pp",
                              costs.p2p_seconds(self.act_bytes, self.hw,
                                                self.layout.pipe_link_inter_node(s - 1)),
                              [last], nbytes=self.act_bytes)
@@ -629,8 +636,10 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
         step_plans.append(builder.step_plan)
     samples = micro_batch * micro_batches * layout.dp
     notes = []
-    if layout.tp > 1 and not (work.seq_len and work.hidden):
-        notes.append("sequence length or hidden size unknown: TP all-reduces cost latency only")
+    if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
+            not work.layer_input_bytes_per_sample:
+        notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
+                     "only")
     interference = float(getattr(hw, "comm_compute_interference", 0.0)) \
         if getattr(hw, "kind", "gpu") == "cpu" else 0.0
     return SimPlan(plan.resolve(), layout, work.name, micro_batch, micro_batches, dtype,
