@@ -150,7 +150,7 @@ def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["1f1b", "gpipe", "1f1b_zero1"])
+@pytest.mark.parametrize("case", ["1f1b", "gpipe", "1f1b_zero1", "1f1b_ckpt"])
 def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -> None:
     ranks = pipe_run(world)
     for r, data in enumerate(ranks):
@@ -163,6 +163,7 @@ def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -
             assert torch.allclose(torch.tensor(values), torch.tensor(ref["params"][name]),
                                   rtol=1e-5, atol=1e-6), (r, name)
         assert got["parts"] == [0, 4, 7]
+        assert got["ckpt_interval"] == (2 if case == "1f1b_ckpt" else 0)
     stages = sorted({d[case]["stage"] for d in ranks})
     assert stages == [0, 1]
     names = set(ranks[0][case]["span_names"])

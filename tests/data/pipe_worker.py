@@ -56,14 +56,15 @@ def reference(dp: int) -> tuple[list[list[float]], dict[str, list[float]]]:
     return per_rank, {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 
-def run(pp: int, schedule: str, zero: int) -> dict[str, Any]:
+def run(pp: int, schedule: str, zero: int, ckpt: int = 0) -> dict[str, Any]:
     module = PipelineModule(layers(), num_stages=pp, loss_fn=nn.functional.mse_loss,
                             partition_method="parameters")
     dp = module.grid.shape.dp
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "train_batch_size": MICRO * GAS * dp, "gradient_clipping": CLIP,
            "steps_per_print": 1000, "optimizer": {"type": "Adam", "params": {"lr": LR}},
-           "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": zero}}
+           "pipeline": {"schedule": schedule, "activation_checkpoint_interval": ckpt},
+           "zero_optimization": {"stage": zero}}
     engine, _, _, _ = flowtrain.initialize(model=module, config=cfg)
     dp_rank = module.grid.dp_rank
     losses = []
@@ -76,6 +77,7 @@ def run(pp: int, schedule: str, zero: int) -> dict[str, Any]:
               for k, v in module.state_dict().items() for i in [k.split(".")[1]]}
     out = {"losses": losses, "params": params, "parts": module.parts, "stage": module.stage_id,
            "dp_rank": dp_rank, "eval_loss": eval_loss,
+           "ckpt_interval": module.activation_checkpoint_interval,
            "span_names": sorted({n for n, _, _ in engine.timer.last_step[1]})}
     engine.destroy()
     return out
@@ -100,10 +102,10 @@ def main() -> None:
         result["reference"]["eval"] = [
             sum(float(nn.functional.mse_loss(model(x), y)) for x, y in
                 (micro_batch(STEPS, d, m, MICRO) for m in range(GAS))) / GAS for d in range(dp)]
-    for name, schedule, zero in (("1f1b", "1f1b", 0), ("gpipe", "gpipe", 0),
-                                 ("1f1b_zero1", "1f1b", 1)):
+    for name, schedule, zero, ckpt in (("1f1b", "1f1b", 0, 0), ("gpipe", "gpipe", 0, 0),
+                                       ("1f1b_zero1", "1f1b", 1, 0), ("1f1b_ckpt", "1f1b", 0, 2)):
         try:
-            result[name] = run(pp, schedule, zero)
+            result[name] = run(pp, schedule, zero, ckpt)
         except Exception:
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
