@@ -375,17 +375,47 @@ def test_mfu_from_peak_tflops_and_calibrated_profile(tmp_path: Path,
     assert f"{'MFU (forward only):':<62} {100 * achieved / 2e6:.2f}%" in text
     assert "(peak_tflops)" in text
 
-    hardware = pytest.importorskip("sims.hardware")
-    host = dataclasses.replace(hardware.get_profile("a100-80g-x8"), name="this-host", kind="cpu",
-                               peak_flops={"float32": 4e6})
-    path = tmp_path / "host.json"
-    host.save(path)
-    monkeypatch.setenv("FLOWTRAIN_HOST_PROFILE", str(path))
+    calibrated_cpu_profile(tmp_path, monkeypatch, float32=4e6)
     prof.peak_tflops = None
     prof.print_model_profile()
     text = capsys.readouterr().out
     assert f"{'MFU (forward only):':<62} {100 * achieved / 4e6:.2f}%" in text
     assert "this-host profile, float32" in text
+
+
+def calibrated_cpu_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           float32: float) -> None:
+    """Makes ``this-host`` a calibrated CPU profile with the given fp32 peak (FLOP/s)."""
+    hardware = pytest.importorskip("sims.hardware")
+    host = dataclasses.replace(hardware.get_profile("a100-80g-x8"), name="this-host", kind="cpu",
+                               peak_flops={"float32": float32})
+    path = tmp_path / "host.json"
+    host.save(path)
+    monkeypatch.setenv("FLOWTRAIN_HOST_PROFILE", str(path))
+
+
+def test_peak_of_a_known_gpu_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowtrain.profiling.peak import dtype_key, find_peak
+
+    pytest.importorskip("sims.hardware")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    peak = find_peak(torch.bfloat16, cuda)
+    assert peak is not None and peak.flops_per_s == pytest.approx(989.4e12)
+    assert "h200-x8" in peak.source
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert find_peak(torch.float32, cuda).flops_per_s == pytest.approx(66.9e12)  # type: ignore
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert dtype_key(torch.float32, cuda) == "tfloat32"
+        assert find_peak(torch.float32, cuda).flops_per_s == pytest.approx(494.7e12)  # type: ignore
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    assert find_peak(torch.bfloat16, cuda) is None
+    assert find_peak(torch.bfloat16, cuda, peak_tflops=100.0).flops_per_s == 100e12  # type: ignore
 
 
 # -- get_model_profile -------------------------------------------------------------------------
@@ -445,7 +475,7 @@ def test_bad_input_is_refused_with_the_right_form(tmp_path: Path) -> None:
         get_model_profile(model, input_shape=(2, 8), warm_up=-1)
 
 
-# -- config and engine ------------------------------------------------------------------------------
+# -- config and engine --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("section, message", [
     ({"profile_step": 0}, "flops_profiler.profile_step: expected an integer > 0, got 0"),
@@ -482,10 +512,14 @@ def world1() -> Any:
         yield
 
 
-def test_engine_prints_the_profile_once_at_profile_step(world1: Any,
+def test_engine_prints_the_profile_once_at_profile_step(world1: Any, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
     from flowtrain import initialize
+
+    peak = 1e9
+    calibrated_cpu_profile(tmp_path, monkeypatch, float32=peak)
 
     micro, gas = 4, 2
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
@@ -502,12 +536,14 @@ def test_engine_prints_the_profile_once_at_profile_step(world1: Any,
         assert hook is not None and not hook.printed
         forward = 2 * micro * (ec.IN_DIM * 16 + 16 * 16 + 16 * 1)  # fc1, fc2, head: 3200
         printed = []
+        step_seconds = []
         for step in range(4):
             for m in range(gas):
                 x, y = ec.micro_batch(step, 0, m, micro)
                 engine.backward(nn.functional.mse_loss(engine(x), y))
                 engine.step()
                 printed.append(capsys.readouterr().out)
+            step_seconds.append(engine.timer.breakdown(1)["step_s"])
         profiles = [i for i, out in enumerate(printed) if "flowtrain FLOPs profiler" in out]
         assert profiles == [5]  # after the last micro-batch of step 2 (the third step)
         text = printed[5]
@@ -522,7 +558,9 @@ def test_engine_prints_the_profile_once_at_profile_step(world1: Any,
         assert f"step flops per GPU = 3 * fwd flops per GPU * {gas} micro-batches:" in text
         assert number_to_string(step_flops) in text
         assert "samples/second:" in text and "bwd latency" in text
-        assert "MFU n/a (no peak known" in text
+        # MFU of the step: (3 x forward flops) x micro-batches over the step's wall time
+        mfu = 100 * step_flops / step_seconds[2] / peak
+        assert f"{'MFU (training step):':<62} {mfu:.2f}%" in text
         assert "(unused): Linear(15, 3.35% Params, 0 MACs" in text
         # everything removed afterwards: the class's step() and no hooks
         assert "step" not in engine.__dict__
