@@ -207,7 +207,7 @@ class FlopsProfiler:
         self._handles: list[Any] = []
         self._stats: dict[int, _Stats] = {}
         self._params: dict[int, int] = {}
-        self._sync = False
+        self._sync: torch.device | None = None  # the CUDA device to synchronize, if any
         self._has_profile = False
 
     # -- DeepSpeed's API ---------------------------------------------------------------------------
@@ -229,8 +229,8 @@ class FlopsProfiler:
         except ImportError:
             pass
         self.reset_profile()
-        self._sync = torch.cuda.is_available() and \
-            any(p.is_cuda for p in self.model.parameters())
+        self._sync = next((p.device for p in self.model.parameters() if p.is_cuda), None) \
+            if torch.cuda.is_available() else None
         for module in self.model.modules():
             if module is not self.model and isinstance(module, ignored):
                 continue
@@ -366,8 +366,8 @@ class FlopsProfiler:
         if stats is None:  # a module added to the model after start_profile
             stats = self._stats[id(module)] = _Stats()
         if stats.depth == 0:
-            if self._sync:
-                torch.cuda.synchronize()
+            if self._sync is not None:
+                torch.cuda.synchronize(self._sync)
             stats.f0 = self._counted()
             stats.t0 = time.perf_counter()
         stats.depth += 1
@@ -378,8 +378,8 @@ class FlopsProfiler:
             return
         stats.depth -= 1
         if stats.depth == 0:
-            if self._sync:
-                torch.cuda.synchronize()
+            if self._sync is not None:
+                torch.cuda.synchronize(self._sync)
             stats.duration += time.perf_counter() - stats.t0
             stats.flops += self._counted() - stats.f0
             stats.calls += 1
