@@ -406,18 +406,19 @@ def test_bfloat16_alias_does_not_warn():
 # -- support gate ------------------------------------------------------------------------------
 
 def test_unsupported_features_and_switching_them_on(monkeypatch):
-    # ZeRO 3 and pipeline stages > 1 contradict each other (tests/test_zero_config.py), so the
-    # pipeline is asked for with stage 1 at the end.
+    # With nothing switched on, every feature the config uses gets its sentence; switching a
+    # feature on (adding it to SUPPORTED_FEATURES) removes exactly that sentence. ZeRO 3 and
+    # pipeline stages > 1 contradict each other (tests/test_zero_config.py), so the pipeline
+    # is asked for with stage 1 at the end.
+    monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES", set())
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
               "tensor_parallel": {"autotp_size": 2},
               "amp": {"enabled": True, "opt_level": "O1"}, "flops_profiler": {"enabled": True},
               "wandb": {"enabled": True}, "tensorboard": {"enabled": False},
               "optimizer": {"type": "lamb"}}
     cfg = load_config(config, check_supported=False)
-    stage3 = ([] if "zero_stage_3" in SUPPORTED_FEATURES else
-              ["zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0"])
     assert unsupported_features(cfg) == [
-        *stage3,
+        "zero_optimization.stage 3: ZeRO stage 3 is not supported yet; use stage 0",
         "tensor_parallel size 2: tensor parallelism is not supported yet; use 1",
         "optimizer Lamb is not available; flowtrain has: Adam, AdamW, SGD, Lion",
         "amp: NVIDIA apex AMP is not supported; use fp16 or bf16 instead",
@@ -427,11 +428,21 @@ def test_unsupported_features_and_switching_them_on(monkeypatch):
     ]
     assert problems_of(config) == unsupported_features(cfg)
     monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES",
-                        SUPPORTED_FEATURES | {"zero_stage_3", "wandb"})
-    assert len(unsupported_features(cfg)) == 4
+                        {"zero_stage_1", "zero_stage_3", "wandb", "tensor_parallel",
+                         "flops_profiler"})
+    assert unsupported_features(cfg) == [
+        "optimizer Lamb is not available; flowtrain has: Adam, AdamW, SGD, Lion",
+        "amp: NVIDIA apex AMP is not supported; use fp16 or bf16 instead"]
     pipe = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}
     assert problems_of(pipe) == [
         "pipeline.stages 2: pipeline parallelism is not supported yet; use 1 stage"]
     monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES",
-                        SUPPORTED_FEATURES | {"pipeline"})
+                        {"zero_stage_1", "pipeline"})
     assert load_config(pipe).pipeline.stages == 2
+
+
+def test_what_flowtrain_runs_today():
+    from flowtrain.config.support import SUPPORTED_FEATURES as today
+
+    assert {"zero_stage_1", "zero_stage_2", "zero_stage_3", "cpu_offload_optimizer",
+            "cpu_offload_param", "pipeline", "tensor_parallel", "flops_profiler"} <= today
