@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowtrain.engine.stages import StepDone
@@ -16,7 +17,9 @@ from flowtrain.telemetry.schema import SCHEMA_VERSION, event_record, topic_of, v
 
 log = get_logger("flowtrain.telemetry")
 
-MEMORY_REFRESH_S = 2.0  # the model-state sizes barely change; the RSS is read every record
+MEMORY_REFRESH_S = 1.0  # sizes change slowly, and reading them costs ~100 us
+SPANS_MIN_GAP_S = 1.0  # a "spans" record at most once a second per rank (each is ~0.5 KB)
+WINDOW_TIMINGS = 16  # the step timings a "step" record averages: the window's last steps
 FLUSH_ASK_TIMEOUT = 0.5  # seconds the control client's goodbye waits for held records
 COMM_PREFIXES = ("reduce/", "gather/")  # spans of collectives, launch to completion
 WAIT_PREFIX = "comm/"  # spans where the step waited for collectives (exposed communication)
@@ -30,19 +33,18 @@ class FlushTelemetry:
     when steps stopped coming)."""
 
 
+PHASE_KEYS = ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s")
+
+
 @dataclass
 class _Window:
-    """What the steps since the last published "step" record add up to."""
+    """The steps since the last published "step" record: how many, and the spans of those read
+    consistently (see _snapshot), kept as references and turned into timings only when the
+    record is built, so a step that is not published costs next to nothing."""
 
     steps: int = 0
-    timed: int = 0  # steps whose spans were read consistently (see _snapshot)
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    comm_s: float = 0.0
-    optimizer_s: float = 0.0
-    step_s: float = 0.0
-    overlap_sum: float = 0.0
-    overlap_n: int = 0
+    snapshots: deque[tuple[float, list[tuple[str, float, float]]]] = field(
+        default_factory=lambda: deque(maxlen=WINDOW_TIMINGS))
 
 
 def step_timings(spans: list[tuple[str, float, float]], start: float) -> dict[str, Any]:
@@ -105,8 +107,10 @@ class TelemetryActor(Actor):
         self._skipped = 0
         self._last_scale: float | None = None
         self._spans_due = True  # the first step's spans go out, then every spans_every
+        self._spans_sent = float("-inf")
         self._last_timings: dict[str, Any] | None = None
         self._memory: dict[str, int] = {}
+        self._rss = 0
         self._memory_at = float("-inf")
         self._process: Any = None
         self._clock = 0.0  # time.time() - time.perf_counter(): spans are perf_counter times
@@ -128,22 +132,14 @@ class TelemetryActor(Actor):
 
     @handler
     async def step_done(self, msg: StepDone) -> None:
-        window = self._window
-        window.steps += 1
-        timings = self._snapshot(msg.step)
-        if timings is not None:
-            window.timed += 1
-            for key in ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s"):
-                setattr(window, key, getattr(window, key) + timings[key])
-            if timings["overlap"] is not None:
-                window.overlap_sum += timings["overlap"]
-                window.overlap_n += 1
+        self._window.steps += 1
+        now = time.monotonic()
+        self._snapshot(msg.step, now)
         if msg.skipped:
             self._skipped += 1
             self._publish(self._skip_event(msg))
         self._last_scale = msg.loss_scale
         self._held = msg
-        now = time.monotonic()
         if now - self._last_sent >= self.min_gap:
             self._flush()
         elif not self._timer_armed:
@@ -168,24 +164,25 @@ class TelemetryActor(Actor):
 
     # -- building records ------------------------------------------------------------------------
 
-    def _snapshot(self, step: int) -> dict[str, Any] | None:
-        """This step's timings when they can be read consistently. The handler runs on the loop
-        thread while training goes on: ``timer.last_step`` belongs to step ``step`` only if the
-        engine has not counted another step by the time it was read (the engine counts a step
-        before it closes the step's timer)."""
+    def _snapshot(self, step: int, now: float) -> None:
+        """Keeps this step's spans when they can be read consistently. The handler runs on the
+        loop thread while training goes on: ``timer.last_step`` belongs to step ``step`` only if
+        the engine has not counted another step by the time it was read (the engine counts a
+        step before it closes the step's timer)."""
         start, spans = self.engine.timer.last_step
         if self.engine.global_steps != step:
-            return None
-        timings = step_timings(spans, start)
-        self._last_timings = timings
-        if self._spans_due or step % self.spans_every == 0:
+            return
+        self._window.snapshots.append((start, spans))
+        if step % self.spans_every == 0:
+            self._spans_due = True
+        if self._spans_due and now - self._spans_sent >= SPANS_MIN_GAP_S:
+            self._spans_sent = now
             sent = self._publish({
                 "v": SCHEMA_VERSION, "kind": "spans", "rank": self.rank, "t": time.time(),
                 "step": step, "step_start": start + self._clock,
                 "spans": [[name, round(a - start, 7), round(b - start, 7)]
                           for name, a, b in spans]})
             self._spans_due = not sent
-        return timings
 
     def _flush(self) -> None:
         msg = self._held
@@ -198,17 +195,17 @@ class TelemetryActor(Actor):
         self._publish(record)
 
     def _step_record(self, msg: StepDone, w: _Window) -> dict[str, Any]:
-        if w.timed:
-            phases = {k: getattr(w, k) / w.timed for k in
-                      ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s")}
-            overlap = w.overlap_sum / w.overlap_n if w.overlap_n else None
+        timings = [step_timings(spans, start) for start, spans in w.snapshots]
+        if timings:
+            phases = {k: sum(t[k] for t in timings) / len(timings) for k in PHASE_KEYS}
+            overlaps = [t["overlap"] for t in timings if t["overlap"] is not None]
+            overlap = sum(overlaps) / len(overlaps) if overlaps else None
+            self._last_timings = dict(phases, overlap=overlap)
         elif self._last_timings is not None:  # no step of this window read consistently
-            phases = {k: self._last_timings[k] for k in
-                      ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s")}
+            phases = {k: self._last_timings[k] for k in PHASE_KEYS}
             overlap = self._last_timings["overlap"]
         else:
-            phases = dict.fromkeys(("forward_s", "backward_s", "comm_s", "optimizer_s",
-                                    "step_s"), 0.0)
+            phases = dict.fromkeys(PHASE_KEYS, 0.0)
             overlap = None
         step_s = phases["step_s"]
         batch = getattr(self.engine.config, "train_batch_size", None)
@@ -248,9 +245,10 @@ class TelemetryActor(Actor):
                 # The training thread changed the optimizer's state dict while it was walked
                 # (its first step creates it); the next record tries again.
                 pass
+            self._rss = int(self._process.memory_info().rss) if self._process is not None \
+                else int(self._memory.get("process_rss", 0))
         m = self._memory
-        rss = int(self._process.memory_info().rss) if self._process is not None else \
-            int(m.get("process_rss", 0))
+        rss = self._rss
         device = getattr(self.engine, "device", None)
         allocated = None
         if device is not None and device.type == "cuda":

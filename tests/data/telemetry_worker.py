@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--hz", type=float, default=None, help="flowtrain.telemetry_hz")
     parser.add_argument("--spans-every", type=int, default=None,
                         help="flowtrain.telemetry_spans_every")
+    parser.add_argument("--no-telemetry", action="store_true", help="flowtrain.telemetry false")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="rank 1 stops itself with SIGSTOP after this step")
     args = parser.parse_args()
@@ -45,6 +46,8 @@ def main() -> None:
     section: dict[str, object] = {}
     if args.hz is not None:
         section["telemetry_hz"] = args.hz
+    if args.no_telemetry:
+        section["telemetry"] = False
     if args.spans_every is not None:
         section["telemetry_spans_every"] = args.spans_every
     config: dict[str, object] = {
@@ -75,6 +78,7 @@ def main() -> None:
         if args.stop_after is not None and rank == 1 and engine.global_steps == args.stop_after:
             os.kill(os.getpid(), signal.SIGSTOP)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"steps": steps}))
+    print(f"rank {rank} done training at {time.time():.3f}", flush=True)
 
 
 if __name__ == "__main__":
