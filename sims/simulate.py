@@ -544,6 +544,12 @@ def _run_compare(ns: argparse.Namespace) -> int:
     work = Workload.from_run(record.plan, cfg.train_micro_batch_size_per_gpu,
                              name=record.path.name)
     prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work)
+    empty = [name for name, shape, _, _ in work.params if 0 in shape]
+    if empty:
+        prediction.notes.append(
+            f"plan.json lists {len(empty)} of {len(work.params)} parameters with no elements "
+            f"(first: {empty[0]}); ZeRO-3 placeholders recorded instead of the full shapes "
+            f"make the prediction miss those parameters")
     predicted = predicted_classes(prediction.timeline)
     measured, steps = measured_classes(record)
     rows = comparison_rows(predicted, measured)
@@ -559,6 +565,8 @@ def _run_compare(ns: argparse.Namespace) -> int:
             error = "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f} %"
             print(f"  {row['class']:<10} {_seconds(row['predicted_s']):>12} "
                   f"{_seconds(row['measured_s']):>12} {error:>9}")
+        for note in prediction.notes:
+            print(f"  note: {note}")
     if ns.trace:
         _write_trace(prediction, ns.trace, ns.json)
     return 0

@@ -228,6 +228,20 @@ def test_compare_errors_name_the_file(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "--nodes 3 does not divide the run's world size 2" in line
 
 
+def test_compare_notes_placeholder_shapes(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "spans").mkdir(parents=True)
+    plan = json.loads((RUN / "plan.json").read_text())
+    plan["param_specs"][2][1] = [0]  # what a ZeRO-3 parameter looks like once partitioned
+    (run / "plan.json").write_text(json.dumps(plan))
+    (run / "spans" / "rank0.jsonl").write_text((RUN / "spans" / "rank0.jsonl").read_text())
+    code, out, _ = _run(capsys, "--compare", str(run), "--cluster", "h100-x8")
+    assert code == 0
+    assert f"note: plan.json lists 1 of {len(plan['param_specs'])} parameters with no " \
+           f"elements (first: {plan['param_specs'][2][0]})" in out
+
+
 def test_calibrate_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--help"])
