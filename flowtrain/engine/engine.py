@@ -199,8 +199,12 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                                 timeout=comm.DEFAULT_TIMEOUT)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
-        return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.element_size())
-                for name, p in zip(self._names, self.trainable)]
+        """(name, shape, dtype, element size) of each trainable parameter, taken once before
+        ZeRO stage 3 replaces partitioned parameters with empty placeholders."""
+        if getattr(self, "_specs", None) is None:
+            self._specs = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."),
+                            p.element_size()) for name, p in zip(self._names, self.trainable)]
+        return self._specs
 
     def _make_plan(self, order: list[int] | None) -> StepPlan:
         buckets = None

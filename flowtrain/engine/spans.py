@@ -10,6 +10,7 @@ size, parameter specs and the forward FLOPs of one micro-batch."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -22,15 +23,17 @@ SCHEMA_VERSION = 1
 
 
 class SpanRecorder:
-    """Appends each step's spans to this rank's file; flushed every ``flush_every`` steps."""
+    """Appends each step's spans to this rank's file, flushed every ``flush_every`` steps (one
+    line per step: cheap) and at exit."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, flush_every: int = 20) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, flush_every: int = 1) -> None:
         self.dir = Path(run_dir) / "spans"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"rank{rank}.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._flush_every = flush_every
         self._pending = 0
+        atexit.register(self.close)
 
     def write_step(self, step: int, start: float,
                    spans: list[tuple[str, float, float]]) -> None:
