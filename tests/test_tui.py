@@ -144,10 +144,7 @@ async def replayed(pilot: Any, app: MonitorApp) -> None:
 
 
 def row(app: MonitorApp, rank: int) -> dict[str, str]:
-    table = app.query_one(RankTable)
-    cells = table.get_row(str(rank))
-    keys = [column.key.value for column in table.columns.values()]
-    return {key: cell.plain for key, cell in zip(keys, cells)}
+    return app.query_one(RankTable).cells_of(rank)
 
 
 def screen_text(app: MonitorApp) -> str:
@@ -292,7 +289,7 @@ async def test_keys_pick_ranks_switch_views_change_speed_and_quit(recording: Pat
         await wait_for(pilot, lambda: len(app.state.ranks) == 2 and app.selected_rank == 0)
         await pilot.press("r")
         assert app.selected_rank == 1
-        assert app.query_one(RankTable).cursor_row == 1
+        assert app.query_one(RankTable).selected == 1
         await pilot.press("up")
         assert app.selected_rank == 0
         await pilot.press("t")
@@ -302,7 +299,7 @@ async def test_keys_pick_ranks_switch_views_change_speed_and_quit(recording: Pat
         await wait_for(pilot, lambda: app.state.ranks[1].spans_step is not None)
         app.redraw(force=True)
         await pilot.pause()
-        assert "rank 1  step" in str(app.query_one(Timeline).render())
+        assert "rank 1  step" in app.query_one(Timeline).text()
         await pilot.press("tab")
         assert app.view == "events"
         await pilot.press("tab")
@@ -397,8 +394,7 @@ async def test_live_monitor_shows_what_the_coordinator_publishes() -> None:
                 await pilot.pause(0.05)
             for record in records[1:]:
                 coordinator.publish_record(record)
-            await wait_for(pilot, lambda: row(app, 1)["status"] == "STUCK"
-                           if "1" in app.query_one(RankTable).rows else False)
+            await wait_for(pilot, lambda: row(app, 1).get("status") == "STUCK")
             assert row(app, 0)["step"] == row(app, 1)["step"] == str(LAST_STEP)
             assert "live from tcp://" in str(app.query_one("#header").render())
         tasks.cancel_scope.cancel()

@@ -12,8 +12,9 @@ from typing import ClassVar
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical, VerticalScroll
-from textual.widgets import ContentSwitcher, DataTable, Footer, Static
+from textual.containers import Vertical
+from textual.css.query import NoMatches
+from textual.widgets import ContentSwitcher, Footer, Static
 
 from tui.event_log import EventLog
 from tui.header import JobHeader
@@ -24,13 +25,15 @@ from tui.state import RunState
 from tui.timeline import Timeline
 
 VIEWS = ("overview", "timeline", "events")
-REFRESH_S = 0.2
+REFRESH_S = 0.25
 
 
 class MonitorApp(App[None]):
     """The monitor of one run; ``source`` decides whether it is live or a replay."""
 
     TITLE = "flowtrain monitor"
+    # Nothing takes the focus at start, so the arrows reach the app and pick ranks.
+    AUTO_FOCUS = None
     CSS = """
     #notice {
         height: auto;
@@ -67,6 +70,7 @@ class MonitorApp(App[None]):
         self._refresh_s = refresh_s
         self._drawn: tuple[object, ...] = ()
         self.source_error: str | None = None
+        self._notice = ""
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
@@ -75,7 +79,7 @@ class MonitorApp(App[None]):
             with Vertical(id="overview"):
                 yield RankTable(id="ranks")
                 yield HistoryPlots(id="plots")
-            with VerticalScroll(id="timeline"):
+            with Vertical(id="timeline"):
                 yield Timeline(id="timeline-view")
             with Vertical(id="events"):
                 yield EventLog(id="event-log")
@@ -84,7 +88,6 @@ class MonitorApp(App[None]):
     def on_mount(self) -> None:
         self.run_worker(self._feed(), name="source", exclusive=True, exit_on_error=False)
         self.set_interval(self._refresh_s, self.redraw)
-        self.query_one(RankTable).focus()
         self.redraw(force=True)
 
     async def _feed(self) -> None:
@@ -99,18 +102,21 @@ class MonitorApp(App[None]):
         """Brings the header, the notice and the visible view up to date with the state."""
         describe = self.source.describe()
         key = (self.state.version, self.state.now, describe, self.view, self.selected_rank,
-               self.source_error)
+               self.source_error, self.size)
         if key == self._drawn and not force:
             return
+        try:
+            header = self.query_one(JobHeader)
+        except NoMatches:
+            return  # the app is closing: its widgets are gone, the timer not yet
         self._drawn = key
-        self.query_one(JobHeader).show(self.state, describe)
+        header.show(self.state, describe)
         self._show_notice()
+        if self.selected_rank is None and self.state.ranks:
+            self.selected_rank = min(self.state.ranks)
         if self.view == "overview":
-            table = self.query_one(RankTable)
-            table.show(self.state)
-            if self.selected_rank is None and self.state.ranks:
-                self.selected_rank = table.rank_at_cursor()
-            self.query_one(HistoryPlots).show(self.state)
+            self.query_one(RankTable).show(self.state, self.selected_rank)
+            self.query_one(HistoryPlots).show(self.state, force=force)
         elif self.view == "timeline":
             self.query_one(Timeline).show(self.state, self.selected_rank)
         else:
@@ -122,8 +128,12 @@ class MonitorApp(App[None]):
             lines.append(self.state.damage.text())
         if self.source_error is not None:
             lines.append(f"the data source stopped: {self.source_error}")
+        text = "\n".join(lines)
+        if text == self._notice:
+            return  # an update lays the screen out again: only when the notice changes
+        self._notice = text
         notice = self.query_one("#notice", Static)
-        notice.update("\n".join(lines))
+        notice.update(text)
         notice.set_class(not lines, "hidden")
 
     # ------------------------------------------------------------------ actions
@@ -134,10 +144,10 @@ class MonitorApp(App[None]):
     def action_next_view(self) -> None:
         self.view = VIEWS[(VIEWS.index(self.view) + 1) % len(VIEWS)]
         self.query_one(ContentSwitcher).current = self.view
-        if self.view == "overview":
-            self.query_one(RankTable).focus()
-        elif self.view == "events":
-            self.query_one(EventLog).focus()
+        if self.view == "events":
+            self.query_one(EventLog).focus()  # arrows scroll the log there
+        else:
+            self.set_focus(None)  # elsewhere arrows pick ranks
         self.redraw(force=True)
 
     def action_next_rank(self) -> None:
@@ -155,15 +165,11 @@ class MonitorApp(App[None]):
         else:
             index = ranks.index(self.selected_rank)
             self.selected_rank = ranks[(index + delta) % len(ranks)]
-        table = self.query_one(RankTable)
-        table.show(self.state)
-        table.select_rank(self.selected_rank)
         self.redraw(force=True)
 
-    def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
-        # Arrows on the focused rank table move its cursor; the picked rank follows it.
-        if message.data_table.id == "ranks" and message.row_key.value is not None:
-            self.selected_rank = int(message.row_key.value)
+    def on_rank_table_picked(self, message: RankTable.Picked) -> None:
+        self.selected_rank = message.rank
+        self.redraw(force=True)
 
     def action_faster(self) -> None:
         if isinstance(self.source, ReplaySource):

@@ -4,7 +4,7 @@ colored by whether each meets its target."""
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
 
 from tui import format as fmt
 from tui.health import HealthFigure
@@ -43,8 +43,9 @@ def header_text(state: RunState, source: str) -> Text:
     return line
 
 
-class JobHeader(Static):
-    """The two header lines; redrawn by the app when the state or the source changes."""
+class JobHeader(Widget):
+    """The two header lines. Redrawn in place (never laid out again) when their text changes,
+    which happens several times a second on a live run."""
 
     DEFAULT_CSS = """
     JobHeader {
@@ -54,5 +55,15 @@ class JobHeader(Static):
     }
     """
 
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.text = Text()
+
     def show(self, state: RunState, source: str) -> None:
-        self.update(header_text(state, source))
+        text = header_text(state, source)
+        if text.plain != self.text.plain or text.spans != self.text.spans:
+            self.text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return self.text

@@ -3,6 +3,8 @@ the loss and the job-wide samples/s, each averaged over the ranks that reported 
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 
 from textual.app import ComposeResult
@@ -11,6 +13,8 @@ from textual.widgets import Label, Sparkline
 
 from tui import format as fmt
 from tui.state import RunState
+
+PLOT_EVERY_S = 1.0
 
 
 def series_label(name: str, values: Sequence[float], show: Callable[[float], str]) -> str:
@@ -38,9 +42,11 @@ class HistoryPlots(Vertical):
     }
     """
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, every_s: float = PLOT_EVERY_S, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.every_s = every_s
         self._shown: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        self._last = -math.inf
 
     def compose(self) -> ComposeResult:
         yield Label(series_label("loss", [], fmt.loss), id="loss-label")
@@ -48,7 +54,13 @@ class HistoryPlots(Vertical):
         yield Label(series_label("samples/s", [], fmt.rate), id="rate-label")
         yield Sparkline([], id="rate-plot")
 
-    def show(self, state: RunState) -> None:
+    def show(self, state: RunState, force: bool = False) -> None:
+        """Redraws at most every ``every_s`` seconds unless forced: a curve over hundreds of
+        steps gains nothing from 5 redraws a second, and they would slow the key presses."""
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
         losses = tuple(state.loss_history())
         rates = tuple(state.throughput_history())
         if (losses, rates) == self._shown:

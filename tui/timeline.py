@@ -4,11 +4,11 @@ rank as one compact line below it, so a rank whose reduces run late is easy to s
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.widget import Widget
+from textual.strip import Strip
 
 from tui import format as fmt
 from tui.state import RankState, RunState
+from tui.strip_view import StripView, line
 
 # lane name, task-name prefixes (as the StepPlan names its tasks), bar character, style
 LANES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
@@ -21,6 +21,7 @@ LANES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
 OTHER = ("other", (), "·", "white")
 LABEL_WIDTH = 10
 SHARE_WIDTH = 6
+DRAW_ORDER = (4, 1, 2, 3, 0, 5)  # wait, reduce, gather, optimizer, compute, other
 
 
 def lane_of(task: str) -> int:
@@ -65,88 +66,96 @@ def step_duration(rank: RankState) -> float:
     return max((end for _, _, end in rank.spans), default=0.0)
 
 
-def detail_text(rank: RankState, width: int) -> Text:
-    """The picked rank's lanes, a share per lane and a time axis."""
+def runs(chars: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Adjacent cells of the same character and style joined into one piece."""
+    out: list[tuple[str, str]] = []
+    for char, spec in chars:
+        if out and out[-1][1] == spec:
+            out[-1] = (out[-1][0] + char, spec)
+        else:
+            out.append((char, spec))
+    return out
+
+
+def detail_lines(rank: RankState, width: int) -> list[Strip]:
+    """The picked rank's lanes, a busy share per lane and a time axis."""
     duration = step_duration(rank)
-    out = Text()
-    out.append(f"rank {rank.rank}", style="bold")
     if not rank.spans:
-        out.append(": no spans yet\n", style="dim")
-        return out
-    out.append(f"  step {rank.spans_step}  {fmt.seconds(duration)}  {len(rank.spans)} spans\n")
+        return [line((f"rank {rank.rank}", "bold"), (": no spans yet", "dim"))]
+    lines = [line((f"rank {rank.rank}", "bold"),
+                  (f"  step {rank.spans_step}  {fmt.seconds(duration)}  "
+                   f"{len(rank.spans)} spans", ""))]
     bar_width = max(10, width - LABEL_WIDTH - SHARE_WIDTH - 2)
     columns = lane_columns(rank.spans, duration, bar_width)
-    for index, (name, _, char, style) in enumerate(lanes_with_other()):
+    for index, (name, _, char, spec) in enumerate(lanes_with_other()):
         if index == len(LANES) and not any(columns[index]):
             continue
-        out.append(f"{name:<{LABEL_WIDTH}}")
-        out.append("".join(char if hit else " " for hit in columns[index]), style=style)
-        out.append(f" {busy_share(rank.spans, index, duration) * 100:>4.0f}%\n")
+        bar = "".join(char if hit else " " for hit in columns[index])
+        share = busy_share(rank.spans, index, duration) * 100
+        lines.append(line((f"{name:<{LABEL_WIDTH}}", ""), (bar, spec), (f" {share:>4.0f}%", "")))
     middle = fmt.seconds(duration / 2)
     end = fmt.seconds(duration)
     axis = "0s".ljust(bar_width // 2 - len(middle) // 2) + middle
-    out.append(" " * LABEL_WIDTH + axis.ljust(bar_width - len(end)) + end + "\n", style="dim")
-    return out
+    lines.append(line((" " * LABEL_WIDTH + axis.ljust(bar_width - len(end)) + end, "dim")))
+    return lines
 
 
-def compact_line(rank: RankState, width: int, selected: bool) -> Text:
-    """One rank on one line: each column shows the busiest-ranked lane there."""
-    label = f"{'>' if selected else ' '}r{rank.rank:<4} s{rank.spans_step if rank.spans else '-':<6}"
-    out = Text(label[:LABEL_WIDTH + 4].ljust(LABEL_WIDTH + 4), style="bold" if selected else "")
+def compact_line(rank: RankState, width: int, selected: bool) -> Strip:
+    """One rank on one line: each column shows the lane drawn on top there."""
+    step = rank.spans_step if rank.spans else "-"
+    label = f"{'>' if selected else ' '}r{rank.rank:<4} s{step:<6}"[:LABEL_WIDTH + 4]
     duration = step_duration(rank)
     bar_width = max(10, width - LABEL_WIDTH - 4 - 10)
     columns = lane_columns(rank.spans, duration, bar_width)
+    lanes = lanes_with_other()
+    cells = []
     for column in range(bar_width):
         # Communication lanes are drawn over compute: exposed communication is the news.
-        for index in (4, 1, 2, 3, 0, 5):
-            if columns[index][column]:
-                _, _, char, style = lanes_with_other()[index]
-                out.append(char, style=style)
-                break
-        else:
-            out.append(" ")
-    out.append(f" {fmt.seconds(duration) if rank.spans else fmt.MISSING:>8}\n")
-    return out
+        hit = next((i for i in DRAW_ORDER if columns[i][column]), None)
+        cells.append((" ", "") if hit is None else (lanes[hit][2], lanes[hit][3]))
+    total = fmt.seconds(duration) if rank.spans else fmt.MISSING
+    return line((label.ljust(LABEL_WIDTH + 4), "bold" if selected else ""), *runs(cells),
+                (f" {total:>8}", ""))
 
 
-class Timeline(Widget):
-    """Redrawn from the state when the picked rank or its last step changes."""
+def legend() -> Strip:
+    return line(("all ranks, last step  ", "bold"),
+                *((f"{char} {name}  ", spec) for name, _, char, spec in LANES))
+
+
+class Timeline(StripView):
+    """Rebuilt from the state only when the picked rank, a rank's last spans or the width
+    changed; scrolls when 64 ranks do not fit."""
 
     DEFAULT_CSS = """
     Timeline {
-        height: auto;
         padding: 0 1;
     }
     """
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self._state: RunState | None = None
-        self._selected: int | None = None
+        super().__init__(**kwargs)
         self._key: tuple[object, ...] = ()
 
     def show(self, state: RunState, selected: int | None) -> None:
-        key = (selected, tuple((r, s.spans_step, len(s.spans)) for r, s in state.ranks.items()))
-        self._state, self._selected = state, selected
-        if key != self._key:
-            self._key = key
-            self.refresh(layout=True)
+        width = max(40, self.size.width - 1)
+        key = (selected, width,
+               tuple((r, s.spans_step, len(s.spans)) for r, s in state.ranks.items()))
+        if key == self._key:
+            return
+        self._key = key
+        if not state.ranks:
+            self.set_lines([line(("no ranks yet", "dim"))])
+            return
+        lines: list[Strip] = []
+        picked = state.ranks.get(selected) if selected is not None else None
+        if picked is not None:
+            lines += detail_lines(picked, width)
+            lines.append(Strip.blank(0))
+        lines.append(legend())
+        lines += [compact_line(state.ranks[n], width, n == selected) for n in sorted(state.ranks)]
+        self.set_lines(lines)
 
-    def render(self) -> Text:
-        state = self._state
-        if state is None or not state.ranks:
-            return Text("no ranks yet", style="dim")
-        width = max(40, self.size.width - 2)
-        selected = state.ranks.get(self._selected) if self._selected is not None else None
-        out = Text()
-        if selected is not None:
-            out.append_text(detail_text(selected, width))
-            out.append("\n")
-        out.append("all ranks, last step  ", style="bold")
-        for name, _, char, style in LANES:
-            out.append(f"{char} {name}  ", style=style)
-        out.append("\n")
-        for number in sorted(state.ranks):
-            out.append_text(compact_line(state.ranks[number], width, number == self._selected))
-        out.rstrip()
-        return out
+    def text(self) -> str:
+        """What the timeline reads, line by line (for tests)."""
+        return "\n".join(strip.text for strip in self.lines)
