@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_pipes
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,8 @@ class Settings:
 DEFAULT = Settings(
     matmul_sizes=(32, 64, 128, 256, 512, 1024), low_precision_sizes=(64, 256, 512, 1024),
     seconds_per_point=0.1, max_op_seconds=0.1, memory_elements=1 << 25,
-    collective_bytes=(4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20),
-    collective_trials=5, trial_seconds=0.03, interference_bytes=8 << 20,
+    collective_bytes=(4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 25 << 20),
+    collective_trials=7, trial_seconds=0.03, interference_bytes=8 << 20,
     interference_window_s=1.0)
 QUICK = Settings(
     matmul_sizes=(64, 256, 512), low_precision_sizes=(256, 512), seconds_per_point=0.04,
@@ -75,7 +76,9 @@ QUICK = Settings(
 # ----------------------------------------------------------------------------- measuring
 
 def _repeat(fn: Callable[[], object], seconds: float, min_reps: int = 3) -> float:
-    """Median time of ``fn`` over about ``seconds`` of repetitions (after one warm-up)."""
+    """Fastest time of ``fn`` over about ``seconds`` of repetitions (after one warm-up). The
+    fastest, because other work on a shared host only ever adds time: it is the figure that
+    repeats from run to run (the median swung 2-3x with the load of a busy 2-core host)."""
     fn()
     times: list[float] = []
     end = time.perf_counter() + seconds
@@ -83,12 +86,12 @@ def _repeat(fn: Callable[[], object], seconds: float, min_reps: int = 3) -> floa
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_matmul(settings: Settings) -> list[dict[str, Any]]:
-    """Single-thread matmul times: one thread is one device of a CPU profile, as
-    ``flowtrain launch`` gives each of cores ranks one thread."""
+    """Single-thread matmul times. One thread stands for one device of a CPU profile: with as
+    many ranks as cores, ``flowtrain launch`` gives each rank one thread."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     records: list[dict[str, Any]] = []
@@ -150,6 +153,10 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
     torch once, since a child forked after the parent used OpenMP hangs in its first
     multi-threaded op (GNU libgomp)."""
     world = max(ranks)
+    for nbytes in (*settings.collective_bytes, settings.interference_bytes):
+        if nbytes <= 0 or nbytes % (4 * world):
+            raise ValueError(f"collective sizes must be positive multiples of 4 B x {world} ranks "
+                             f"(float32 shards of equal size), got {nbytes}")
     if start_method is None:
         one_thread = (os.cpu_count() or 1) // min(ranks) <= 1
         start_method = "fork" if one_thread else "forkserver"
@@ -170,21 +177,28 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
         procs.append(proc)
     deadline = time.monotonic() + timeout_s
     results: dict[int, dict[str, Any]] = {}
+    waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
     try:
-        for rank, pipe in enumerate(pipes):
-            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+        # All pipes at once, so the first rank to fail is the one reported (its peers only
+        # notice at their process-group timeout) and a dead rank is seen at once (EOF).
+        while waiting:
+            remaining = deadline - time.monotonic()
+            ready = wait_for_pipes(list(waiting), timeout=max(0.0, remaining))
+            if not ready:
                 raise CalibrationError(
-                    f"calibration rank {rank} of {world} sent nothing within {timeout_s:g} s "
-                    f"(exit code {procs[rank].exitcode}); rerun with a larger --timeout or on a "
-                    "less busy host")
-            try:
-                results[rank] = pipe.recv()
-            except EOFError:
-                raise CalibrationError(f"calibration rank {rank} died without a result (exit "
-                                       f"code {procs[rank].exitcode})") from None
-            if "error" in results[rank]:
-                raise CalibrationError(f"calibration rank {rank} failed:\n"
-                                       f"{results[rank]['error']}")
+                    f"calibration ranks {sorted(waiting.values())} of {world} sent nothing within "
+                    f"{timeout_s:g} s; rerun with a larger --timeout or on a less busy host")
+            for pipe in ready:
+                rank = waiting.pop(pipe)  # type: ignore[call-overload]
+                try:
+                    results[rank] = pipe.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    procs[rank].join(1)
+                    raise CalibrationError(f"calibration rank {rank} died without a result "
+                                           f"(exit code {procs[rank].exitcode})") from None
+                if "error" in results[rank]:
+                    raise CalibrationError(f"calibration rank {rank} failed:\n"
+                                           f"{results[rank]['error']}")
         for proc in procs:
             proc.join(max(1.0, deadline - time.monotonic()))
     finally:
@@ -216,7 +230,7 @@ def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], setting
         smallest = min(ranks)
         if rank < smallest:
             _set_threads(smallest)
-            result["interference"] = _interference(groups[smallest], settings)
+            result["interference"] = _interference(groups[smallest], smallest, settings)
         dist.barrier()
         conn.send(result)
         dist.destroy_process_group()
@@ -264,12 +278,13 @@ def _time_collectives(group: Any, ranks: int, settings: Settings) -> list[dict[s
                 for _ in range(k):
                     call()
                 trials.append((time.perf_counter() - start) / k)
+            # The fastest trial, for the reason given in _repeat; all of them are kept.
             records.append({"op": op, "ranks": ranks, "bytes": nbytes,
-                            "seconds": statistics.median(trials), "trials": trials})
+                            "seconds": min(trials), "trials": trials})
     return records
 
 
-def _interference(group: Any, settings: Settings) -> dict[str, float]:
+def _interference(group: Any, ranks: int, settings: Settings) -> dict[str, float]:
     """Matmul throughput alone, then while a background thread runs back-to-back all-reduces,
     then alone again. The compute lost per second of collective is the fraction of the
     collective's time that also occupies the compute resource."""
@@ -283,7 +298,7 @@ def _interference(group: Any, settings: Settings) -> dict[str, float]:
         return count / (time.perf_counter() - start)
 
     window = settings.interference_window_s
-    call = _collective_call("all_reduce", group, 2, settings.interference_bytes)
+    call = _collective_call("all_reduce", group, ranks, settings.interference_bytes)
     start = time.perf_counter()
     call()
     collectives = _agreed_repeats(time.perf_counter() - start, window, group, cap=10_000)
@@ -325,6 +340,8 @@ def host_facts() -> dict[str, Any]:
         pass
     return {"hostname": socket.gethostname(), "cpu": model, "cores": os.cpu_count() or 1,
             "memory_bytes": int(psutil.virtual_memory().total), "torch": torch.__version__,
+            # Other work on the host skews every figure; the load says how much there was.
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "recorded": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 

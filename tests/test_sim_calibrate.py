@@ -1,0 +1,259 @@
+"""sims.calibrate: the fits on synthetic and on recorded measurements of this host, the profile
+it writes loading back through get_profile, the command's errors, and one tiny real run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sims import calibrate
+from sims.calibrate import (CalibrationError, fit_collectives, fit_efficiency, fit_link,
+                            fit_profile, fit_ring_link, main)
+from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
+from sims.hardware import Link, get_profile
+
+SAMPLE = Path(__file__).parent / "data" / "calibration_sample.json"
+
+
+@pytest.fixture(scope="module")
+def sample() -> dict[str, Any]:
+    """Measurements recorded once on the project's 2-core host (`flowtrain calibrate
+    --save-measurements`), so the fit is tested on real, noisy gloo and matmul numbers."""
+    return json.loads(SAMPLE.read_text())
+
+
+def relative_loss(link: Link, points: list[tuple[float, float]]) -> float:
+    return sum((link.seconds(b) / t - 1) ** 2 for b, t in points)
+
+
+# ----------------------------------------------------------------------------- synthetic fits
+
+def test_fit_link_recovers_latency_and_bandwidth_exactly_from_clean_points() -> None:
+    sizes = [4096, 65536, 1 << 20, 8 << 20, 32 << 20]
+    link = fit_link([(b, 2.5e-4 + b / 1.2e9) for b in sizes])
+    assert link.latency_s == pytest.approx(2.5e-4, rel=1e-9)
+    assert link.bandwidth == pytest.approx(1.2e9, rel=1e-9)
+
+
+def test_fit_link_tolerates_noise() -> None:
+    sizes = [4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20]
+    noise = [1.04, 0.97, 1.03, 0.96, 1.02, 0.98]
+    link = fit_link([(b, (1e-4 + b / 5e8) * k) for b, k in zip(sizes, noise)])
+    assert link.latency_s == pytest.approx(1e-4, rel=0.05)
+    assert link.bandwidth == pytest.approx(5e8, rel=0.05)
+
+
+def test_fit_link_never_returns_a_negative_latency() -> None:
+    # Pure bandwidth with the small point measured fast: unconstrained least squares would give a
+    # negative intercept.
+    points = [(4096.0, 2e-6), (1 << 20, 1.1e-3), (8 << 20, 8.4e-3)]
+    link = fit_link(points)
+    assert link.latency_s == 0.0
+    per_point = [b / t for b, t in points]
+    assert min(per_point) < link.bandwidth < max(per_point)
+
+
+def test_fit_link_errors_say_what_is_missing() -> None:
+    with pytest.raises(CalibrationError, match="at least two different sizes"):
+        fit_link([(4096.0, 1e-3), (4096.0, 1.1e-3)])
+    with pytest.raises(CalibrationError, match="do not grow with the buffer size"):
+        fit_link([(4096.0, 2e-3), (1 << 20, 1e-3)], "all_reduce over 2 ranks")
+
+
+def test_fit_ring_link_recovers_the_link_behind_every_op() -> None:
+    alpha, bandwidth = 3e-5, 2e9
+    records = [{"op": op, "ranks": n, "bytes": b,
+                "seconds": ring_steps(op, n) * alpha + ring_factor(op, n) * b / bandwidth}
+               for op in calibrate.MEASURED_OPS for n in (2, 4) for b in (4096, 1 << 20, 1 << 24)]
+    link = fit_ring_link({"collectives": records})
+    assert link.latency_s == pytest.approx(alpha, rel=1e-9)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_fit_efficiency_reproduces_every_matmul() -> None:
+    records = [{"dtype": "float32", "n": n, "flops": 2.0 * n**3, "seconds": 2.0 * n**3 / rate}
+               for n, rate in ((64, 20e9), (256, 80e9), (1024, 60e9))]
+    records.append({"dtype": "float32", "n": 256, "flops": 2.0 * 256**3,
+                    "seconds": 2.0 * 256**3 / 70e9})  # a slower repeat: the best one counts
+    peak, curve = fit_efficiency(records)
+    assert peak == pytest.approx(80e9)
+    assert [f for f, _ in curve] == [2.0 * 64**3, 2.0 * 256**3, 2.0 * 1024**3]
+    assert [e for _, e in curve] == pytest.approx([0.25, 1.0, 0.75])
+
+
+# ----------------------------------------------------------------------------- recorded data
+
+def test_sample_was_recorded_on_this_kind_of_host(sample: dict[str, Any]) -> None:
+    assert sample["v"] == calibrate.MEASUREMENTS_VERSION
+    assert {r["ranks"] for r in sample["collectives"]} == {2, 4}
+    assert {r["op"] for r in sample["collectives"]} == set(calibrate.MEASURED_OPS)
+
+
+def test_fitted_collectives_predict_the_recorded_points(sample: dict[str, Any]) -> None:
+    profile = fit_profile(sample)
+    errors: list[float] = []
+    grouped: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in sample["collectives"]:
+        predicted = collective_seconds(r["op"], r["bytes"], r["ranks"], profile)
+        errors.append(abs(predicted / r["seconds"] - 1))
+        grouped.setdefault((r["op"], r["ranks"]), []).append((r["bytes"], r["seconds"]))
+    # The sample was recorded at a load average of ~9 on 2 cores (other engineers' builds and
+    # tests), so single points scatter: the typical point is within 15 %, the worst within 2x.
+    assert statistics.median(errors) < 0.15, sorted(errors)
+    assert max(errors) < 1.0, sorted(errors)
+    # Each fitted link is the relative least-squares optimum: nudging it makes the fit worse.
+    for (op, ranks), points in grouped.items():
+        link = profile.collectives[op][ranks]
+        best = relative_loss(link, points)
+        nudges = [(1, 1.05), (1, 0.95)] + ([(1.05, 1), (0.95, 1)] if link.latency_s else [])
+        for scale_latency, scale_bandwidth in nudges:
+            nudged = Link(link.latency_s * scale_latency, link.bandwidth * scale_bandwidth)
+            assert relative_loss(nudged, points) > best
+
+
+def test_fitted_compute_reproduces_the_recorded_matmuls(sample: dict[str, Any]) -> None:
+    profile = fit_profile(sample)
+    fp32 = [r for r in sample["matmul"] if r["dtype"] == "float32"]
+    for r in fp32:
+        assert compute_seconds(r["flops"], 0, "float32", profile) == pytest.approx(r["seconds"])
+    for dtype in ("bfloat16", "float16"):
+        rates = [r["flops"] / r["seconds"] for r in sample["matmul"] if r["dtype"] == dtype]
+        assert profile.peak_flops[dtype] == pytest.approx(max(rates))
+    copy_record = next(r for r in sample["memory"] if r["kind"] == "copy")
+    assert profile.host_to_device.bandwidth == pytest.approx(
+        copy_record["bytes_moved"] / 2 / copy_record["seconds"])
+    assert profile.comm_compute_interference == pytest.approx(
+        sample["interference"]["fraction"])
+    assert profile.kind == "cpu" and profile.devices_per_node == sample["host"]["cores"]
+
+
+def test_calibrate_writes_a_profile_that_get_profile_loads(sample: dict[str, Any],
+                                                           tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    out = tmp_path / "cache" / "host_profile.json"
+    monkeypatch.setenv("FLOWTRAIN_HOST_PROFILE", str(out))
+    assert main(["--from-measurements", str(SAMPLE)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    loaded = get_profile("this-host")
+    assert loaded == fit_profile(sample)
+    fitted = fit_collectives(sample)
+    for r in sample["collectives"]:
+        link = fitted[r["op"]][r["ranks"]]
+        assert collective_seconds(r["op"], r["bytes"], r["ranks"], loaded) == pytest.approx(
+            link.latency_s + r["bytes"] / link.bandwidth, rel=1e-12)
+    # Rank counts that were not measured fall back to the ring link fitted from all of them.
+    ring = loaded.intra_node
+    assert collective_seconds("all_reduce", 1 << 20, 3, loaded) == pytest.approx(
+        4 * ring.latency_s + 4 / 3 * (1 << 20) / ring.bandwidth)
+
+
+def test_an_unfittable_entry_is_left_to_the_ring_formula(sample: dict[str, Any]) -> None:
+    noisy = copy.deepcopy(sample)
+    gathers = [r for r in noisy["collectives"] if r["op"] == "all_gather" and r["ranks"] == 4]
+    for i, r in enumerate(sorted(gathers, key=lambda r: r["bytes"])):
+        r["seconds"] = 0.05 / (i + 1)  # larger buffers measured faster: nothing to fit
+    with pytest.raises(CalibrationError, match="all_gather over 4 ranks: the measured times do "
+                                               "not grow with the buffer size"):
+        fit_collectives(noisy)
+    profile = fit_profile(noisy)
+    assert 4 not in profile.collectives["all_gather"] and 2 in profile.collectives["all_gather"]
+    assert "left out: all_gather over 4 ranks" in profile.sources["collectives"]
+    assert collective_seconds("all_gather", 1 << 20, 4, profile) == pytest.approx(
+        3 * profile.intra_node.latency_s + 0.75 * (1 << 20) / profile.intra_node.bandwidth)
+
+
+# ----------------------------------------------------------------------------- command errors
+
+def test_bad_flags_return_2_and_name_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--ranks", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks" in err and "'1,2'" in err and "from 2 to 16" in err
+    assert main(["--timeout", "-3"]) == 2
+    assert "must be a number of seconds > 0, got '-3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda m: m["host"].pop("cores"), "missing field 'host.cores'"),
+    (lambda m: m["collectives"][0].update(seconds="fast"),
+     "field 'collectives[0].seconds' has the wrong type, got 'fast'"),
+    (lambda m: m["collectives"][1].update(op="all_to_all"),
+     "field 'collectives[1].op' must be one of all_reduce, reduce_scatter, all_gather"),
+    (lambda m: m.update(v=7), "field 'v' must be 1, got 7"),
+])
+def test_malformed_measurements_name_the_field(sample: dict[str, Any], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str],
+                                               mutate: Any, message: str) -> None:
+    broken = copy.deepcopy(sample)
+    mutate(broken)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(broken))
+    assert main(["--from-measurements", str(path), "--out", str(tmp_path / "p.json")]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+# ----------------------------------------------------------------------------- a real run
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = dataclasses.replace(
+        calibrate.QUICK, matmul_sizes=(32, 128), low_precision_sizes=(64,),
+        seconds_per_point=0.01, memory_elements=1 << 20,
+        collective_bytes=(4 << 10, 256 << 10, 2 << 20),
+        collective_trials=3, trial_seconds=0.005, interference_bytes=256 << 10,
+        interference_window_s=0.1)
+    monkeypatch.setattr(calibrate, "QUICK", tiny)  # `--quick`, smaller still
+    out, raw = tmp_path / "p.json", tmp_path / "raw.json"
+    assert main(["--quick", "--ranks", "2", "--out", str(out), "--save-measurements", str(raw),
+                 "--timeout", "45"]) == 0
+    printed = capsys.readouterr().out
+    assert "all_reduce     2 ranks: latency" in printed and f"wrote {out}" in printed
+    measurements = json.loads(raw.read_text())
+    records = measurements["collectives"]
+    assert sorted((r["op"], r["bytes"]) for r in records) == sorted(
+        (op, b) for op in calibrate.MEASURED_OPS for b in tiny.collective_bytes)
+    assert all(r["ranks"] == 2 and r["seconds"] > 0 for r in records)
+    assert 0.0 <= measurements["interference"]["fraction"] <= 1.0
+    assert [r["n"] for r in measurements["matmul"] if r["dtype"] == "float32"] == [32, 128]
+    profile = get_profile(str(out))
+    assert profile == fit_profile(measurements)
+    assert profile.memory_bandwidth > 1e8  # any host streams more than 100 MB/s
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_failing_rank_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    real = calibrate._time_collectives
+
+    def fail_on_rank_1(group: Any, ranks: int, settings: calibrate.Settings) -> Any:
+        if dist.get_rank() == 1:
+            raise RuntimeError("boom on rank 1")
+        return real(group, ranks, settings)
+
+    monkeypatch.setattr(calibrate, "_time_collectives", fail_on_rank_1)  # forked ranks see it
+    tiny = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10,), collective_trials=1)
+    start = time.monotonic()
+    with pytest.raises(CalibrationError, match=r"(?s)calibration rank 1 failed:.*boom on rank 1"):
+        calibrate.measure_collectives(tiny, (2,), timeout_s=30, start_method="fork")
+    assert time.monotonic() - start < 15  # not the 30 s its peer waits in the collective
+
+
+def test_collective_sizes_must_split_evenly() -> None:
+    bad = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10, 1000))
+    with pytest.raises(ValueError, match=r"multiples of 4 B x 4 ranks.*got 1000"):
+        calibrate.measure_collectives(bad, (2, 4), timeout_s=5)
