@@ -17,11 +17,12 @@ import torch.distributed.checkpoint as dcp
 from flowtrain.engine.dcp_state import (
     Holdings,
     Piece,
-    _distributed,
-    _flat,
-    _layout,
-    _quiet,
+    aliases,
+    as_dcp_tensor,
+    flat_view,
+    gather_layout,
     holdings,
+    quiet,
     stored,
 )
 from flowtrain.log import get_logger
@@ -44,7 +45,7 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
     saved = description.get("optimizer") if optimizer else None
     if saved is not None:
         _prepare_optimizer(engine.optimizer, held, saved)
-    layout = _layout(held) if engine.zero is not None else None  # collective: every rank
+    layout = gather_layout(held)[0] if engine.zero is not None else None  # collective: every rank
     targets: dict[str, Any] = {}
     whole_to_pieces: list[tuple[torch.Tensor, list[tuple[Piece, torch.Tensor]]]] = []
     by_param: dict[int, list[Piece]] = {}
@@ -53,9 +54,9 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
     for i, pieces in by_param.items():
         name, numel = held.names[i], math.prod(held.shapes[i])
         everyone = layout.get(i) if layout is not None else None
-        flats = {p.holder: _flat(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
+        flats = {p.holder: flat_view(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
         if params and f"param/{name}" in on_disk:
-            targets[f"param/{name}"] = _distributed(
+            targets[f"param/{name}"] = as_dcp_tensor(
                 numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length))
                         for p in pieces], everyone)
         elif params and f"module/{name}" in on_disk:  # frozen when saved, trainable now
@@ -65,9 +66,9 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
         for key in (saved["keys"].get(name, {}) if saved is not None else ()):
             if f"optim/{name}/{key}" not in on_disk:
                 continue
-            values = {h: _flat(engine.optimizer.state[held.stepped[h]][key],
+            values = {h: flat_view(engine.optimizer.state[held.stepped[h]][key],
                                f"optimizer state {key!r} of {name!r}") for h in flats}
-            targets[f"optim/{name}/{key}"] = _distributed(
+            targets[f"optim/{name}/{key}"] = as_dcp_tensor(
                 numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
                         for p in pieces], everyone)
     if module:
@@ -75,8 +76,8 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
             if f"module/{key}" in on_disk:
                 targets[f"module/{key}"] = tensor.detach()
             elif f"param/{key}" in on_disk:  # trainable when saved, frozen now
-                targets[f"param/{key}"] = _flat(tensor, f"module entry {key!r}")
-    with _quiet():
+                targets[f"param/{key}"] = flat_view(tensor, f"module entry {key!r}")
+    with quiet():
         dcp.load(targets, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
     with torch.no_grad():
         for whole, pieces in whole_to_pieces:
@@ -103,7 +104,7 @@ def load_through(engine: Any, custom_load_fn: Any, directory: Path,
                 if held.stepped[p.holder] is param:
                     continue  # stage 0 without masters: the optimizer steps the parameter
                 value = param.detach().reshape(-1).narrow(0, p.offset, p.length)
-                _flat(held.stepped[p.holder], "a master").narrow(0, p.start, p.length).copy_(
+                flat_view(held.stepped[p.holder], "a master").narrow(0, p.start, p.length).copy_(
                     value)
     sync_model(engine)
 
@@ -125,18 +126,10 @@ def sync_model(engine: Any) -> None:
         engine.master.copy_to_model()
 
 
-def _aliases(engine: Any, names: list[str]) -> dict[str, str]:
-    """Other names of the trainable parameters (tied weights) -> the name they are saved under."""
-    trainable = {id(p): names[i] for i, p in enumerate(engine.trainable)}
-    return {n: trainable[id(p)]
-            for n, p in engine.module.named_parameters(remove_duplicate=False)
-            if id(p) in trainable and n != trainable[id(p)]}
-
-
 def _module_entries(engine: Any, held: Holdings) -> dict[str, torch.Tensor]:
     """The module's state-dict entries that are not trainable parameters: buffers and frozen
     parameters (the tensors themselves, so a load writes into them)."""
-    skip = set(held.names) | set(_aliases(engine, held.names))
+    skip = set(held.names) | set(aliases(engine, held.names))
     return {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in skip}
 
 
@@ -163,7 +156,7 @@ def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
     mismatched = [f"size mismatch for {k}: the checkpoint has shape {_shape(saved_shapes[k])}, "
                   f"the model {_shape(s)}" for k, s in wanted.items()
                   if k in saved_shapes and tuple(saved_shapes[k]) != tuple(s)]
-    mine = set(held.names) | set(entries) | set(_aliases(engine, held.names))
+    mine = set(held.names) | set(entries) | set(aliases(engine, held.names))
     unexpected = [k for k in saved_shapes if k not in mine]
     if mismatched:
         raise RuntimeError("loading the checkpoint's tensors: " + "; ".join(mismatched))
@@ -236,7 +229,7 @@ def full_state_dict(directory: Path, description: dict[str, Any]) -> dict[str, t
     for key in description["module_keys"]:
         shape, dtype = on_disk[f"module/{key}"]
         targets[f"module/{key}"] = torch.empty(shape, dtype=dtype)
-    with _quiet():
+    with quiet():
         dcp.load(targets, checkpoint_id=str(directory), no_dist=True)
     params = {n: targets[f"param/{n}"].view(tuple(s)) for n, s in description["params"].items()}
     out: dict[str, torch.Tensor] = {}

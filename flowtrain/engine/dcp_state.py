@@ -99,7 +99,7 @@ def holdings(engine: Any, *, split: bool) -> Holdings:
     return Holdings(names, shapes, stepped, members, pieces)
 
 
-def _flat(tensor: torch.Tensor, what: str) -> torch.Tensor:
+def flat_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """A 1-D view sharing ``tensor``'s memory (DCP loads write through it)."""
     tensor = tensor.detach()
     if not tensor.is_contiguous():
@@ -139,19 +139,30 @@ def _all_gather(obj: Any) -> list[Any]:
 Layout = dict[int, list[tuple[int, int, int, str]]]  # param -> (rank, offset, length, device)
 
 
-def _layout(held: Holdings) -> Layout:
-    """Every rank's pieces, by parameter: what a sharded tensor's global description needs."""
+def gather_layout(held: Holdings, extra: Any = None) -> tuple[Layout, list[Any]]:
+    """Every rank's pieces, by parameter (what a sharded tensor's global description needs),
+    and every rank's ``extra``: one all-gather of small objects."""
     mine = [(p.param, p.offset, p.length, str(held.stepped[p.holder].device))
             for p in held.pieces]
     layout: Layout = {}
-    for rank, pieces in enumerate(_all_gather(mine)):
+    extras = []
+    for rank, (pieces, told) in enumerate(_all_gather((mine, extra))):
         for param, offset, length, device in pieces:
             layout.setdefault(param, []).append((rank, offset, length, device))
-    return layout
+        extras.append(told)
+    return layout, extras
+
+
+def aliases(engine: Any, names: list[str]) -> dict[str, str]:
+    """Other names of the trainable parameters (tied weights) -> the name they are saved under."""
+    trainable = {id(p): names[i] for i, p in enumerate(engine.trainable)}
+    return {n: trainable[id(p)]
+            for n, p in engine.module.named_parameters(remove_duplicate=False)
+            if id(p) in trainable and n != trainable[id(p)]}
 
 
 @contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     # ShardedTensor warns that it will give way to DTensor; DTensor cannot describe the uneven,
     # bucket-aligned pieces ZeRO holds, so the warning says nothing actionable here.
     with warnings.catch_warnings():
@@ -160,7 +171,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _distributed(numel: int, local: list[tuple[int, torch.Tensor]],
+def as_dcp_tensor(numel: int, local: list[tuple[int, torch.Tensor]],
                  everyone: list[tuple[int, int, int, str]] | None) -> torch.Tensor:
     """One parameter's 1-D tensor as DCP should see it: the plain tensor when this rank holds it
     whole, else a ShardedTensor of this rank's pieces within every rank's (``everyone``)."""
@@ -174,7 +185,7 @@ def _distributed(numel: int, local: list[tuple[int, torch.Tensor]],
     described = [ShardMetadata([offset], [length], f"rank:{rank}/{device}")
                  for rank, offset, length, device in everyone]
     meta = ShardedTensorMetadata(described, torch.Size([numel]), TensorProperties(dtype=dtype))
-    with _quiet():
+    with quiet():
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
 
 
@@ -197,15 +208,11 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
         for i in held.members[h]:
             keys.setdefault(i, {k: str(v.dtype).removeprefix("torch.") for k, v in per.items()})
             other.setdefault(i, rest)
-    mine = {"pieces": [(p.param, p.offset, p.length, str(held.stepped[p.holder].device))
-                       for p in held.pieces], "keys": keys, "other": other}
-    layout: Layout = {}
-    for rank, told in enumerate(_all_gather(mine)):
-        for param, offset, length, device in told["pieces"]:
-            layout.setdefault(param, []).append((rank, offset, length, device))
-        for i, k in told["keys"].items():
+    layout, told = gather_layout(held, (keys, other))
+    for rank_keys, rank_other in told:  # ZeRO: the ranks hold state of different parameters
+        for i, k in rank_keys.items():
             keys.setdefault(i, k)
-        for i, o in told["other"].items():
+        for i, o in rank_other.items():
             other.setdefault(i, o)
 
     state_dict: dict[str, Any] = {}
@@ -214,26 +221,25 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
         by_param.setdefault(p.param, []).append(p)
     for i, pieces in by_param.items():
         name, numel = held.names[i], math.prod(held.shapes[i])
-        flats = {p.holder: _flat(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
-        state_dict[f"param/{name}"] = _distributed(
+        flats = {p.holder: flat_view(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
+        state_dict[f"param/{name}"] = as_dcp_tensor(
             numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length)) for p in pieces],
             layout[i])
         for key in keys.get(i, {}):
-            values = {h: _flat(optimizer.state[held.stepped[h]][key], f"{key} of {name!r}")
+            values = {h: flat_view(optimizer.state[held.stepped[h]][key], f"{key} of {name!r}")
                       for h in flats}
-            state_dict[f"optim/{name}/{key}"] = _distributed(
+            state_dict[f"optim/{name}/{key}"] = as_dcp_tensor(
                 numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
                         for p in pieces], layout[i])
     if engine.global_rank != 0:
         return state_dict, None
 
     module = engine.module
-    trainable = {id(p): held.names[i] for i, p in enumerate(engine.trainable)}
-    aliases = {n: trainable[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
-               if id(p) in trainable and n != trainable[id(p)]}
-    frozen = sorted(n for n, p in module.named_parameters(remove_duplicate=False)
-                    if id(p) not in trainable)
-    skip = set(held.names) | set(aliases) | (set(frozen) if exclude_frozen_parameters else set())
+    tied = aliases(engine, held.names)
+    trainable = {id(p) for p in engine.trainable}
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False)
+              if id(p) not in trainable}
+    skip = set(held.names) | set(tied) | (frozen if exclude_frozen_parameters else set())
     # Under ZeRO stage 3 the module's trainable entries are released placeholders: only the
     # buffers and frozen parameters are read from it.
     module_state = module.state_dict()
@@ -249,10 +255,10 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
                        "params": list(dict.fromkeys(names))})
     description = {
         "format": FORMAT, "params": {n: list(s) for n, s in zip(held.names, held.shapes)},
-        "aliases": aliases, "module_keys": module_keys,
-        "excluded_frozen": frozen if exclude_frozen_parameters else [],
-        "state_dict_keys": [k for k in module_state if k not in skip or k in aliases
-                            or k in held.names],
+        "aliases": tied, "module_keys": module_keys,
+        "excluded_frozen": sorted(frozen) if exclude_frozen_parameters else [],
+        "state_dict_keys": [k for k in module_state
+                            if not (exclude_frozen_parameters and k in frozen)],
         "optimizer": {"class": type(optimizer).__name__, "groups": groups,
                       "keys": {held.names[i]: k for i, k in keys.items()},
                       "other": {held.names[i]: o for i, o in other.items()}},
@@ -262,7 +268,7 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
 
 def write(state_dict: dict[str, Any], directory: Path) -> None:
     """DCP's save of ``snapshot``'s state dict into ``directory``; every rank calls it."""
-    with _quiet():
+    with quiet():
         dcp.save(state_dict, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
 
 

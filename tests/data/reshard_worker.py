@@ -151,7 +151,7 @@ def module_params(engine: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
 
-# -- cases ------------------------------------------------------------------------------------------
+# -- cases -----------------------------------------------------------------------------------------
 
 
 def saving(name: str, stage: int, precision: str = "fp32") -> Callable[[str], dict[str, Any]]:
