@@ -73,6 +73,16 @@ class HardwareProfile:
                                      for p in self.efficiency))
         _validate(self)
 
+    def __hash__(self) -> int:
+        # The dict fields make the generated hash fail; a profile is still a value that caches
+        # (functools.lru_cache over cost functions) may key on.
+        return hash((self.name, self.kind, self.devices_per_node, self.device_memory_bytes,
+                     tuple(sorted(self.peak_flops.items())), self.memory_bandwidth,
+                     self.intra_node, self.inter_node, self.host_to_device, self.efficiency,
+                     tuple((op, tuple(sorted(by_ranks.items())))
+                           for op, by_ranks in sorted(self.collectives.items())),
+                     self.comm_compute_interference, self.host_memory_bandwidth))
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``from_dict`` reads it back unchanged."""
         return {

@@ -197,6 +197,13 @@ def test_profile_json_round_trip(name: str, tmp_path: Path) -> None:
     assert HardwareProfile.from_dict(json.loads(path.read_text())) == profile
 
 
+def test_profiles_are_hashable_values(tmp_path: Path) -> None:
+    h100 = get_profile("h100-x8")
+    copy = HardwareProfile.load(h100.save(tmp_path / "h100.json"))
+    assert copy is not h100 and hash(copy) == hash(h100)
+    assert len({h100, copy, get_profile("h200-x8")}) == 2
+
+
 def test_round_trip_keeps_fitted_collectives_and_interference(tmp_path: Path) -> None:
     profile = small_profile(kind="cpu", comm_compute_interference=0.35,
                             collectives={"all_gather": {2: Link(2e-4, 3e8), 4: Link(5e-4, 2e8)}})
