@@ -22,25 +22,26 @@ def figure_style(figure: HealthFigure) -> str:
 
 
 def header_text(state: RunState, source: str) -> Text:
-    """Two lines: the job and its progress, then the health figures."""
+    """Two lines: the job and its progress; the health figures and where the data comes from.
+    Each line is cut with an ellipsis rather than wrapped, so the figures keep their row."""
     job = state.job
     step = state.current_step()
     total = f"/{job.total_steps}" if job.total_steps else ""
-    line = Text()
-    line.append(f"job {job.job_id}", style="bold")
-    line.append(f"  world {state.world_size()}")
-    line.append(f"  step {fmt.MISSING if step is None else step}{total}")
-    line.append(f"  elapsed {fmt.seconds(state.elapsed())}")
-    line.append(f"  ETA {fmt.seconds(state.eta())}")
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(f"job {job.job_id}", style="bold")
+    text.append(f"  world {state.world_size()}")
+    text.append(f"  step {fmt.MISSING if step is None else step}{total}")
+    text.append(f"  elapsed {fmt.seconds(state.elapsed())}")
+    text.append(f"  ETA {fmt.seconds(state.eta())}")
     if state.ended:
-        line.append("  job ended", style="bold")
-    line.append(f"  [{source}]", style="italic")
-    line.append("\n")
+        text.append("  job ended", style="bold")
+    text.append("\n")
     for index, figure in enumerate(state.health()):
         if index:
-            line.append("   ")
-        line.append(figure.text(), style=figure_style(figure))
-    return line
+            text.append("   ")
+        text.append(figure.text(), style=figure_style(figure))
+    text.append(f"   [{source}]", style="italic")
+    return text
 
 
 class JobHeader(Widget):

@@ -56,10 +56,12 @@ def row_cells(rank: RankState, now: float, ended: bool) -> Cells:
 
 def render_row(cells: Cells, selected: bool = False) -> Strip:
     parts = []
-    for (text, spec), (_, _, width, right) in zip(cells, COLUMNS):
+    last = len(COLUMNS) - 1
+    for index, ((text, spec), (_, _, width, right)) in enumerate(zip(cells, COLUMNS)):
         text = text[:width]
-        parts.append(((text.rjust(width) if right else text.ljust(width)) + " ",
-                      f"{spec} {SELECTED_STYLE}".strip() if selected else spec))
+        # The last column is not padded: the row is only as wide as what it says.
+        cell = text if index == last else (text.rjust(width) if right else text.ljust(width)) + " "
+        parts.append((cell, f"{spec} {SELECTED_STYLE}".strip() if selected else spec))
     return line(*parts)
 
 

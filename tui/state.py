@@ -253,7 +253,8 @@ class RunState:
     def eta(self) -> float | None:
         """Seconds left at the pace so far; None without a step count or any progress."""
         step, elapsed, total = self.current_step(), self.elapsed(), self.job.total_steps
-        if step is None or elapsed is None or not total or step <= 0 or elapsed <= 0:
+        if self.ended or step is None or elapsed is None or not total or step <= 0 \
+                or elapsed <= 0:
             return None
         return max(0, total - step) * elapsed / step
 
