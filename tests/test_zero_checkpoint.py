@@ -135,6 +135,14 @@ def test_precision_changes_keep_the_fp32_masters(runs: dict[str, Any]) -> None:
     assert rounded > 100  # the masters hold more than the bf16 model did
     close_curve(into_fp32["losses"], saver["losses"], range(rw.HALF + 1, rw.STEPS + 1), BF16,
                 "bf16 -> fp32")
+    # fp32 into fp16: the masters as saved; the fp32 run had no loss scale to give, so the
+    # fp16 engine keeps its own dynamic one (2**8 here), and the curve goes on
+    into_fp16 = case(runs, "one_b", "w4_s2->s0_fp16")
+    assert into_fp16["loss_scale"] == 2.0 ** 8
+    for name, value in saved.items():
+        assert torch.equal(into_fp16["tensors"]["loaded"][name], value), name
+    close_curve(into_fp16["losses"], ref["losses"], range(rw.HALF + 1, rw.STEPS + 1), BF16,
+                "fp32 -> fp16")
 
 
 CONSOLIDATED = [

@@ -174,6 +174,9 @@ def _prepare_optimizer(optimizer: torch.optim.Optimizer, held: Holdings,
                        saved: dict[str, Any]) -> None:
     """Creates the state entries a load fills (a fresh optimizer has none), sets ``step`` and
     the other non-per-element values, and the parameter groups' settings."""
+    if saved["class"] != type(optimizer).__name__:
+        log.warning("the checkpoint's optimizer state is loaded into another optimizer class",
+                    saved=saved["class"], engine=type(optimizer).__name__)
     keys, other = saved["keys"], saved["other"]
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for h, tensor in enumerate(held.stepped):

@@ -34,6 +34,7 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
             else None,
             "loss_scaler": engine.loss_scaler.state_dict(),
+            "loss_scaler_kind": type(engine.loss_scaler).__name__,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             # world size and batch size say how far into the epoch the ranks are together
@@ -78,7 +79,7 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
                  strict=load_module_strict)
     if not load_module_only:
         if load_optimizer_states:
-            engine.loss_scaler.load_state_dict(shared["loss_scaler"])
+            _load_loss_scaler(engine, shared)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and \
                 shared.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(shared["lr_scheduler"])
@@ -100,6 +101,19 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
                      f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
     engine._zero_grads()
     return str(path), shared.get("client_state", {})
+
+
+def _load_loss_scaler(engine: Any, shared: dict[str, Any]) -> None:
+    """The saved loss scale, when this engine scales the same way (an fp32 or bf16 checkpoint
+    has nothing for fp16's dynamic scaler, and the other way round)."""
+    kind = type(engine.loss_scaler).__name__
+    saved_kind = shared.get("loss_scaler_kind", kind)
+    if saved_kind != kind:
+        log.info("the checkpoint's loss scaler does not apply to this engine; keeping its own",
+                 saved=f"{saved_kind} ({shared.get('precision')})",
+                 engine=f"{kind} ({engine.precision})")
+        return
+    engine.loss_scaler.load_state_dict(shared["loss_scaler"])
 
 
 def map_loader_state(saved: dict[str, Any], world_size: int,

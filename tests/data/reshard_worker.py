@@ -14,7 +14,8 @@ the 1-rank ones may run inside the test process through ``run_phase``):
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
                   w4_s2 into bf16 stage 2; with stage 3: w4_s3 into stage 1, w4_s2 into
                   stage 3, custom_load_fn at stage 3; stage 1 fp32 and bf16 save
-  one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0;
+  one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0,
+                  w4_s2 into fp16 stage 0;
                   load_module_only, custom_load_fn, entries that do not match
 """
 
@@ -88,6 +89,8 @@ def config(stage: int, precision: str = "fp32") -> dict[str, Any]:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":  # a dynamic scale small enough never to overflow here
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
 
 
@@ -179,10 +182,11 @@ def resuming(name: str, stage: int, precision: str = "fp32") -> Callable[[str], 
         steps = sorted({float(s["step"]) for s in engine.optimizer.state.values() if "step" in s})
         tensors = {"loaded": full_params(engine), "module_loaded": module_params(engine)}
         start, samples = engine.global_steps, engine.global_samples
+        scale = engine.loss_scale
         losses, lrs = train(engine, loader, STEPS)
         engine.destroy()
         return {"losses": losses, "lrs": lrs, "start": start, "global_samples": samples,
-                "optimizer_steps": steps,
+                "optimizer_steps": steps, "loss_scale": scale,
                 "tensors": tensors}
 
     return run
@@ -257,6 +261,7 @@ PHASES: dict[str, dict[str, Callable[[str], dict[str, Any]]]] = {
             "save_s1": saving("w2_s1", 1), "save_s1_bf16": saving("w2_s1_bf16", 1, "bf16")},
     "one_b": {"w2_s1->s2": resuming("w2_s1", 2), "w4_s2->s0": resuming("w4_s2", 0),
               "w4_s3->s0": resuming("w4_s3", 0), "w2_s1_bf16->s0": resuming("w2_s1_bf16", 0),
+              "w4_s2->s0_fp16": resuming("w4_s2", 0, "fp16"),
               "module_only": module_only, "custom_load_fn": custom_load(1),
               "mismatches": mismatches},
 }
