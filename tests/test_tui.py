@@ -27,7 +27,7 @@ from tui.app import MonitorApp
 from tui.cli import SECRET_ENV, MonitorInputError, resolve_source
 from tui.event_log import EventLog
 from tui.header import BAD_STYLE, GOOD_STYLE, UNKNOWN_STYLE, JobHeader, figure_style
-from tui.rank_table import RankTable
+from tui.rank_table import RankTable, row_cells
 from tui.source import LiveSource, ReplaySource, parse_speed
 from tui.state import RunState
 from tui.timeline import Timeline, busy_share, lane_columns, lane_of
@@ -223,6 +223,22 @@ def test_state_history_averages_loss_and_sums_throughput_over_complete_steps() -
     assert state.eta() is None
 
 
+def test_rank_rows_dim_silent_ranks_and_mark_stuck_ones() -> None:
+    state = RunState()
+    for second in range(4):
+        state.apply(_step(0, second + 1, T0 + second))
+        state.apply(_step(1, second + 1, T0 + second))
+    state.apply(_step(0, 5, T0 + 10))
+    fresh = row_cells(state.ranks[0], state.now, state.ended)
+    silent = row_cells(state.ranks[1], state.now, state.ended)
+    assert {spec for _, spec in fresh} == {""}
+    assert silent[-1] == ("stale", "yellow")
+    assert {spec for _, spec in silent[:-1]} == {"dim"}
+    state.apply(_record("event", 1, T0 + 10, event="rank_stuck", message="", data={}))
+    stuck = row_cells(state.ranks[1], state.now, state.ended)
+    assert stuck[-1] == ("STUCK", "bold red")
+
+
 def test_health_figures_hold_each_value_against_its_target() -> None:
     state = RunState()
     state.apply(_step(0, 1, T0))
@@ -343,6 +359,9 @@ async def test_keys_pick_ranks_switch_views_change_speed_and_quit(recording: Pat
         assert math.isinf(source.speed)
         await pilot.press("minus")
         assert source.speed == 10.0
+        assert app.selected_rank == 1
+        await pilot.click(RankTable, offset=(4, 1))  # the row under the header: rank 0
+        assert app.selected_rank == 0
         await pilot.press("q")
         await pilot.pause()
         assert not app.is_running
@@ -495,3 +514,12 @@ def test_monitor_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("flowtrain monitor: error: ")
     assert expected.format(tmp=tmp_path) in err
+
+
+def test_monitor_command_replays_the_run_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[MonitorApp] = []
+    monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app))
+    assert cli_main(["monitor", str(RECORDED.parent), "--speed", "max"]) == 0
+    (app,) = started
+    assert isinstance(app.source, ReplaySource)
+    assert app.source.path == RECORDED and math.isinf(app.source.speed)

@@ -4,6 +4,8 @@ rank as one compact line below it, so a rank whose reduces run late is easy to s
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual.strip import Strip
 
 from tui import format as fmt
@@ -133,7 +135,7 @@ class Timeline(StripView):
     }
     """
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._key: tuple[object, ...] = ()
 
