@@ -486,6 +486,7 @@ def test_monitor_subscribes_live_only_when_the_run_is_running_and_its_endpoint_a
         write_live_endpoint(run, endpoint, b"x" * 32)
         live = resolve_source(str(run))
         assert isinstance(live, LiveSource) and live.endpoint == endpoint
+        assert live.history == run / "telemetry.msgpack"  # what was sent before joining
     # The launcher died without updating job.json: nobody answers, so the recording replays.
     assert isinstance(resolve_source(str(run)), ReplaySource)
 
@@ -523,3 +524,27 @@ def test_monitor_command_replays_the_run_it_is_given(monkeypatch: pytest.MonkeyP
     (app,) = started
     assert isinstance(app.source, ReplaySource)
     assert app.source.path == RECORDED and math.isinf(app.source.speed)
+
+
+async def test_live_source_shows_the_recording_first_and_each_record_once(tmp_path: Path) -> None:
+    records = synthetic_records()
+    history = tmp_path / "telemetry.msgpack"
+    write_recording(history, records[:40])
+
+    async def feed() -> Any:
+        for record in records[30:]:  # joined 10 records before the recording's end
+            yield record
+        await asyncio.Event().wait()
+
+    state = RunState()
+    source = LiveSource("tcp://127.0.0.1:1", b"k" * 32, history=history, feed=feed)
+    task = asyncio.create_task(source.run(state))
+    try:
+        while state.records < len(records):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+    assert state.records == len(records)
+    assert state.job.total_steps == TOTAL_STEPS  # the job record only the recording had
+    assert all(totals.ranks == 2 for totals in state.steps.values())

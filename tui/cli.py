@@ -50,7 +50,7 @@ def resolve_source(target: str | None, speed: float = 1.0) -> Source:
     run_dir = _find_run(target)
     live = _live_endpoint(run_dir)
     if live is not None and _job_status(run_dir) == "running" and endpoint_answers(live[0]):
-        return LiveSource(*live)
+        return LiveSource(*live, history=run_dir / TELEMETRY_FILE)
     recording = run_dir / TELEMETRY_FILE
     if target is not None and Path(target).is_file() and Path(target).name != "job.json":
         recording = Path(target)

@@ -22,7 +22,10 @@ SPEED_NAMES = ("1", "2", "10", "max")
 # The replay clock wakes at least this often so that ages and the header tick smoothly.
 TICK_S = 0.05
 READ_BATCH = 512
+# Records a paused live monitor keeps (about 5 minutes of 64 ranks at 10 Hz); past that the
+# oldest go, as they would have on a PUB socket nobody read.
 LIVE_BUFFER = 200_000
+
 
 def parse_speed(text: str) -> float:
     """``"1" | "2" | "10" | "max"`` to a speed factor (inf for max)."""
@@ -153,14 +156,26 @@ def _take(records: Iterator[Record], count: int
 
 
 RecordFeed = Callable[[], AsyncIterator[dict[str, Any]]]
+# The recording trails the socket by at most its flush interval (under a second); records of
+# the recording's last OVERLAP_S seconds may also arrive live.
+OVERLAP_S = 10.0
+
+
+def _record_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    return (record.get("kind"), record.get("rank"), record.get("t"), record.get("step"),
+            record.get("event"))
 
 
 class LiveSource:
-    """Subscribes to the coordinator's telemetry; while paused, records are held, not dropped,
-    and the clock stops, so a paused screen does not turn every rank stale."""
+    """Subscribes to the coordinator's telemetry. Given the run's recording as ``history``, it
+    first shows what was recorded before the monitor joined (the job header, the loss so far),
+    then what arrives live, each record once. While paused, records are held (up to
+    LIVE_BUFFER) and the clock stops, so a paused screen does not turn every rank stale."""
 
-    def __init__(self, endpoint: str, secret: bytes, *, feed: RecordFeed | None = None) -> None:
+    def __init__(self, endpoint: str, secret: bytes, *, history: Path | None = None,
+                 feed: RecordFeed | None = None) -> None:
         self.endpoint = endpoint
+        self.history = history
         self.paused = False
         self._secret = secret
         self._feed = feed
@@ -180,15 +195,52 @@ class LiveSource:
 
     async def run(self, state: RunState) -> None:
         self._state = state
+        # The socket is read from the start, so nothing falls between the file and the live
+        # records; what both carry is applied once.
+        queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(queue))
         ticker = asyncio.create_task(self._tick(state))
         try:
-            async for record in (self._feed or self._subscribe)():
+            recorded = await self._load_history(state)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if recorded and _record_key(item) in recorded:
+                    continue
                 if self.paused:
-                    self._held.append(record)
+                    self._held.append(item)
                 else:
-                    state.apply(record)
+                    state.apply(item)
         finally:
             ticker.cancel()
+            pump.cancel()
+
+    async def _pump(self, queue: asyncio.Queue[dict[str, Any] | BaseException]) -> None:
+        try:
+            async for record in (self._feed or self._subscribe)():
+                queue.put_nowait(record)
+        except Exception as exc:  # handed to run(), which reports it on screen
+            queue.put_nowait(exc)
+
+    async def _load_history(self, state: RunState) -> set[tuple[Any, ...]]:
+        """Applies the recording in batches (the loop stays free) and returns the keys of its
+        last seconds, which the socket may deliver again."""
+        if self.history is None or not self.history.is_file():
+            return set()
+        records: Iterator[Record] = read_records(self.history)
+        recent: deque[dict[str, Any]] = deque()
+        while True:
+            # Damage here is the record the recorder is writing right now: not worth a notice.
+            batch, _, exhausted = await asyncio.to_thread(_take, records, READ_BATCH)
+            for record in batch:
+                state.apply(record)
+                recent.append(record)
+                while recent and recent[0]["t"] < record["t"] - OVERLAP_S:
+                    recent.popleft()
+            if exhausted:
+                return {_record_key(r) for r in recent}
+            await asyncio.sleep(0)
 
     async def _tick(self, state: RunState) -> None:
         # Ages grow between records; the wall clock is the live clock.
