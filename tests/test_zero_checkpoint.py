@@ -78,6 +78,7 @@ RESUMES = [
     pytest.param("two", "w1_s0->s1", id="1->2_ranks_stage0->1"),
     pytest.param("one_b", "w2_s1->s2", id="2->1_ranks_stage1->2"),
     pytest.param("one_b", "w4_s2->s0", id="4->1_ranks_stage2->0"),
+    pytest.param("two", "w4_s2->s1_gas2", id="4->2_ranks_stage2->1_micro2x2"),
     pytest.param("two", "w4_s3->s1", id="4->2_ranks_stage3->1", marks=needs_stage3),
     pytest.param("one_b", "w4_s3->s0", id="4->1_ranks_stage3->0", marks=needs_stage3),
     pytest.param("four", "w1_s0->s3", id="1->4_ranks_stage0->3", marks=needs_stage3),
@@ -95,6 +96,12 @@ def test_resume_continues_the_single_run_loss_curve(runs: dict[str, Any], phase:
     # samples and the same lr as the single run, and Adam's moments make the curve agree
     assert got["start"] == rw.HALF and got["global_samples"] == rw.HALF * rw.GLOBAL_BATCH
     assert got["optimizer_steps"] == [float(rw.HALF)]
+    # the epoch's first 32 samples read, counted in this run's batches (gas per step on each
+    # rank: the saving run read 4 batches per rank, the micro2x2 one counts 8), and the
+    # accumulation window starts afresh
+    gas = 2 if name.endswith("gas2") else 1
+    assert got["batches_taken"] == rw.HALF * gas
+    assert got["micro_steps"] == rw.HALF * gas
     close_curve(got["losses"], ref["losses"], range(rw.HALF + 1, rw.STEPS + 1), FP32, name)
     assert {s: got["lrs"][s] for s in got["lrs"]} == \
         {s: ref["lrs"][s] for s in got["lrs"]}

@@ -178,13 +178,14 @@ def _prepare_optimizer(optimizer: torch.optim.Optimizer, held: Holdings,
         log.warning("the checkpoint's optimizer state is loaded into another optimizer class",
                     saved=saved["class"], engine=type(optimizer).__name__)
     keys, other = saved["keys"], saved["other"]
+    saved_fresh = not keys and not other  # saved before the first step
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for h, tensor in enumerate(held.stepped):
+        if saved_fresh:
+            optimizer.state.pop(tensor, None)
+            continue
         known = [held.names[i] for i in held.members[h]
                  if held.names[i] in keys or held.names[i] in other]
-        if not keys and not other:
-            optimizer.state.pop(tensor, None)  # saved before its first step: start fresh
-            continue
         if not known:
             continue
         state = optimizer.state[tensor]

@@ -29,10 +29,6 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from flowtrain.log import get_logger
-
-log = get_logger("flowtrain.checkpoint")
-
 FORMAT = 1  # bumped when the keys or the description change meaning
 
 
@@ -163,6 +159,7 @@ def aliases(engine: Any, names: list[str]) -> dict[str, str]:
 
 @contextmanager
 def quiet() -> Iterator[None]:
+    """DCP calls without ShardedTensor's deprecation warning and no_dist's notice."""
     # ShardedTensor warns that it will give way to DTensor; DTensor cannot describe the uneven,
     # bucket-aligned pieces ZeRO holds, so the warning says nothing actionable here.
     with warnings.catch_warnings():
@@ -172,12 +169,12 @@ def quiet() -> Iterator[None]:
 
 
 def as_dcp_tensor(numel: int, local: list[tuple[int, torch.Tensor]],
-                 everyone: list[tuple[int, int, int, str]] | None) -> torch.Tensor:
+                  everyone: list[tuple[int, int, int, str]] | None) -> torch.Tensor:
     """One parameter's 1-D tensor as DCP should see it: the plain tensor when this rank holds it
     whole, else a ShardedTensor of this rank's pieces within every rank's (``everyone``)."""
     if len(local) == 1 and local[0][0] == 0 and local[0][1].numel() == numel:
         return local[0][1]
-    assert everyone is not None
+    assert everyone is not None, "a partly held parameter needs every rank's pieces"
     dtype = local[0][1].dtype
     shards = [TensorShard(t, ShardMetadata([offset], [t.numel()],
                                            f"rank:{_world()[1]}/{t.device}"))

@@ -37,6 +37,7 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
             "loss_scaler_kind": type(engine.loss_scaler).__name__,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
+            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
             # world size and batch size say how far into the epoch the ranks are together
             "dataloader": {**loader.state_dict(), "world_size": engine.world_size,
                            "batch_size": loader.batch_size} if loader is not None else None,
@@ -86,7 +87,12 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
         engine.global_steps = shared["global_steps"]
         engine.global_samples = shared["global_samples"]
         engine.skipped_steps = shared["skipped_steps"]
-        engine.micro_steps = shared["micro_steps"]
+        # With another accumulation count (the world size changed, the global batch did not)
+        # the next micro-step starts a fresh window.
+        gas = engine.config.gradient_accumulation_steps
+        engine.micro_steps = shared["micro_steps"] \
+            if shared.get("gradient_accumulation_steps", gas) == gas \
+            else engine.global_steps * gas
         loader = engine.training_dataloader
         if loader is not None and shared.get("dataloader") is not None:
             state, problem = map_loader_state(shared["dataloader"], engine.world_size,

@@ -12,7 +12,8 @@ the 1-rank ones may run inside the test process through ``run_phase``):
   one_a  1 rank   the reference: stage 0, 8 steps, saving w1_s0 at step 4
   four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (and 3) (1 -> 4)
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
-                  w4_s2 into bf16 stage 2; with stage 3: w4_s3 into stage 1, w4_s2 into
+                  w4_s2 into bf16 stage 2 and into stage 1 accumulating 2 micro-batches
+                  of 2 (the dataloader position maps from 4 to 8 batches); with stage 3: w4_s3 into stage 1, w4_s2 into
                   stage 3, custom_load_fn at stage 3; stage 1 fp32 and bf16 save
   one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0,
                   w4_s2 into fp16 stage 0;
@@ -74,11 +75,12 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
 
 
-def config(stage: int, precision: str = "fp32") -> dict[str, Any]:
+def config(stage: int, precision: str = "fp32", gas: int = 1) -> dict[str, Any]:
     world = dist.get_world_size()
     cfg: dict[str, Any] = {
-        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // gas,
+        "gradient_accumulation_steps": gas, "gradient_clipping": 1.0, "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": LR,
                                                      "warmup_num_steps": 6,
@@ -95,28 +97,33 @@ def config(stage: int, precision: str = "fp32") -> dict[str, Any]:
 
 
 def build(stage: int, precision: str = "fp32", seed: int = SEED,
-          change: Callable[[ReshardNet], None] | None = None) -> Any:
+          change: Callable[[ReshardNet], None] | None = None, gas: int = 1) -> Any:
     # ranks start from different weights: the engine broadcasts rank 0's
     model = make_model(seed + 1000 * dist.get_rank())
     if change is not None:
         change(model)
     engine, _, loader, _ = flowtrain.initialize(model=model, training_data=dataset(),
-                                                config=config(stage, precision))
+                                                config=config(stage, precision, gas))
     return engine, loader
 
 
 def train(engine: Any, loader: Any, until: int) -> tuple[dict[int, float], dict[int, float]]:
-    """Global loss (mean over ranks) and lr of every step up to ``until``."""
+    """Global loss (mean over ranks and micro-batches) and lr of every step up to ``until``."""
     dtype = next(p for p in engine.module.parameters()).dtype
     world = dist.get_world_size()
     losses, lrs = {}, {}
+    window: list[torch.Tensor] = []
     while engine.global_steps < until:
         for x, y in loader:
-            lr = engine.get_lr()[0]
+            lr, before = engine.get_lr()[0], engine.global_steps
             loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             engine.backward(loss)
             engine.step()
-            total = loss.detach().float().clone()
+            window.append(loss.detach().float())
+            if engine.global_steps == before:
+                continue  # inside the accumulation window
+            total = torch.stack(window).mean()
+            window.clear()
             if world > 1:
                 dist.all_reduce(total)
             losses[engine.global_steps] = float(total) / world
@@ -172,21 +179,23 @@ def saving(name: str, stage: int, precision: str = "fp32") -> Callable[[str], di
     return run
 
 
-def resuming(name: str, stage: int, precision: str = "fp32") -> Callable[[str], dict[str, Any]]:
+def resuming(name: str, stage: int, precision: str = "fp32",
+             gas: int = 1) -> Callable[[str], dict[str, Any]]:
     """A fresh engine (other initial weights) loads ``<CKPT>/<name>`` and trains steps 5-8."""
 
     def run(ckpt: str) -> dict[str, Any]:
-        engine, loader = build(stage, precision, seed=SEED + 77)
+        engine, loader = build(stage, precision, seed=SEED + 77, gas=gas)
         path, client = engine.load_checkpoint(os.path.join(ckpt, name))
         assert client == {"saved_by": name}, client
         steps = sorted({float(s["step"]) for s in engine.optimizer.state.values() if "step" in s})
         tensors = {"loaded": full_params(engine), "module_loaded": module_params(engine)}
-        start, samples = engine.global_steps, engine.global_samples
-        scale = engine.loss_scale
+        start, samples, micro = engine.global_steps, engine.global_samples, engine.micro_steps
+        scale, taken = engine.loss_scale, loader.batches_taken
         losses, lrs = train(engine, loader, STEPS)
         engine.destroy()
         return {"losses": losses, "lrs": lrs, "start": start, "global_samples": samples,
-                "optimizer_steps": steps, "loss_scale": scale,
+                "optimizer_steps": steps, "loss_scale": scale, "micro_steps": micro,
+                "batches_taken": taken,
                 "tensors": tensors}
 
     return run
@@ -257,6 +266,7 @@ PHASES: dict[str, dict[str, Callable[[str], dict[str, Any]]]] = {
     "two": {"w4_s2->s0": resuming("w4_s2", 0), "w1_s0->s1": resuming("w1_s0", 1),
             "w4_s3->s1": resuming("w4_s3", 1), "w4_s2->s3": resuming("w4_s2", 3),
             "w4_s2->s2_bf16": resuming("w4_s2", 2, "bf16"),
+            "w4_s2->s1_gas2": resuming("w4_s2", 1, gas=2),
             "custom_load_fn_s3": custom_load(3),
             "save_s1": saving("w2_s1", 1), "save_s1_bf16": saving("w2_s1_bf16", 1, "bf16")},
     "one_b": {"w2_s1->s2": resuming("w2_s1", 2), "w4_s2->s0": resuming("w4_s2", 0),
