@@ -209,7 +209,7 @@ def test_state_stuck_event_marks_the_rank_until_it_steps_again() -> None:
     assert state.ranks[1].status(T0 + 2, False) != "stuck"
 
 
-def test_state_history_averages_loss_and_sums_throughput_over_complete_steps() -> None:
+def test_state_history_averages_loss_and_throughput_over_complete_steps() -> None:
     state = RunState()
     for record in synthetic_records():
         state.apply(record)
