@@ -45,7 +45,8 @@ def _check(result: dict[str, Any], save_dir: Path) -> None:
     assert losses[-1] < 0.7 * losses[0], losses
     assert result["global_steps"] == steps
     assert (save_dir / "latest").read_text().strip() == f"global_step{steps}"
-    assert (save_dir / f"global_step{steps}" / "mp_rank_00_model_states.pt").is_file()
+    assert (save_dir / f"global_step{steps}" / "engine_state.pt").is_file()
+    assert (save_dir / f"global_step{steps}" / "tensors" / ".metadata").is_file()
     assert Path(result["load_path"]).name == f"global_step{steps}"
     assert result["client_state"] == {"epoch": 4}
     assert result["restored"] is True
