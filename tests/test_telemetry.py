@@ -381,6 +381,8 @@ def test_live_step_records_from_both_ranks_carry_the_losses_they_reported(
 def test_recording_holds_what_was_published_live(live_run: LiveRun) -> None:
     recorded, damage = T.load_records(live_run.run_dir / T.TELEMETRY_FILE)
     assert damage is None
+    # the coordinator validates what the ranks send: nothing may have been refused
+    assert "control frame rejected" not in (live_run.run_dir / "launcher.jsonl").read_text()
     assert recorded[0]["kind"] == "job" and recorded[0]["total_steps"] == STEPS
     assert recorded[-1]["event"] == "job_ended" and recorded[-1]["data"]["status"] == "succeeded"
     # the subscriber joined before the ranks: it saw every rank record the file holds

@@ -7,7 +7,7 @@ comes from or is about; -1 for the launcher/coordinator side) and ``t`` (unix se
 - ``job`` (rank -1, once at start): ``job_id``, ``world_size``, ``run_dir``, ``started``,
   ``total_steps`` (or null), ``config_summary`` (launch mode, script, ranks per node, ...).
 - ``step`` (each rank, every optimizer step but at most ``flowtrain.telemetry_hz`` per second;
-  faster steps are sampled and their timings averaged over the steps since the last record):
+  faster steps are sampled; the timings are the mean of up to 4 of the steps since the last one):
   ``step``, ``loss`` (the step's mean micro-batch loss on this rank, or null), ``lr``,
   ``loss_scale``, ``skipped`` (skipped steps so far), ``grad_norm`` (or null when the engine did
   not compute it), ``step_s``, ``forward_s``, ``backward_s``, ``comm_s`` (exposed: the step
