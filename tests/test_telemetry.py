@@ -236,6 +236,30 @@ def test_progress_line_plain_mode_prints_at_most_once_per_interval_and_the_last(
         parse_total_steps("ten", "--total-steps")
 
 
+def test_launcher_side_records_everything_and_ends_the_live_line_on_a_failure(
+        tmp_path: Path) -> None:
+    from flowtrain.telemetry.launcher import JobTelemetry
+
+    out = StringIO()
+    job = JobTelemetry(tmp_path, job_id="j", world_size=2, total_steps=None, config_summary={},
+                       started=5.0, progress=ProgressLine(out, None, live=True))
+    stuck = T.event_record("rank_stuck", "rank 1: no heartbeat", rank=1, t=7.0)
+    for record in (step_record(1), stuck, step_record(2)):
+        job.on_record(record)
+    job.child_exited(1, "rank 1", -9, "killed by SIGKILL", True)
+    job.close(status="failed", exit_code=1, message="rank 1: no heartbeat")
+    records, damage = T.load_records(tmp_path / T.TELEMETRY_FILE)
+    assert damage is None
+    assert records[:3] == [step_record(1), stuck, step_record(2)]
+    assert (records[3]["event"], records[3]["rank"], records[3]["data"]) == \
+        ("rank_failed", 1, {"exit_code": -9, "source": "exit", "failure": True})
+    assert records[4]["event"] == "job_ended" and records[4]["data"] == {
+        "status": "failed", "exit_code": 1, "root_cause": "rank 1: no heartbeat"}
+    assert job.job_record["started"] == 5.0 and len(records) == 5  # job record: coordinator's
+    line = "\r\x1b[2Kstep {} | loss 0.5 | 80.0 samples/s"
+    assert out.getvalue() == line.format(1) + "\n" + line.format(2) + "\n"
+
+
 # -- the coordinator ---------------------------------------------------------------------------
 
 

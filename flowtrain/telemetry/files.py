@@ -40,7 +40,8 @@ class TelemetryRecorder:
     coordinator's event loop, which must not wait on a disk); a thread writes them out every
     ``flush_interval`` seconds and ``close`` writes the rest."""
 
-    def __init__(self, path: str | os.PathLike[str], flush_interval: float = FLUSH_INTERVAL) -> None:
+    def __init__(self, path: str | os.PathLike[str],
+                 flush_interval: float = FLUSH_INTERVAL) -> None:
         if not flush_interval > 0:
             raise ValueError(f"flush_interval must be > 0 seconds, got {flush_interval!r}")
         self.path = Path(path)

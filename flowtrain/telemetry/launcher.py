@@ -22,6 +22,9 @@ TOTAL_STEPS_ENV = "FLOWTRAIN_TOTAL_STEPS"
 PLAIN_INTERVAL = 10.0  # seconds between progress lines when stdout is not a terminal
 RATE_WINDOW = 20  # step records the ETA's rate is measured over
 CLEAR = "\r\x1b[2K"
+# After these the launcher logs a teardown on stderr: the live line ends first so the log
+# starts on a line of its own.
+FAILURE_EVENTS = frozenset({"rank_failed", "rank_stuck", "join_timeout"})
 
 
 def parse_total_steps(value: str | None, source: str) -> int | None:
@@ -169,8 +172,12 @@ class JobTelemetry:
 
     def on_record(self, record: dict[str, Any]) -> None:
         self.recorder.append(record)
-        if self.progress is not None and record["kind"] == "step" and record["rank"] == 0:
+        if self.progress is None:
+            return
+        if record["kind"] == "step" and record["rank"] == 0:
             self.progress.update(record)
+        elif record["kind"] == "event" and record["event"] in FAILURE_EVENTS:
+            self.progress.finish()
 
     def advertise(self, coordinator: Any, secret: bytes) -> None:
         """Writes the live endpoint for local subscribers once the coordinator is bound."""

@@ -73,7 +73,8 @@ def place_steps(steps: list[tuple[int, list[Span]]], anchors: dict[int, float]) 
         known = [0]
     for left, right in zip(known, known[1:]):
         laid = sum(lengths[left:right])
-        gap = max(0.0, (starts[right] - starts[left] - laid) / (right - left))  # type: ignore[operator]
+        span = starts[right] - starts[left]  # type: ignore[operator]
+        gap = max(0.0, (span - laid) / (right - left))
         for i in range(left + 1, right):
             starts[i] = starts[i - 1] + lengths[i - 1] + gap  # type: ignore[operator]
     for i in range(known[-1] + 1, len(steps)):
