@@ -169,3 +169,29 @@ def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -
     names = set(ranks[0][case]["span_names"])
     assert {"forward/mb0", "backward/mb3", "send_act/mb3", "recv_grad/mb0",
             "optimizer/step"} <= names
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_pipeline_checkpoint_resumes_on_another_stage_count(tmp_path: Path) -> None:
+    """Saved on 2 stages (each stage writes its own layers' pieces), resumed on 1 stage: the
+    loss curve goes on exactly; consolidated, it loads into the plain layers."""
+    worker = ec.DATA / "pipe_ckpt_worker.py"
+    ckpt = tmp_path / "ckpt"
+    ec.launch(2, worker, "save", str(ckpt), str(tmp_path / "saved.json"), "2",
+              run_dir=tmp_path / "run2")
+    ec.launch(1, worker, "load", str(ckpt), str(tmp_path / "loaded.json"), "1",
+              run_dir=tmp_path / "run1")
+    saved = json.loads((tmp_path / "saved.json").read_text())
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert loaded["resumed"] == pytest.approx(saved["straight"], rel=1e-6)
+    assert loaded["global_steps"] == 10
+
+    from flowtrain.checkpoint_cli import consolidate
+
+    state = consolidate(str(ckpt))
+    import pipe_worker as pw
+
+    plain = nn.Sequential(*pw.layers())
+    plain.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+    assert sorted(state) == sorted(f"layers.{k}" for k in plain.state_dict())

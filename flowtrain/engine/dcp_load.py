@@ -53,7 +53,7 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
         by_param.setdefault(p.param, []).append(p)
     for i, pieces in by_param.items():
         name, numel = held.names[i], math.prod(held.shapes[i])
-        everyone = layout.get(i) if layout is not None else None
+        everyone = layout.get(name) if layout is not None else None
         flats = {p.holder: flat_view(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
         if params and f"param/{name}" in on_disk:
             targets[f"param/{name}"] = as_dcp_tensor(
@@ -157,6 +157,10 @@ def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
                   f"the model {_shape(s)}" for k, s in wanted.items()
                   if k in saved_shapes and tuple(saved_shapes[k]) != tuple(s)]
     mine = set(held.names) | set(entries) | set(aliases(engine, held.names))
+    if getattr(engine, "model_parallel", False):  # other stages hold the rest of the model
+        from flowtrain.engine.dcp_state import _all_gather
+
+        mine = set().union(*_all_gather(sorted(mine)))
     unexpected = [k for k in saved_shapes if k not in mine]
     if mismatched:
         raise RuntimeError("loading the checkpoint's tensors: " + "; ".join(mismatched))

@@ -70,7 +70,8 @@ def holdings(engine: Any, *, split: bool) -> Holdings:
             lo, hi = 0, numel
             if split:
                 chunk = -(-numel // engine.world_size)
-                lo = min(numel, engine.global_rank * chunk)
+                # pipeline/tensor parallel: split within this rank's data-parallel group
+                lo = min(numel, getattr(engine, "dp_rank", engine.global_rank) * chunk)
                 hi = min(numel, lo + chunk)
             if hi > lo:
                 pieces.append(Piece(i, lo, hi - lo, i, lo))
@@ -132,13 +133,15 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-Layout = dict[int, list[tuple[int, int, int, str]]]  # param -> (rank, offset, length, device)
+# parameter name -> (rank, offset, length, device); by name, since pipeline stages number
+# their parameters from 0 each
+Layout = dict[str, list[tuple[int, int, int, str]]]
 
 
 def gather_layout(held: Holdings, extra: Any = None) -> tuple[Layout, list[Any]]:
     """Every rank's pieces, by parameter (what a sharded tensor's global description needs),
     and every rank's ``extra``: one all-gather of small objects."""
-    mine = [(p.param, p.offset, p.length, str(held.stepped[p.holder].device))
+    mine = [(held.names[p.param], p.offset, p.length, str(held.stepped[p.holder].device))
             for p in held.pieces]
     layout: Layout = {}
     extras = []
@@ -193,18 +196,24 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the DCP state dict this rank writes: views, nothing copied; the description rank 0 keeps
     next to it, None on other ranks). Every rank calls it (one small all-gather)."""
+    grid = getattr(engine, "grid", None)
+    if grid is not None and grid.shape.tp > 1:
+        raise NotImplementedError(
+            f"checkpoints of tensor-parallel models (tensor_parallel.tp_size {grid.shape.tp}) "
+            f"are not supported yet: each rank holds a different slice under the same name")
     held = holdings(engine, split=engine.zero is None and engine.world_size > 1)
     optimizer = engine.optimizer
-    keys: dict[int, dict[str, str]] = {}
-    other: dict[int, dict[str, Any]] = {}
+    keys: dict[str, dict[str, str]] = {}  # by parameter name
+    other: dict[str, dict[str, Any]] = {}
     for h, tensor in enumerate(held.stepped):
         state = optimizer.state.get(tensor)
         if not state:
             continue
         per, rest = _per_element(state, tensor)
         for i in held.members[h]:
-            keys.setdefault(i, {k: str(v.dtype).removeprefix("torch.") for k, v in per.items()})
-            other.setdefault(i, rest)
+            keys.setdefault(held.names[i], {k: str(v.dtype).removeprefix("torch.")
+                                            for k, v in per.items()})
+            other.setdefault(held.names[i], rest)
     layout, told = gather_layout(held, (keys, other))
     for rank_keys, rank_other in told:  # ZeRO: the ranks hold state of different parameters
         for i, k in rank_keys.items():
@@ -221,15 +230,33 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
         flats = {p.holder: flat_view(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
         state_dict[f"param/{name}"] = as_dcp_tensor(
             numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length)) for p in pieces],
-            layout[i])
-        for key in keys.get(i, {}):
+            layout[name])
+        for key in keys.get(name, {}):
             values = {h: flat_view(optimizer.state[held.stepped[h]][key], f"{key} of {name!r}")
                       for h in flats}
             state_dict[f"optim/{name}/{key}"] = as_dcp_tensor(
                 numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
-                        for p in pieces], layout[i])
-    if engine.global_rank != 0:
-        return state_dict, None
+                        for p in pieces], layout[name])
+    # With pipeline stages every stage's first data-parallel rank describes its own part
+    # (parameters, buffers, groups); rank 0 merges them. Otherwise rank 0 describes it all.
+    split_model = bool(getattr(engine, "model_parallel", False))
+    describes = getattr(engine, "dp_rank", 0) == 0 if split_model else engine.global_rank == 0
+    part = None
+    if describes:
+        module_entries, part = _describe(engine, held, keys, other, exclude_frozen_parameters)
+        state_dict.update(module_entries)
+    if split_model:
+        parts = [d for d in _all_gather(part) if d is not None]
+        part = _merge_descriptions(parts) if engine.global_rank == 0 else None
+    return state_dict, part if engine.global_rank == 0 else None
+
+
+def _describe(engine: Any, held: Holdings, keys: dict[str, dict[str, str]],
+              other: dict[str, dict[str, Any]], exclude_frozen_parameters: bool,
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's module entries to save, the description of what it holds)."""
+    optimizer = engine.optimizer
+    state_dict: dict[str, Any] = {}
 
     module = engine.module
     tied = aliases(engine, held.names)
@@ -257,10 +284,29 @@ def snapshot(engine: Any, exclude_frozen_parameters: bool = False,
         "state_dict_keys": [k for k in module_state
                             if not (exclude_frozen_parameters and k in frozen)],
         "optimizer": {"class": type(optimizer).__name__, "groups": groups,
-                      "keys": {held.names[i]: k for i, k in keys.items()},
-                      "other": {held.names[i]: o for i, o in other.items()}},
+                      "keys": dict(keys), "other": dict(other)},
     }
     return state_dict, description
+
+
+def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pipeline stages' descriptions as one (stage order: parameters, keys and groups)."""
+    out = {**parts[0], "params": {}, "aliases": {}, "module_keys": [], "excluded_frozen": [],
+           "state_dict_keys": [],
+           "optimizer": {**parts[0]["optimizer"], "groups": [], "keys": {}, "other": {}}}
+    for part in parts:
+        out["params"].update(part["params"])
+        out["aliases"].update(part["aliases"])
+        for k in ("module_keys", "excluded_frozen", "state_dict_keys"):
+            out[k] += [x for x in part[k] if x not in out[k]]
+        opt = part["optimizer"]
+        out["optimizer"]["keys"].update(opt["keys"])
+        out["optimizer"]["other"].update(opt["other"])
+        for g, group in enumerate(opt["groups"]):
+            if g == len(out["optimizer"]["groups"]):
+                out["optimizer"]["groups"].append({"settings": group["settings"], "params": []})
+            out["optimizer"]["groups"][g]["params"] += group["params"]
+    return out
 
 
 def write(state_dict: dict[str, Any], directory: Path) -> None:
