@@ -97,6 +97,35 @@ class BucketReducer(Actor):
         while self._next in self._ready:
             await self._launch(self._next, self._ready.pop(self._next))
             self._next += 1
+        if self.buckets.transient and not self.stages["after_reduce"]:
+            await self._reap()
+
+    async def _reap(self) -> None:
+        """Finishes the reduces that are already done, oldest first, while backward goes on:
+        their transient buffers go back to the pool now instead of at the micro-batch's end
+        (so a step holds a few buckets' buffers, not every bucket's)."""
+        done = 0
+        for index, work, buffer, launched, source in self._inflight:
+            finished = work.done() if self.channel is not None else work.is_completed()
+            if not finished:
+                break
+            await self._await(index, work, buffer)
+            self._finish(index, buffer)
+            self.buckets.release(source)
+            self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
+            done += 1
+        del self._inflight[:done]
+
+    async def _await(self, index: int, work: Any, buffer: torch.Tensor) -> None:
+        what = f"{self._op} of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
+        if self.channel is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
+            except TimeoutError:
+                raise comm.CollectiveTimeout(f"{what} did not finish within "
+                                             f"{self.timeout:g} s") from None
+        else:
+            await comm.wait(work, what, self.timeout)
 
     @handler
     async def end_micro_batch(self, msg: EndMicroBatch) -> None:
@@ -118,15 +147,7 @@ class BucketReducer(Actor):
             await self._launch(self._next, self._ready.pop(self._next, None))
             self._next += 1
         for index, work, buffer, launched, source in self._inflight:
-            what = f"{self._op} of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
-            if self.channel is not None:
-                try:
-                    await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
-                except TimeoutError:
-                    raise comm.CollectiveTimeout(f"{what} did not finish within "
-                                                 f"{self.timeout:g} s") from None
-            else:
-                await comm.wait(work, what, self.timeout)
+            await self._await(index, work, buffer)
             self._finish(index, buffer)
             if self.buckets.transient:
                 self.buckets.release(source)
