@@ -16,6 +16,7 @@ import torch.distributed as dist
 from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader
+from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
 from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
 from flowtrain.engine.surface import EngineSurface
@@ -135,13 +136,14 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
         self._run_dir = os.environ.get(RUN_DIR) or None
         self._spans = None
-        self._plan_pending = False
+        # the first forward counts its FLOPs (health figures; plan.json on rank 0 of a run)
+        self._plan_pending = True
+        self.health = Health(self)
         if self._run_dir is not None:
             from flowtrain.engine.spans import SpanRecorder
 
             try:
                 self._spans = SpanRecorder(self._run_dir, self.global_rank)
-                self._plan_pending = self.global_rank == 0
             except OSError as exc:
                 log.warning("cannot record spans in the run directory", error=str(exc))
 
@@ -269,8 +271,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _forward_counting_flops(self, args: Any, kwargs: Any, mb: int) -> Any:
-        """The first forward on rank 0 of a launched run counts its FLOPs
-        (torch.utils.flop_counter) for the run directory's plan.json."""
+        """The first forward counts its FLOPs (torch.utils.flop_counter): the health figures'
+        MFU, and on rank 0 of a launched run the run directory's plan.json."""
         from torch.utils.flop_counter import FlopCounterMode
 
         from flowtrain.engine.spans import write_plan
@@ -279,10 +281,13 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         counter = FlopCounterMode(display=False)
         with counter, self.timer.span("forward", f"forward/mb{mb}"):
             out = self._run_module(args, kwargs)
+        self.health.forward_flops = float(counter.get_total_flops())
+        if self._run_dir is None or self.global_rank != 0:
+            return out
         try:
             write_plan(self._run_dir, config=self.config.to_dict(), world_size=self.world_size,
                        param_specs=self._param_specs(),
-                       forward_flops_per_micro_batch=float(counter.get_total_flops()))
+                       forward_flops_per_micro_batch=self.health.forward_flops)
         except OSError as exc:
             log.warning("could not write the run's plan.json", error=str(exc))
         return out
@@ -502,11 +507,13 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         samples_per_s = (self.config.train_batch_size / breakdown["step_s"]
                          if breakdown.get("step_s") else None)
         memory = self.memory_breakdown()
+        health = self.health.figures(breakdown.get("step_s"), breakdown.get("comm_s"))
         log.info("step", console=True, step=self.global_steps, loss=loss, lr=lr,
                  loss_scale=self.loss_scaler.loss_scale, skipped=self.skipped_steps,
                  grad_norm=self._global_grad_norm, samples_per_s=samples_per_s,
                  model_state_mib=round(memory["total"] / 2**20, 1),
                  rss_mib=round(memory["process_rss"] / 2**20, 1),
+                 **{k: (round(v, 4) if v is not None else None) for k, v in health.items()},
                  **({k: v for k, v in breakdown.items()} if self.config.wall_clock_breakdown
                     else {"step_s": breakdown.get("step_s")}))
 

@@ -220,8 +220,16 @@ class TelemetryActor(Actor):
             "samples_per_s": batch / step_s if batch and step_s > 0 else None,
             "tokens_per_s": None, "overlap": overlap,
             "comm_share": phases["comm_s"] / step_s if step_s > 0 else 0.0,
-            "mfu": None, "mem": self._mem(),
+            **self._health(step_s, phases["comm_s"]), "mem": self._mem(),
         }
+
+    def _health(self, step_s: float, comm_s: float) -> dict[str, Any]:
+        """MFU and memory-bandwidth utilization (None without a known peak)."""
+        health = getattr(self.engine, "health", None)
+        if health is None:
+            return {"mfu": None, "mbu": None}
+        figures = health.figures(step_s, comm_s)
+        return {"mfu": figures["mfu"], "mbu": figures["mbu"]}
 
     def _skip_event(self, msg: StepDone) -> dict[str, Any]:
         fp16 = getattr(self.engine, "precision", None) == "fp16"

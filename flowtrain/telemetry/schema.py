@@ -71,6 +71,8 @@ class StepRecord(_Base):
     overlap: float | None
     comm_share: float
     mfu: float | None
+    # mbu (memory-bandwidth utilization, float | None) rides along as an allowed extra key:
+    # readers of older records see it missing (flowtrain.engine.health says how it is counted)
     mem: Memory
 
 
