@@ -9,6 +9,8 @@ BucketReducer over the data-parallel group; the optimizer step follows the last 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +23,12 @@ import torch.distributed as dist
 
 from flowtrain import comm
 from flowtrain.engine.engine import FlowtrainEngine
+from flowtrain.log import get_logger
 from flowtrain.pipe.module import PipelineModule
 from flowtrain.pipe.schedule import SCHEDULES, Op, stage_ops
 from flowtrain.runtime.actor import Actor, handler
+
+log = get_logger("flowtrain.pipe")
 
 TAG_ACT, TAG_GRAD = 11, 12
 HEADER = 64  # int64 slots: count, then per tensor dtype code, ndim, dims
@@ -182,18 +187,54 @@ class PipelineEngine(FlowtrainEngine):
         self._stage_actor = PipeStage(self, group, comm.DEFAULT_TIMEOUT)
         self._stage_ref = self._runtime.spawn(self._stage_actor)
         self.agg_train_loss: torch.Tensor | None = None
+        # each stage's first rank records its part of the plan (for simulate --compare)
+        self._plan_pending = self._run_dir is not None and self.grid.dp_rank == 0 and \
+            self.grid.tp_rank == 0
 
     # -- compute (on the stage actor's compute thread) --------------------------------------------
 
     def _stage_forward(self, mb: int, x: Any, labels: Any, train: bool) -> Any:
-        with self.timer.span("forward", f"forward/mb{mb}"), torch.set_grad_enabled(train):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False) if self._plan_pending and train else None
+        with self.timer.span("forward", f"forward/mb{mb}"), torch.set_grad_enabled(train), \
+                counter if counter is not None else contextlib.nullcontext():
             out = self.module(x)
+            result = out
             if self.grid.is_last_stage and labels is not None:
                 if self.module.loss_fn is None:
                     raise ValueError("the last pipeline stage needs PipelineModule(loss_fn=...) "
                                      "to train or evaluate with labels")
-                return self.module.loss_fn(out, labels)
-            return out
+                result = self.module.loss_fn(out, labels)
+        if counter is not None:
+            self._record_stage_plan(float(counter.get_total_flops()), out)
+        return result
+
+    def _record_stage_plan(self, flops: float, out: Any) -> None:
+        """``stages/stage{s}.json`` in the run directory: this stage's parameters, forward FLOPs
+        and output bytes of one micro-batch; rank 0 also writes ``plan.json`` (world size: all
+        ranks). ``flowtrain simulate --compare`` rebuilds the pipeline's plan from them."""
+        from pathlib import Path
+
+        from flowtrain.engine.spans import write_plan
+
+        self._plan_pending = False
+        record = {"v": 1, "stage": self.stage_id, "stages": self.num_stages,
+                  "param_specs": [[n, list(shape), d, e] for n, shape, d, e in
+                                  self._param_specs()],
+                  "forward_flops_per_micro_batch": flops,
+                  "output_bytes_per_micro_batch": sum(t.numel() * t.element_size()
+                                                      for t in _tensors(out))}
+        try:
+            stages = Path(self._run_dir) / "stages"
+            stages.mkdir(parents=True, exist_ok=True)
+            (stages / f"stage{self.stage_id}.json").write_text(json.dumps(record))
+            if self.global_rank == 0:
+                write_plan(self._run_dir, config=self.config.to_dict(),
+                           world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                           param_specs=self._param_specs(), forward_flops_per_micro_batch=flops)
+        except OSError as exc:
+            log.warning("could not record the pipeline stage's plan", error=str(exc))
 
     def _stage_backward(self, mb: int, out: Any, grad: Any, last: bool) -> None:
         if self.grid.is_last_stage:
