@@ -16,7 +16,6 @@ import platform
 import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -32,11 +31,13 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from sims import calibrate_engine
 from sims.costs import ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, host_profile_path
 
 MEASUREMENTS_VERSION = 1
 MEASURED_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+CHANNEL_OPS = ("all_reduce", "reduce_scatter")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,6 +59,14 @@ class Settings:
     trial_seconds: float  # back-to-back collectives per trial, about this long
     interference_bytes: int
     interference_window_s: float
+    # the engine's own pieces (sims.calibrate_engine)
+    pass_shapes: tuple[tuple[int, int, int], ...] = calibrate_engine.PASS_SHAPES
+    optimizer_sets: tuple[tuple[int, int], ...] = calibrate_engine.OPTIMIZER_SETS
+    p2p_bytes: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+    concurrency_window_s: float = 0.5
+    # (ranks, pipeline stages) of the launched calibration jobs (None: data parallel on 1 and
+    # every measured rank count, and a 2-stage pipeline)
+    jobs: tuple[tuple[int, int], ...] | None = None
 
 
 DEFAULT = Settings(
@@ -70,7 +79,10 @@ QUICK = Settings(
     matmul_sizes=(64, 256, 512), low_precision_sizes=(256, 512), seconds_per_point=0.04,
     max_op_seconds=0.03, memory_elements=1 << 24,
     collective_bytes=(16 << 10, 1 << 20, 8 << 20), collective_trials=3, trial_seconds=0.02,
-    interference_bytes=4 << 20, interference_window_s=0.4)
+    interference_bytes=4 << 20, interference_window_s=0.4,
+    pass_shapes=calibrate_engine.QUICK_PASS_SHAPES,
+    optimizer_sets=calibrate_engine.QUICK_OPTIMIZER_SETS,
+    p2p_bytes=(4 << 10, 256 << 10, 4 << 20), concurrency_window_s=0.25, jobs=((2, 1),))
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -143,9 +155,12 @@ def _free_port() -> int:
 
 def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: float,
                         start_method: str | None = None
-                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Gloo collectives over loopback for each rank count, then the interference test on the
-    smallest; every wait is bounded by ``timeout_s``.
+    smallest; every wait is bounded by ``timeout_s``. The same ranks also measure the
+    engine's pieces that need several processes (``sims.calibrate_engine``): its shared-memory
+    channel, how much ranks computing at once slow each other, and a pipeline send; they come
+    back as the third value, the measurements' ``engine`` record in the making.
 
     Where each rank runs one thread, the ranks are forked from this process: torch is imported
     already, so they start in milliseconds (importing torch in each took 5-25 s on a busy
@@ -164,13 +179,18 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["sims.calibrate"])
     port = _free_port()
+    from flowtrain import shm
+
+    # the engine's shared-memory channel, where it would use one (CPU ranks of one host)
+    shm_path = f"/dev/shm/flowtrain-calibrate-{os.getpid()}-{os.urandom(4).hex()}" \
+        if shm.available() else None
     pipes: list[Connection] = []
     procs = []
     for rank in range(world):
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_rank_main, name=f"calibrate-rank{rank}",
                            args=(rank, world, port, tuple(ranks), settings, timeout_s,
-                                 child_end))
+                                 child_end, shm_path))
         proc.start()
         child_end.close()
         pipes.append(parent_end)
@@ -209,29 +229,65 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
     shares = [r["interference"] for r in results.values() if "interference" in r]
     interference = {key: statistics.fmean(s[key] for s in shares) for key in shares[0]}
     interference["ranks"] = min(ranks)
-    return results[0]["collectives"], interference
+    engine: dict[str, Any] = {"channel": results[0]["channel"],
+                              "concurrency": results[0]["concurrency"],
+                              "p2p": results[0].get("p2p", [])}
+    channel_shares = [r["channel_interference"] for r in results.values()
+                      if "channel_interference" in r]
+    if channel_shares:
+        engine["channel_interference"] = {
+            key: statistics.fmean(s[key] for s in channel_shares) for key in channel_shares[0]}
+    return results[0]["collectives"], interference, engine
 
 
 def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], settings: Settings,
-               timeout_s: float, conn: Connection) -> None:
+               timeout_s: float, conn: Connection, shm_path: str | None = None) -> None:
     """One forked rank: measures what its groups ask and sends the outcome (or its error)."""
     try:
         warnings.simplefilter("ignore", FutureWarning)  # torch's rename of the *_tensor ops
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
-        result: dict[str, Any] = {"collectives": []}
+        result: dict[str, Any] = {"collectives": [], "channel": [], "concurrency": []}
         groups = {n: (dist.group.WORLD if n == world else dist.new_group(list(range(n))))
                   for n in sorted(ranks)}
+        # every rank takes part in creating a group, even one it is not in
+        pair = groups[2] if 2 in groups else dist.new_group([0, 1])
+        channels: dict[int, Any] = {}
         for n, group in groups.items():
             if rank < n:
                 _set_threads(n)
                 result["collectives"] += _time_collectives(group, n, settings)
+                if shm_path is not None:
+                    channels[n] = calibrate_engine.open_channel(
+                        f"{shm_path}-{n}", rank, n, max(settings.collective_bytes) + 64,
+                        timeout_s, group)
+                    result["channel"] += _time_collectives(group, n, settings, channels[n],
+                                                           timeout_s)
+                result["concurrency"].append(calibrate_engine.time_concurrency(
+                    rank, n, group, settings.concurrency_window_s))
             dist.barrier()
         smallest = min(ranks)
         if rank < smallest:
             _set_threads(smallest)
             result["interference"] = _interference(groups[smallest], smallest, settings)
+            if smallest in channels:
+                call = calibrate_engine.channel_call(channels[smallest], "all_reduce", smallest,
+                                                     settings.interference_bytes, timeout_s)
+                start = time.perf_counter()
+                call()
+                repeats = _agreed_repeats(time.perf_counter() - start,
+                                          settings.interference_window_s, groups[smallest],
+                                          cap=10_000)
+                result["channel_interference"] = calibrate_engine.background_interference(
+                    call, settings.interference_window_s, groups[smallest], repeats)
+        if rank < 2:
+            _set_threads(2)
+            result["p2p"] = calibrate_engine.time_p2p(
+                rank, pair, settings.p2p_bytes, settings.collective_trials,
+                settings.trial_seconds, timeout_s)
         dist.barrier()
+        for channel in channels.values():
+            channel.close()
         conn.send(result)
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - handed to the parent, which reports it
@@ -263,11 +319,16 @@ def _agreed_repeats(estimate_s: float, target_s: float, group: Any, cap: int = 1
     return int(k.item())
 
 
-def _time_collectives(group: Any, ranks: int, settings: Settings) -> list[dict[str, Any]]:
+def _time_collectives(group: Any, ranks: int, settings: Settings, channel: Any = None,
+                      timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Gloo's collectives over ``group``, or with ``channel`` the engine's shared-memory
+    channel's (all_reduce and reduce_scatter, what its reducer sends there)."""
     records = []
-    for op in MEASURED_OPS:
+    ops = MEASURED_OPS if channel is None else CHANNEL_OPS
+    for op in ops:
         for nbytes in settings.collective_bytes:
-            call = _collective_call(op, group, ranks, nbytes)
+            call = _collective_call(op, group, ranks, nbytes) if channel is None else \
+                calibrate_engine.channel_call(channel, op, ranks, nbytes, timeout_s)
             start = time.perf_counter()
             call()
             k = _agreed_repeats(time.perf_counter() - start, settings.trial_seconds, group)
@@ -278,54 +339,27 @@ def _time_collectives(group: Any, ranks: int, settings: Settings) -> list[dict[s
                 for _ in range(k):
                     call()
                 trials.append((time.perf_counter() - start) / k)
-            # The fastest trial, for the reason given in _repeat; all of them are kept.
+            # Gloo: the fastest trial, for the reason given in _repeat. The engine's channel:
+            # the median, as its pieces are timed (sims.calibrate_engine.typical). All kept.
+            seconds = min(trials) if channel is None else statistics.median(trials)
             records.append({"op": op, "ranks": ranks, "bytes": nbytes,
-                            "seconds": min(trials), "trials": trials})
+                            "seconds": seconds, "trials": trials})
     return records
 
 
 def _interference(group: Any, ranks: int, settings: Settings) -> dict[str, float]:
-    """Matmul throughput alone, then while a background thread runs back-to-back all-reduces,
-    then alone again. The compute lost per second of collective is the fraction of the
-    collective's time that also occupies the compute resource."""
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-
-    def matmul_rate(keep_going: Callable[[float], bool]) -> float:
-        count, start = 0, time.perf_counter()
-        while keep_going(time.perf_counter() - start):
-            torch.mm(a, b)
-            count += 1
-        return count / (time.perf_counter() - start)
-
-    window = settings.interference_window_s
+    """Matmul throughput alone, then while a background thread runs back-to-back gloo
+    all-reduces, then alone again. The compute lost per second of collective is the fraction of
+    the collective's time that also occupies the compute resource."""
     call = _collective_call("all_reduce", group, ranks, settings.interference_bytes)
     start = time.perf_counter()
     call()
-    collectives = _agreed_repeats(time.perf_counter() - start, window, group, cap=10_000)
-    dist.barrier(group=group)
-    alone_before = matmul_rate(lambda t: t < window)
-    dist.barrier(group=group)
-    comm_times: list[float] = []
-
-    def run_collectives() -> None:
-        begin = time.perf_counter()
-        for _ in range(collectives):
-            call()
-        comm_times.append((time.perf_counter() - begin) / collectives)
-
-    thread = threading.Thread(target=run_collectives, name="calibrate-collectives", daemon=True)
-    thread.start()
-    during = matmul_rate(lambda _t: thread.is_alive())
-    thread.join(timeout=60)
-    if thread.is_alive() or not comm_times:
-        raise CalibrationError("the background all-reduces of the interference test did not "
-                               "finish within 60 s")
-    dist.barrier(group=group)
-    alone_after = matmul_rate(lambda t: t < window)
-    alone = (alone_before + alone_after) / 2
-    return {"matmul_per_s_alone": alone, "matmul_per_s_during": during,
-            "all_reduce_seconds_during": comm_times[0],
-            "fraction": min(1.0, max(0.0, 1.0 - during / alone))}
+    repeats = _agreed_repeats(time.perf_counter() - start, settings.interference_window_s,
+                              group, cap=10_000)
+    share = calibrate_engine.background_interference(call, settings.interference_window_s,
+                                                     group, repeats)
+    share["all_reduce_seconds_during"] = share.pop("collective_seconds_during")
+    return share
 
 
 def host_facts() -> dict[str, Any]:
@@ -348,10 +382,19 @@ def host_facts() -> dict[str, Any]:
 def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[str, Any]:
     """Every measurement, as the JSON that ``fit_profile`` reads. Collectives go first so the
     ranks are forked before this process has started its own compute threads."""
-    collectives, interference = measure_collectives(settings, ranks, timeout_s)
+    collectives, interference, engine = measure_collectives(settings, ranks, timeout_s)
+    cores = os.cpu_count() or 1
+    engine["optimizer"] = calibrate_engine.measure_optimizer(settings.optimizer_sets,
+                                                             settings.seconds_per_point)
+    engine["passes"] = calibrate_engine.measure_passes(
+        [max(1, cores // n) for n in (1, *ranks)], settings.pass_shapes,
+        settings.seconds_per_point)
+    jobs = settings.jobs if settings.jobs is not None else \
+        tuple((n, 1) for n in (1, *ranks)) + ((2, 2),)
+    engine["jobs"] = calibrate_engine.measure_jobs(jobs, calibrate_engine.JOB_STEPS, timeout_s)
     return {"v": MEASUREMENTS_VERSION, "host": host_facts(), "threads_per_device": 1,
             "matmul": measure_matmul(settings), "memory": measure_memory(settings),
-            "collectives": collectives, "interference": interference}
+            "collectives": collectives, "interference": interference, "engine": engine}
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -466,6 +509,16 @@ def check_measurements(m: Any) -> dict[str, Any]:
                 raise CalibrationError(f"measurements: field 'collectives[{i}].op' must be one "
                                        f"of {', '.join(MEASURED_OPS)}, got {record['op']!r}")
     _need(_need(m, "interference", dict, ""), "fraction", (int, float), "interference.")
+    if "engine" in m:
+        engine = _need(m, "engine", dict, "")
+        for key, fields in (("passes", ("threads", "flops", "forward_s", "backward_s")),
+                            ("optimizer", ("numel", "seconds"))):
+            records = _need(engine, key, list, "engine.")
+            if not records:
+                raise CalibrationError(f"measurements: field 'engine.{key}' is empty")
+            for i, record in enumerate(records):
+                for f in fields:
+                    _need(record, f, (int, float), f"engine.{key}[{i}].")
     return m
 
 
@@ -497,10 +550,14 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
     ring = fit_ring_link(m)
     skipped: list[str] = []
     collectives = fit_collectives(m, skipped)
+    engine = None
+    if "engine" in m:
+        engine, engine_skipped = calibrate_engine.fit_engine(m["engine"])
+        skipped += engine_skipped
     when = f"measured on {host.get('hostname', '?')} ({host.get('cpu', '?')}, {cores} cores) " \
            f"{host.get('recorded', '')} by flowtrain calibrate"
     ranks_seen = sorted({r["ranks"] for r in m["collectives"]})
-    return HardwareProfile(
+    profile = HardwareProfile(
         name=name, kind="cpu", devices_per_node=cores,
         device_memory_bytes=host["memory_bytes"] // cores,
         peak_flops=peaks, memory_bandwidth=streaming,
@@ -511,6 +568,7 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
         efficiency=curve, collectives=collectives,
         comm_compute_interference=float(m["interference"]["fraction"]),
         host_memory_bandwidth=streaming,
+        engine=engine,
         sources={
             "peak_flops": f"{when}: best single-thread torch.mm rate per dtype",
             "efficiency": f"{when}: float32 torch.mm rate / peak at each size",
@@ -529,7 +587,23 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
             "comm_compute_interference": f"{when}: 1 - matmul rate during back-to-back "
                                          f"all-reduces / alone, {m['interference'].get('ranks', 2)}"
                                          " ranks",
+            **({"engine": f"{when}: the engine's pieces (sims.calibrate_engine): nn.Linear "
+                          "forward/backward with its gradient-bucket hooks per thread count, "
+                          "its fused Adam kernel, its shared-memory channel, a pipeline send, "
+                          "ranks computing at once"} if engine is not None else {}),
         })
+    return _with_engine_factors(profile, m)
+
+
+def _with_engine_factors(profile: HardwareProfile, m: dict[str, Any]) -> HardwareProfile:
+    """The profile with its engine factors, fitted by predicting the launched calibration jobs
+    with the profile itself (``sims.calibrate_engine.fit_factors``)."""
+    jobs = m.get("engine", {}).get("jobs")
+    if profile.engine is None or not jobs:
+        return profile
+    import dataclasses
+
+    return dataclasses.replace(profile, engine=calibrate_engine.fit_factors(profile, jobs))
 
 
 def write_profile(measurements: dict[str, Any], out: str | os.PathLike[str],
@@ -605,6 +679,8 @@ def summary(profile: HardwareProfile) -> list[str]:
     lines.append(f"  ring link: {ring.latency_s * 1e6:.1f} us per step, "
                  f"{ring.bandwidth / 1e9:.3f} GB/s per rank")
     lines.append(f"  comm/compute interference {profile.comm_compute_interference:.2f}")
+    if profile.engine is not None:
+        lines += calibrate_engine.summary_lines(profile.engine)
     for reason in profile.sources.get("collectives", "").split("; left out: ")[1:]:
         lines.append(f"  warning: {reason}")
     return lines

@@ -16,6 +16,8 @@ CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
 # What the engine's ``optimizer/step`` span covers besides the update itself: the offload copies
 # and the post-step all-gather of whole buckets run inside it.
 _AFTER_STEP = ("optimizer", "allgather", "copy")
+# Task kinds of the engine's own work outside any span: a pass after one starts at its end.
+_BETWEEN_PASSES = ("overhead", "handoff")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class RunRecord:
     path: Path
     plan: dict[str, Any]
     steps: dict[int, list[list[tuple[str, float, float]]]]
+    # a pipeline run's stages/stage{s}.json, in stage order (empty for other runs)
+    stages: tuple[dict[str, Any], ...] = ()
 
 
 def read_run(run_dir: str | Path) -> RunRecord:
@@ -70,7 +74,37 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if not steps:
         raise ValueError(f"--compare: no measured spans in {str(root / 'spans')!r} "
                          f"(rank*.jsonl); the run recorded no complete step")
-    return RunRecord(root, plan, steps)
+    return RunRecord(root, plan, steps, _read_stages(root))
+
+
+_STAGE_KEYS = ("stage", "stages", "param_specs", "forward_flops_per_micro_batch",
+               "output_bytes_per_micro_batch")
+
+
+def _read_stages(root: Path) -> tuple[dict[str, Any], ...]:
+    """A pipeline run's per-stage records (each stage's first rank writes one); every stage
+    must be there, since a missing one would leave its parameters out of the prediction."""
+    records: dict[int, dict[str, Any]] = {}
+    for path in sorted((root / "stages").glob("stage*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--compare: {str(path)!r} is not a readable stage record: "
+                             f"{exc}") from None
+        missing = [k for k in _STAGE_KEYS if not isinstance(record, dict) or k not in record]
+        if missing:
+            raise ValueError(f"--compare: {str(path)!r} lacks {missing[0]!r}; expected the "
+                             f"keys {', '.join(_STAGE_KEYS)}")
+        records[int(record["stage"])] = record
+    if not records:
+        return ()
+    stages = int(next(iter(records.values()))["stages"])
+    absent = [s for s in range(stages) if s not in records]
+    if absent:
+        raise ValueError(f"--compare: {str(root / 'stages')!r} has no record of pipeline "
+                         f"stage {absent[0]} of {stages}; each stage's first rank writes one "
+                         f"at its first forward")
+    return tuple(records[s] for s in range(stages))
 
 
 def _class_of(name: str) -> str:
@@ -109,34 +143,63 @@ def measured_classes(run: RunRecord) -> tuple[dict[str, float], int]:
 
 
 def predicted_classes(timeline: Timeline) -> dict[str, float]:
-    """The same sums over a simulated step (stage 0): a forward or backward pass runs from the
-    end of the pass before it (so waits inside it, like ZeRO-3 gathers, count, as they do in
-    the engine's span); a reduce or gather from when its data was ready (launch) to its end,
-    queueing included; the optimizer from its first task to the end of the post-step work."""
+    """The same sums over a simulated step, averaged over pipeline stages as the measured ones
+    are over ranks: a forward or backward pass runs from the end of the pass before it (so
+    waits inside it, like ZeRO-3 gathers, count, as they do in the engine's span), or on a
+    pipeline stage from its own first task (the engine times the wait for a neighbour's
+    activations or gradients as a separate recv span); a reduce or gather from when its data
+    was ready (launch) to its end, queueing included; the optimizer from its first task to the
+    end of the post-step work."""
+    stages = timeline.stages
+    out: dict[str, float] = {}
+    for stage in range(stages):
+        for c, seconds in _stage_classes(timeline, stage, own_start=stages > 1).items():
+            out[c] = out.get(c, 0.0) + seconds / stages
+    out["step"] = timeline.step_time
+    return out
+
+
+def _stage_classes(timeline: Timeline, stage: int, own_start: bool) -> dict[str, float]:
     tasks, start, end = timeline.tasks, timeline.start, timeline.end
     out: dict[str, float] = {}
-    passes: dict[str, float] = {}
+    passes: dict[str, list[float]] = {}
     for i, t in enumerate(tasks):
-        if t.stage == 0 and t.kind in ("forward", "backward"):
+        if t.stage == stage and t.kind in ("forward", "backward"):
             key = "/".join(t.name.split("/")[:2])
-            passes[key] = max(passes.get(key, 0.0), end[i])
+            span = passes.setdefault(key, [start[i], end[i]])
+            span[0], span[1] = min(span[0], start[i]), max(span[1], end[i])
+    # the engine's own work between passes (the loss, the step's bookkeeping, pipeline
+    # hand-offs) is in no span: a pass after it starts where it ends
+    marks = [(end[i], None, 0.0) for i, t in enumerate(tasks)
+             if t.stage == stage and t.kind in _BETWEEN_PASSES]
     previous = 0.0
-    for key, finish in sorted(passes.items(), key=lambda kv: kv[1]):
-        c = _class_of(key)
-        out[c] = out.get(c, 0.0) + finish - previous
+    for finish, key, first in sorted(marks + [(finish, key, first) for key, (first, finish)
+                                              in passes.items()], key=lambda m: m[0]):
+        if key is not None:
+            c = _class_of(key)
+            out[c] = out.get(c, 0.0) + finish - (max(previous, first) if own_start else previous)
         previous = finish
+    backward_end = {key.split("/")[1]: finish for key, (_, finish) in passes.items()
+                    if key.startswith("backward/")}
+    last_backward = max(backward_end.values(), default=0.0)
     for i, t in enumerate(tasks):
-        if t.stage == 0 and t.kind in ("reduce", "gather"):
+        if t.stage == stage and t.kind in ("reduce", "gather"):
             ready = max((end[d] for d in t.deps if tasks[d].kind not in ("reduce", "gather")),
                         default=0.0)
-            out[t.kind] = out.get(t.kind, 0.0) + end[i] - min(ready, start[i])
-    post = [i for i, t in enumerate(tasks[:timeline.planned]) if t.stage == 0 and
+            finish = end[i]
+            if t.kind == "reduce":
+                # The engine's reducer records a reduce as done when it drains its launched
+                # reduces: after the micro-batch's backward (ZeRO 2-3) or the step's last one.
+                micro_batch = t.name.split("/")[2] if t.name.count("/") >= 2 else None
+                finish = max(finish, backward_end.get(micro_batch, last_backward)
+                             if micro_batch else last_backward)
+            out[t.kind] = out.get(t.kind, 0.0) + finish - min(ready, start[i])
+    post = [i for i, t in enumerate(tasks[:timeline.planned]) if t.stage == stage and
             t.kind in _AFTER_STEP and "/mb" not in t.name]
     first_step = [i for i in post if tasks[i].kind == "optimizer" or tasks[i].name.startswith(
         "copy/d2h/")]
     if first_step:
         out["optimizer"] = max(end[i] for i in post) - min(start[i] for i in first_step)
-    out["step"] = timeline.step_time
     return out
 
 

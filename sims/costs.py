@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from sims.hardware import COLLECTIVE_OPS, HardwareProfile, Link, ProfileError
+from sims.hardware import COLLECTIVE_OPS, Curve, HardwareProfile, Link, ProfileError
 
 # Adam over fp32 state as one streaming pass: reads parameter, gradient, exp_avg, exp_avg_sq
 # (4 x 4 B) and writes parameter, exp_avg, exp_avg_sq back (3 x 4 B).
@@ -32,7 +32,12 @@ def efficiency_at(flops: float, hw: HardwareProfile) -> float:
     """Fraction of peak reached by an op of ``flops``: linear in log(FLOPs) between the
     curve's points, clamped to the first and last point (small ops cannot go lower, large ones
     no higher, than what was published or measured)."""
-    curve = hw.efficiency
+    return curve_at(hw.efficiency, flops)
+
+
+def curve_at(curve: Curve, flops: float) -> float:
+    """A (FLOPs, value) curve's value at ``flops``: linear in log(FLOPs) between points,
+    clamped to the first and last point."""
     if flops <= curve[0][0]:
         return curve[0][1]
     if flops >= curve[-1][0]:
@@ -54,6 +59,73 @@ def compute_seconds(flops: float, bytes_moved: float, dtype: str, hw: HardwarePr
                          f"it has: {', '.join(sorted(hw.peak_flops))}")
     math_s = flops / (hw.peak_flops[dtype] * efficiency_at(flops, hw)) if flops else 0.0
     return max(math_s, bytes_moved / hw.memory_bandwidth)
+
+
+def rank_threads(ranks_per_node: int, hw: HardwareProfile) -> int:
+    """Torch threads of one rank: ``flowtrain launch`` gives each of ``ranks_per_node`` ranks
+    cores // ranks (at least one). On a CPU profile a device is a core."""
+    _check_count("ranks_per_node", ranks_per_node)
+    return max(1, hw.devices_per_node // ranks_per_node)
+
+
+def pass_seconds(kind: str, flops: float, threads: int, hw: HardwareProfile) -> float:
+    """One module's forward or backward on a calibrated CPU host (``hw.engine``): its FLOPs at
+    the measured rate of an ``nn.Linear`` of that size with ``threads`` threads. Below the
+    smallest measured op the time stays that op's: a module call costs at least its Python and
+    autograd overhead, however few FLOPs it does."""
+    if hw.engine is None:
+        raise ValueError(f"hardware profile {hw.name!r} has no engine costs (a CPU host "
+                         "calibrated by `flowtrain calibrate` has them)")
+    _check_size("flops", flops)
+    curve = hw.engine.threads_curve(threads, kind)
+    smallest, rate = curve[0]
+    if flops <= smallest:
+        return smallest / rate
+    return flops / curve_at(curve, flops)
+
+
+def compute_slowdown(ranks_per_node: int, hw: HardwareProfile, memory: bool = False) -> float:
+    """How much slower each rank works when ``ranks_per_node`` ranks work at once on a CPU
+    host, for compute-bound work or (``memory``) work bound by memory bandwidth: measured by
+    calibration for the rank counts it ran; otherwise the measured figure of the nearest rank
+    count scaled by the ratio of oversubscription, threads in use over cores (with no
+    measurement, that ratio alone, at least 1). 1 for a single rank and on GPUs."""
+    _check_count("ranks_per_node", ranks_per_node)
+    if hw.kind != "cpu" or ranks_per_node == 1:
+        return 1.0  # a lone rank shares the host with no other rank
+
+    def oversubscribed(n: int) -> float:
+        return max(1.0, n * rank_threads(n, hw) / hw.devices_per_node)
+
+    measured: dict[int, float] = {}
+    if hw.engine is not None:
+        measured = hw.engine.memory_slowdown if memory else hw.engine.slowdown
+    if ranks_per_node in measured:
+        return measured[ranks_per_node]
+    if not measured:
+        return oversubscribed(ranks_per_node)
+    near = min(measured, key=lambda n: (abs(n - ranks_per_node), n))
+    return max(1.0, measured[near] * oversubscribed(ranks_per_node) / oversubscribed(near))
+
+
+def channel_seconds(op: str, nbytes: float, ranks: int, hw: HardwareProfile) -> float | None:
+    """One collective over the engine's shared-memory data channel (CPU ranks of one host), or
+    None when the profile has no channel figures for ``op``. A rank count that was not measured
+    takes the nearest measured one's latency and its per-byte time scaled by ranks + 1 over
+    n + 1 (each rank copies its buffer in once and sums every rank's slot)."""
+    _check_op(op)
+    _check_size("nbytes", nbytes)
+    _check_count("ranks", ranks)
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    by_ranks = hw.engine.channel.get(op, {}) if hw.engine is not None else {}
+    if not by_ranks:
+        return None
+    if ranks in by_ranks:
+        return by_ranks[ranks].seconds(nbytes)
+    near = min(by_ranks, key=lambda n: (abs(n - ranks), n))
+    link = by_ranks[near]
+    return link.latency_s + nbytes / link.bandwidth * (ranks + 1) / (near + 1)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -142,6 +214,9 @@ def p2p_seconds(nbytes: float, hw: HardwareProfile, inter_node: bool) -> float:
     if nbytes == 0:
         return 0.0
     if not inter_node:
+        # a calibrated host's own send (header + tensor over gloo), else the ring's link
+        if hw.engine is not None and hw.engine.p2p is not None:
+            return hw.engine.p2p.seconds(nbytes)
         return hw.intra_node.seconds(nbytes)
     per_device = hw.inter_node.bandwidth / hw.devices_per_node
     return hw.inter_node.latency_s + nbytes / per_device
@@ -154,13 +229,24 @@ def copy_seconds(nbytes: float, hw: HardwareProfile) -> float:
 
 
 def optimizer_seconds(numel: int, hw: HardwareProfile, on_host: bool = False, *,
-                      bytes_per_param: float = ADAM_BYTES_PER_PARAM) -> float:
+                      bytes_per_param: float = ADAM_BYTES_PER_PARAM, calls: int = 1,
+                      memory_slowdown: float = 1.0) -> float:
     """Adam over ``numel`` parameters as a memory-bound pass: its arithmetic intensity (about
     a dozen FLOPs per 28 bytes) is far below any ridge point. ``on_host`` runs it in host DRAM
-    (offload_optimizer: cpu), at the device's share of the host memory bandwidth."""
+    (offload_optimizer: cpu), at the device's share of the host memory bandwidth. A calibrated
+    CPU host (``hw.engine``) uses the engine's own fused kernel as measured, which also costs a
+    fixed time per call: ``calls`` is how many tensors the engine steps one by one, and
+    ``memory_slowdown`` stretches its streaming where other ranks stream memory at the same
+    time."""
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
     _check_size("bytes_per_param", bytes_per_param)
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        raise ValueError(f"calls must be an integer >= 0, got {calls!r}")
+    if hw.engine is not None:
+        kernel = hw.engine.optimizer
+        return calls * kernel.latency_s + numel * bytes_per_param / kernel.bandwidth * \
+            memory_slowdown
     bandwidth = hw.memory_bandwidth
     if on_host and hw.kind != "cpu":
         if hw.host_memory_bandwidth <= 0:

@@ -37,6 +37,9 @@ class SimTask:
     bytes: float = 0.0
     # A collective: on CPU hosts its progress also takes a share of the compute resource.
     collective: bool = False
+    # That share for this collective when it differs from the plan's (None: the plan's), e.g.
+    # a CPU host's shared-memory channel, whose summing is the rank's own CPU work.
+    interference: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,9 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
     """Runs ``tasks`` in virtual time and returns where each ran.
 
     ``interference`` (a CPU host's ``comm_compute_interference``): every collective also puts
-    that fraction of its duration on its stage's compute resource, as a task that becomes ready
-    when the collective starts and ranks right behind it in plan order.
+    that fraction of its duration (its own ``interference`` when set) on its stage's compute
+    resource, as a task that becomes ready when the collective starts and ranks right behind
+    it in plan order.
     """
     if not 0.0 <= interference <= 1.0:
         raise ValueError(f"interference must be a fraction from 0 to 1, got {interference!r}")
@@ -88,6 +92,9 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
     for i, task in enumerate(all_tasks):
         if task.duration < 0:
             raise ValueError(f"task {task.name!r} has a negative duration {task.duration!r}")
+        if task.interference is not None and not 0.0 <= task.interference <= 1.0:
+            raise ValueError(f"task {task.name!r} has interference {task.interference!r}; it "
+                             f"must be a fraction from 0 to 1")
         for d in task.deps:
             if not 0 <= d < n or d == i:
                 raise ValueError(f"task {task.name!r} depends on index {d}, which is not another "
@@ -95,13 +102,13 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
 
     # Companion compute tasks for collective interference, made ready when their collective starts.
     companion: dict[int, int] = {}
-    if interference > 0:
-        for i in range(n):
-            task = all_tasks[i]
-            if task.collective and task.duration > 0:
-                companion[i] = len(all_tasks)
-                all_tasks.append(SimTask(f"interference/{task.name}", "interference", "compute",
-                                         task.duration * interference, (), task.stage))
+    for i in range(n):
+        task = all_tasks[i]
+        share = interference if task.interference is None else task.interference
+        if task.collective and task.duration > 0 and share > 0:
+            companion[i] = len(all_tasks)
+            all_tasks.append(SimTask(f"interference/{task.name}", "interference", "compute",
+                                     task.duration * share, (), task.stage))
     total = len(all_tasks)
 
     # Resource ids, and each task's priority key: plan order, companions right behind theirs.

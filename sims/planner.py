@@ -28,6 +28,7 @@ all-reduces. Task names (the first two path parts are the name the engine record
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,12 @@ class Workload:
     activation_bytes_per_sample: float = 0.0
     # one layer's input (the activations a pipeline stage sends on), when the shapes are unknown
     layer_input_bytes_per_sample: float = 0.0
+    # A measured pipeline run's own split (its stage records): each stage's parameter indices,
+    # forward FLOPs and output bytes per sample. Empty: split by layer numbers and parameter
+    # count.
+    stage_params: tuple[tuple[int, ...], ...] = ()
+    stage_flops_per_sample: tuple[float, ...] = ()
+    stage_output_bytes_per_sample: tuple[float, ...] = ()
 
     @classmethod
     def from_model(cls, model: Any, precision: str) -> Workload:
@@ -132,6 +139,25 @@ class Workload:
                        for n, s, dt, e in plan["param_specs"])
         flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
         return cls(name, params, flops)
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[Mapping[str, Any]], micro_batch_size: int,
+                    name: str = "run") -> Workload:
+        """From a pipeline run's per-stage records (``stages/stage{s}.json``, in stage order):
+        the stages' parameters in order, each stage's own FLOPs and the bytes it sends on."""
+        params: list[ParamSpec] = []
+        split: list[tuple[int, ...]] = []
+        for record in stages:
+            first = len(params)
+            params += [(str(n), tuple(int(d) for d in shape), str(dt), int(e))
+                       for n, shape, dt, e in record["param_specs"]]
+            split.append(tuple(range(first, len(params))))
+        flops = tuple(float(r["forward_flops_per_micro_batch"]) / micro_batch_size
+                      for r in stages)
+        sent = tuple(float(r["output_bytes_per_micro_batch"]) / micro_batch_size
+                     for r in stages)
+        return cls(name, tuple(params), sum(flops), stage_params=tuple(split),
+                   stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent)
 
 
 @dataclass(frozen=True)
@@ -174,11 +200,12 @@ class _Tasks:
 
     def add(self, stage: int, name: str, kind: str, resource: str, duration: float,
             deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (),
-            flops: float = 0.0, nbytes: float = 0.0) -> int:
+            flops: float = 0.0, nbytes: float = 0.0, interference: float | None = None) -> int:
         i = len(self.tasks)
         self.tasks.append(SimTask(name, kind, resource, duration,
                                   tuple(dict.fromkeys(d for d in deps if d is not None)),
-                                  stage, flops, nbytes, resource.startswith("comm:")))
+                                  stage, flops, nbytes, resource.startswith("comm:"),
+                                  interference))
         self.index[(stage, name)] = i
         self.forward_refs += [(i, ref) for ref in refs]
         return i
@@ -189,9 +216,7 @@ class _Tasks:
                 raise KeyError(f"the plan refers to task {ref[1]!r} of stage {ref[0]}, which "
                                f"was never built")
             t = self.tasks[i]
-            self.tasks[i] = SimTask(t.name, t.kind, t.resource, t.duration,
-                                    t.deps + (self.index[ref],), t.stage, t.flops, t.bytes,
-                                    t.collective)
+            self.tasks[i] = dataclasses.replace(t, deps=t.deps + (self.index[ref],))
         return tuple(self.tasks)
 
 
@@ -374,8 +399,8 @@ class _StageBuilder:
 
     def __init__(self, plan: _Tasks, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  work: Workload, params: list[ParamSpec], weights: list[int], total_weight: int,
-                 micro_batches: int, micro_batch: int, dtype: str, comm_elem: int,
-                 comm_dtype: str) -> None:
+                 stage_flops: float, micro_batches: int, micro_batch: int, dtype: str,
+                 comm_elem: int, comm_dtype: str) -> None:
         self.plan, self.stage, self.layout, self.hw = plan, stage, layout, hw
         self.zero = cfg.zero_optimization
         self.m, self.mb = micro_batches, micro_batch
@@ -386,6 +411,34 @@ class _StageBuilder:
         self.comm_elem = comm_elem
         self.param_elem = params[0][3] if params else 2
         self.gpu = getattr(hw, "kind", "gpu") == "gpu"
+        # A CPU host calibrated with the engine's own costs (float32: what was measured)
+        self.engine = None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
+        ranks_here = layout.devices_per_node
+        self.threads = costs.rank_threads(ranks_here, hw) if not self.gpu else 1
+        # ranks sharing this host's cores compute, and stream memory, slower (1 on GPUs)
+        self.slowdown = costs.compute_slowdown(ranks_here, hw) if not self.gpu else 1.0
+        self.memory_slowdown = costs.compute_slowdown(ranks_here, hw, memory=True) \
+            if not self.gpu else 1.0
+        # what a launched engine job on this many ranks took over the isolated measurements
+        self.pass_factor = self.engine.factor(ranks_here, "passes") if self.engine else 1.0
+        self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
+            if self.engine else 1.0
+        # between a micro-batch's forward and backward, and per step (flush, bookkeeping),
+        # as the launched job showed; a pipeline engine computes the loss inside its forward
+        self.micro_batch_s = self.engine.factor(ranks_here, "micro_batch_s") \
+            if self.engine is not None and self.pp == 1 else 0.0
+        self.step_s = self.engine.factor(ranks_here, "step_s") \
+            if self.engine is not None and self.pp == 1 else 0.0
+        # a pipeline stage's hand-offs per instruction, and per message delivered
+        pipelined = self.engine is not None and self.pp > 1
+        self.op_s = self.engine.pipeline_op_s if pipelined else 0.0
+        self.message_s = self.engine.pipeline_message_s if pipelined else 0.0
+        # the engine reduces over its shared-memory channel when every rank of a
+        # data-parallel-only job is a CPU rank on one host (flowtrain.engine.FlowtrainEngine)
+        self.channel = (self.engine is not None and bool(self.engine.channel)
+                        and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
+                        and cfg.flowtrain.data_channel != "torch")
+        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
         self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
         self.segments = _segments(params, self.partitioned)
@@ -395,8 +448,9 @@ class _StageBuilder:
         buckets = plan_units(params, units, bucket_numel=bucket_numel,
                              persistence_threshold=self.zero.stage3_param_persistence_threshold) \
             if units is not None else plan_buckets(params, bucket_numel)
-        flops_mb = work.forward_flops_per_sample * micro_batch * sum(weights) / total_weight \
-            / self.tp
+        # this stage's forward FLOPs of one sample, shared by its parameters by element count
+        self.stage_flops = stage_flops
+        flops_mb = stage_flops * micro_batch / self.tp
         self.step_plan = build_step_plan(
             params, world_size=self.dp, gradient_accumulation_steps=micro_batches,
             micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
@@ -410,6 +464,12 @@ class _StageBuilder:
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         self.act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
                                         or work.layer_input_bytes_per_sample)
+        # sent to the next stage and (its gradient) to the previous one: a run's own records
+        self.send_bytes = self.recv_bytes = self.act_bytes
+        if work.stage_output_bytes_per_sample:
+            self.send_bytes = micro_batch * work.stage_output_bytes_per_sample[stage]
+            self.recv_bytes = micro_batch * work.stage_output_bytes_per_sample[stage - 1] \
+                if stage > 0 else 0.0
         self.tp_s = 2 * costs.collective_seconds("all_reduce", self.act_bytes, self.tp, hw,
                                                  nodes=1) if self.tp > 1 else 0.0
         self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
@@ -419,10 +479,15 @@ class _StageBuilder:
     def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
                        cfg: Any) -> None:
         """Each segment's forward and backward seconds: one roofline op per parameter (so the
-        efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count."""
-        scale = work.forward_flops_per_sample * self.mb / total_weight / self.tp
+        efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count.
+        On a host with the engine's measured costs, one op per module instead (a Linear's
+        weight and bias are one call), timed as the engine runs it."""
+        scale = self.stage_flops * self.mb / max(1, sum(weights)) / self.tp
         act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
         recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
+        if self.engine is not None:
+            self._cost_engine_segments(weights, scale, recompute)
+            return
         for seg in self.segments:
             for i in seg.params:
                 numel = _numel(self.params[i][1])
@@ -432,6 +497,28 @@ class _StageBuilder:
                 bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
+
+
+    def _cost_engine_segments(self, weights: list[int], scale: float, recompute: bool) -> None:
+        """Forward and backward per module at the rank's measured pass rates (its thread count,
+        slowed by the ranks sharing the host). ZeRO 2-3 backward also adds each gradient into a
+        pooled bucket buffer (``GradBuckets`` transient mode): a zeroed buffer, then a read of
+        the gradient and a read-modify-write of the buffer, 16 bytes per element."""
+        stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
+        for seg in self.segments:
+            modules: dict[str, list[int]] = {}
+            for i in seg.params:
+                modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
+            for members in modules.values():
+                flops = sum(weights[i] for i in members) * scale
+                numel = sum(_numel(self.params[i][1]) for i in members)
+                slow = self.slowdown * self.pass_factor
+                fwd = costs.pass_seconds("forward", flops, self.threads, self.hw) * slow
+                bwd = costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) * slow + \
+                    numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
+                seg.forward_s += fwd
+                seg.backward_s += bwd + (fwd if recompute else 0.0)
+
 
     def _stage3_uses(self) -> _Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -468,21 +555,40 @@ class _StageBuilder:
         for op, k in one_f_one_b(self.pp, s, self.m):
             if op == "F":
                 refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
+                last, refs = self._handoff("forward", k, last, refs)
                 last = self._forward(k, last, refs)
+                if self.micro_batch_s:
+                    last = plan.add(s, f"overhead/loss/mb{k}", "overhead", "compute",
+                                    self.micro_batch_s, [last])
                 if s < self.pp - 1:
                     plan.add(s, f"send_act/mb{k}", "send", "comm:pp",
-                             costs.p2p_seconds(self.act_bytes, self.hw,
-                                               self.layout.pipe_link_inter_node(s)),
-                             [last], nbytes=self.act_bytes)
+                             costs.p2p_seconds(self.send_bytes, self.hw,
+                                               self.layout.pipe_link_inter_node(s))
+                             + self.message_s, [last], nbytes=self.send_bytes)
             else:
                 refs = [(s + 1, f"send_grad/mb{k}")] if s < self.pp - 1 else []
+                last, refs = self._handoff("backward", k, last, refs)
                 last = self._backward(k, last, refs, reduces)
                 if s > 0:
                     plan.add(s, f"send_grad/mb{k}", "send", "comm:pp",
-                             costs.p2p_seconds(self.act_bytes, self.hw,
-                                               self.layout.pipe_link_inter_node(s - 1)),
-                             [last], nbytes=self.act_bytes)
+                             costs.p2p_seconds(self.recv_bytes, self.hw,
+                                               self.layout.pipe_link_inter_node(s - 1))
+                             + self.message_s, [last], nbytes=self.recv_bytes)
+        if self.step_s:
+            last = plan.add(s, "overhead/step", "overhead", "compute", self.step_s,
+                            [last, reduces[-1] if reduces else None])
         self._step(last, reduces[-1] if reduces else None)
+
+    def _handoff(self, kind: str, k: int, last: int | None, refs: list[tuple[int, str]]
+                 ) -> tuple[int | None, list[tuple[int, str]]]:
+        """On a calibrated CPU host's pipeline stage, the time the stage's actor takes to get
+        a pass going once its input is there (the received tensor handed to the event loop,
+        the pass to the compute thread): a task of its own, so the pass's span stays its
+        compute, as the engine records it. Returns the pass's new predecessor and refs."""
+        if not self.op_s:
+            return last, refs
+        return self.plan.add(self.stage, f"handoff/{kind}/mb{k}", "handoff", "compute",
+                             self.op_s, [last], refs), []
 
     def _pass_chunked(self, k: int, backward: bool) -> bool:
         if self.partitioned or self.tp > 1:
@@ -540,9 +646,22 @@ class _StageBuilder:
 
     def _reduce(self, bucket: BucketPlan, suffix: str, after: int, reduces: list[int]) -> int:
         nbytes = bucket.numel * self.comm_elem
+        seconds = costs.channel_seconds(self.reduce_op, nbytes, self.dp, self.hw) \
+            if self.channel else None
+        share = None
+        if seconds is None:
+            seconds = self._collective(self.reduce_op, nbytes)
+        else:
+            assert self.engine is not None
+            share = self.engine.channel_interference
+        if self.engine is not None:
+            # the reducer then scales the sum by 1 / dp: a multiply over the bucket (read +
+            # write), or an add of the scattered shard into the gradient shard (2 reads + write)
+            scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
+            seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
         return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
-                             self._collective(self.reduce_op, nbytes),
-                             [after, reduces[-1] if reduces else None], nbytes=nbytes)
+                             seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
+                             interference=share)
 
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
         """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
@@ -568,6 +687,23 @@ class _StageBuilder:
                 for b in self.uses.gathered_for[pos]]
 
     # -- optimizer -----------------------------------------------------------------------------
+
+    def _optimizer_seconds(self, numel: int) -> float:
+        """The optimizer step over ``numel`` stepped elements. With the engine's measured costs
+        it is what the engine's step does: its fused Adam called once per parameter (stage 0)
+        or per bucket shard (ZeRO), a gradient-norm pass and a clip multiply when clipping
+        (read, then read + write), and zeroing the gradients (whole buckets at stages 0-1, the
+        shards at 2-3), at the compute slowdown of ranks sharing the host."""
+        if self.engine is None:
+            return costs.optimizer_seconds(numel, self.hw)
+        calls = len(self.params) if self.stage_no == 0 else len(self.buckets)
+        kernel = costs.optimizer_seconds(numel, self.hw, calls=calls,
+                                         memory_slowdown=self.memory_slowdown)
+        whole = sum(b.numel for b in self.buckets)
+        zeroed = whole if self.stage_no <= 1 or self.dp == 1 else numel
+        passes = zeroed * self.comm_elem + (numel * 12 if self.clip else 0)
+        return (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
+            self.optimizer_factor
 
     def _step(self, last: int | None, last_reduce: int | None) -> None:
         s, plan = self.stage, self.plan
@@ -595,8 +731,7 @@ class _StageBuilder:
         else:
             numel = sum(self._shard(b.numel) for b in self.buckets)
             finished = [plan.add(s, "optimizer/step", "optimizer", "compute",
-                                 costs.optimizer_seconds(numel, self.hw), after,
-                                 nbytes=numel * 16)]
+                                 self._optimizer_seconds(numel), after, nbytes=numel * 16)]
         if self.stage_no >= 1 and self.dp > 1:
             for b in whole:
                 nbytes = b.numel * self.param_elem
@@ -625,11 +760,23 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
         raise ValueError(f"model {work.name!r} has only empty parameters")
     plan = _Tasks()
     step_plans = []
-    for s, indices in enumerate(split_stages(work.params, layout.pp)):
+    if work.stage_params:
+        if len(work.stage_params) != layout.pp:
+            raise ValueError(f"the run was split into {len(work.stage_params)} pipeline stages; "
+                             f"plan it with pp {len(work.stage_params)}, not {layout.pp}")
+        split = [list(indices) for indices in work.stage_params]
+    else:
+        split = split_stages(work.params, layout.pp)
+    for s, indices in enumerate(split):
         params = [_tp_shard(work.params[i], layout.tp) for i in indices]
+        weights = [weights_all[i] for i in indices]
+        if work.stage_flops_per_sample:
+            flops = work.stage_flops_per_sample[s]
+        else:
+            flops = work.forward_flops_per_sample * sum(weights) / total_weight
         builder = _StageBuilder(plan, s, layout=layout, hw=hw, cfg=cfg, work=work, params=params,
-                                weights=[weights_all[i] for i in indices],
-                                total_weight=total_weight, micro_batches=micro_batches,
+                                weights=weights, total_weight=total_weight,
+                                stage_flops=flops, micro_batches=micro_batches,
                                 micro_batch=micro_batch, dtype=dtype, comm_elem=comm_elem,
                                 comm_dtype=comm_dtype)
         builder.build()
@@ -637,7 +784,8 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
     samples = micro_batch * micro_batches * layout.dp
     notes = []
     if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
-            not work.layer_input_bytes_per_sample:
+            not work.layer_input_bytes_per_sample and \
+            not (layout.tp == 1 and work.stage_output_bytes_per_sample):
         notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
                      "only")
     interference = float(getattr(hw, "comm_compute_interference", 0.0)) \

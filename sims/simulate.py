@@ -536,13 +536,15 @@ def _run_compare(ns: argparse.Namespace) -> int:
     world = int(record.plan["world_size"])
     if world % ns.nodes:
         raise SimulateError(f"--nodes {ns.nodes} does not divide the run's world size {world}")
-    layout = _layout(ns.nodes, ns.devices_per_node or world // ns.nodes, 1, 1)
+    pp = len(record.stages) or 1  # a pipeline run records each stage
+    layout = _layout(ns.nodes, ns.devices_per_node or world // ns.nodes, 1, pp)
     if layout.world_size != world:
         raise SimulateError(f"--nodes {ns.nodes} x --devices-per-node {layout.devices_per_node}"
                             f" = {layout.world_size} ranks, but the run had {world}")
-    cfg = _load_config(record.plan["config"], world, f"{record.path / 'plan.json'} config")
-    work = Workload.from_run(record.plan, cfg.train_micro_batch_size_per_gpu,
-                             name=record.path.name)
+    cfg = _load_config(record.plan["config"], layout.dp, f"{record.path / 'plan.json'} config")
+    micro_batch = cfg.train_micro_batch_size_per_gpu
+    work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
+        if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
     prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work)
     empty = [name for name, shape, _, _ in work.params if 0 in shape]
     if empty:
@@ -558,7 +560,8 @@ def _run_compare(ns: argparse.Namespace) -> int:
                           "steps_per_rank": steps, "classes": rows,
                           "prediction": prediction.to_dict()}, indent=1))
     else:
-        print(f"{record.path}: {world} ranks, ZeRO stage {prediction.zero_stage}, "
+        stages = f", {pp} pipeline stages" if pp > 1 else ""
+        print(f"{record.path}: {world} ranks{stages}, ZeRO stage {prediction.zero_stage}, "
               f"{len(record.steps)} ranks x {steps} steps measured, predicted on {cluster}")
         print(f"  {'task class':<10} {'predicted':>12} {'measured':>12} {'error':>9}")
         for row in rows:

@@ -1,0 +1,662 @@
+"""The engine's own costs on a CPU host, measured for ``flowtrain calibrate``: what a real step
+spends its time on, piece by piece, rather than peak kernel rates.
+
+On a CPU host the matmul-only profile predicted steps 20-80 % short. A forward or backward is a
+chain of modules, each a small op plus Python, autograd and (backward) the engine's gradient
+bucket hook; backward runs at a lower FLOP rate than forward; the data-parallel reduce goes over
+the engine's shared-memory channel, whose summing is CPU work taken from compute; pipeline
+sends are gloo point-to-point messages of a header and a tensor; the fused Adam kernel is
+called once per tensor; and ranks that share a host's cores slow each other down. Each is
+measured here by running that piece of the engine (``nn.Linear`` with ``GradBuckets``, the
+``ShmChannel``, ``cuda_numba``'s Adam, the pipeline's header + tensor send) and fitted into the
+profile's ``engine`` section (``sims.hardware.EngineCosts``).
+
+The measured shapes are a calibration set of their own: none is a shape of the benchmark models
+(``benchmarks/sim_accuracy.py``), so the benchmark tests the fit rather than repeating it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Self
+
+import torch
+import torch.distributed as dist
+
+from sims.costs import ADAM_BYTES_PER_PARAM
+from sims.hardware import PASS_KINDS, EngineCosts, Link
+
+# (rows, in, out) of the nn.Linear ops timed: log-spaced from a call that is all overhead to one
+# that is all matmul, with varied aspect ratios.
+PASS_SHAPES = ((8, 16, 16), (16, 48, 48), (32, 96, 192), (48, 192, 384), (96, 384, 512),
+               (160, 640, 768), (320, 768, 1024))
+QUICK_PASS_SHAPES = ((8, 16, 16), (32, 96, 192), (96, 384, 512), (160, 640, 768))
+# The op every rank runs at once in the concurrency test (about 1.5 ms per pass on one core).
+CONCURRENCY_SHAPE = (96, 384, 512)
+# (tensors, elements each) the optimizer kernel steps per call: call-bound to DRAM-bound
+OPTIMIZER_SETS = ((256, 1 << 12), (32, 1 << 16), (16, 1 << 18), (4, 1 << 20))
+QUICK_OPTIMIZER_SETS = ((128, 1 << 12), (4, 1 << 20))
+# elements of the three float32 tensors the memory-bound concurrency test streams (far past
+# the caches)
+STREAM_NUMEL = 1 << 23
+HEADER_NUMEL = 64  # int64 slots of a pipeline message header (flowtrain.pipe.engine.HEADER)
+
+
+def typical(fn: Callable[[], object], seconds: float, min_reps: int = 5) -> float:
+    """Median time of ``fn`` over about ``seconds`` of repetitions after a warm-up. The
+    median, not the fastest: the engine's steps are held against the simulator by their
+    median, and even on a quiet host a 0.5 ms op's median is 10-20 % above its fastest."""
+    fn()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < min_reps or time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class LinearPass:
+    """One layer as the engine trains it: an ``nn.Linear`` and the elementwise op on its output
+    (a ReLU here: models follow a matmul with an activation or a residual add, which the FLOP
+    count leaves out). Its input needs a gradient (an inner layer), and its gradients land in
+    flat bucket views through the engine's post-accumulate hooks
+    (``flowtrain.engine.buckets.GradBuckets``), counting arrivals as on a reducing step."""
+
+    def __init__(self, rows: int, n_in: int, n_out: int) -> None:
+        from flowtrain.engine.buckets import GradBuckets
+        from flowtrain.plan import plan_buckets
+
+        self.flops = 2.0 * rows * n_in * n_out
+        self.layer = torch.nn.Linear(n_in, n_out)
+        self.x = torch.randn(rows, n_in, requires_grad=True)
+        self.grad_out = torch.randn(rows, n_out)
+        params = list(self.layer.parameters())
+        specs = [(name, tuple(p.shape), "float32", 4) for name, p in
+                 self.layer.named_parameters()]
+        self.buckets = GradBuckets(params, plan_buckets(specs, bucket_numel=1 << 30))
+        self.buckets.install_hooks()
+        self.buckets.on_bucket_ready = lambda _index: None
+
+    def forward(self) -> torch.Tensor:
+        return torch.relu(self.layer(self.x))
+
+    def backward(self, y: torch.Tensor) -> None:
+        self.buckets.reset_arrivals()
+        y.backward(self.grad_out)
+        self.x.grad = None
+
+    def both(self) -> None:
+        self.backward(self.forward())
+
+    def close(self) -> None:
+        self.buckets.remove_hooks()
+
+
+def time_pass(shape: tuple[int, int, int], seconds: float) -> dict[str, float]:
+    """Median forward and median backward of one shape, each pass timed on its own."""
+    op = LinearPass(*shape)
+    forward: list[float] = []
+    backward: list[float] = []
+    try:
+        op.both()
+        end = time.perf_counter() + seconds
+        while len(forward) < 5 or time.perf_counter() < end:
+            start = time.perf_counter()
+            y = op.forward()
+            middle = time.perf_counter()
+            op.backward(y)
+            forward.append(middle - start)
+            backward.append(time.perf_counter() - middle)
+    finally:
+        op.close()
+    return {"flops": op.flops, "forward_s": statistics.median(forward),
+            "backward_s": statistics.median(backward)}
+
+
+def measure_passes(thread_counts: Sequence[int], shapes: Sequence[tuple[int, int, int]],
+                   seconds_per_point: float) -> list[dict[str, Any]]:
+    """Forward and backward of each shape at each thread count (``flowtrain launch`` gives a
+    rank cores // ranks threads, so these are the counts the launched ranks run with)."""
+    previous = torch.get_num_threads()
+    records: list[dict[str, Any]] = []
+    try:
+        for threads in sorted(set(thread_counts)):
+            torch.set_num_threads(threads)
+            for rows, n_in, n_out in shapes:
+                timed = time_pass((rows, n_in, n_out), seconds_per_point)
+                records.append({"threads": threads, "rows": rows, "in": n_in, "out": n_out,
+                                **timed})
+    finally:
+        torch.set_num_threads(previous)
+    return records
+
+
+def measure_optimizer(sets: Sequence[tuple[int, int]],
+                      seconds_per_point: float) -> list[dict[str, Any]]:
+    """The engine's fused Adam kernel (``cuda_numba.ops.adam_step``, what a config's Adam/AdamW
+    runs) stepping ``count`` tensors of ``numel`` elements one after the other, one thread, as
+    the engine steps a model's parameters (or ZeRO's bucket shards) one call each. The sets
+    hold more state than the caches, so the bandwidth is DRAM's; many small tensors show the
+    cost of a call."""
+    from cuda_numba import ops
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # numba follows torch's thread count at its first call
+    records = []
+    try:
+        for count, numel in sets:
+            state = [(torch.randn(numel), torch.randn(numel), torch.zeros(numel),
+                      torch.zeros(numel)) for _ in range(count)]
+            steps = iter(range(1, 1 << 30))
+
+            def call(state: list[tuple[torch.Tensor, ...]] = state, steps: Any = steps) -> None:
+                t = next(steps)
+                for p, g, m, v in state:
+                    ops.adam_step(p, g, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=0.0, step=t, adamw=True, bias_correction=True)
+
+            records.append({"tensors": count, "numel": count * numel,
+                            "seconds": typical(call, seconds_per_point)})
+    finally:
+        torch.set_num_threads(previous)
+    return records
+
+
+# ----------------------------------------------------------------------------- on the ranks
+
+def open_channel(path: str, rank: int, ranks: int, slot_bytes: int, timeout_s: float,
+                 group: Any) -> Any:
+    """The engine's shared-memory channel among ``ranks`` calibration ranks: rank 0 creates the
+    file, the others map it after a barrier, and it is unlinked once all have it."""
+    from pathlib import Path
+
+    from flowtrain.shm import ShmChannel
+
+    channel = None
+    if rank == 0:
+        channel = ShmChannel(path, rank=0, world_size=ranks, slot_bytes=slot_bytes, create=True,
+                             timeout=timeout_s)
+    dist.barrier(group=group)
+    if rank != 0:
+        channel = ShmChannel(path, rank=rank, world_size=ranks, slot_bytes=slot_bytes,
+                             create=False, timeout=timeout_s)
+    dist.barrier(group=group)
+    if rank == 0:
+        Path(path).unlink(missing_ok=True)
+    assert channel is not None
+    return channel
+
+
+def channel_call(channel: Any, op: str, ranks: int, nbytes: int,
+                 timeout_s: float) -> Callable[[], None]:
+    """One blocking channel collective on a float32 buffer of ``nbytes`` (the full buffer)."""
+    full = torch.ones(nbytes // 4)
+    if op == "all_reduce":
+        return lambda: channel.all_reduce_async(full).result(timeout=timeout_s)
+    shard = torch.empty(nbytes // 4 // ranks)
+    return lambda: channel.reduce_scatter_async(full, shard).result(timeout=timeout_s)
+
+
+def time_p2p(rank: int, group: Any, sizes: Sequence[int], trials: int, trial_seconds: float,
+             timeout_s: float) -> list[dict[str, Any]]:
+    """Ranks 0 and 1 (``group``) send each other a pipeline message (an int64 header, then the
+    float32 tensor) back and forth as the pipeline engine does; one way is half the round
+    trip."""
+    from sims.calibrate import _agreed_repeats
+
+    peer = 1 - rank
+    records = []
+    for nbytes in sizes:
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        tensor = torch.ones(nbytes // 4)
+
+        def send(header: torch.Tensor = header, tensor: torch.Tensor = tensor) -> None:
+            for work in (dist.isend(header, peer), dist.isend(tensor, peer)):
+                if not work.wait(timeout=_delta(timeout_s)):
+                    raise TimeoutError("p2p send did not finish")
+
+        def recv(header: torch.Tensor = header, tensor: torch.Tensor = tensor) -> None:
+            for buffer in (header, tensor):
+                if not dist.irecv(buffer, peer).wait(timeout=_delta(timeout_s)):
+                    raise TimeoutError("p2p receive did not finish")
+
+        def round_trip() -> None:
+            if rank == 0:
+                send()
+                recv()
+            else:
+                recv()
+                send()
+
+        start = time.perf_counter()
+        round_trip()
+        # both ranks must run the same number of round trips: the larger proposal wins
+        count = _agreed_repeats(time.perf_counter() - start, trial_seconds, group, cap=64)
+        times = []
+        for _ in range(trials):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(count):
+                round_trip()
+            times.append((time.perf_counter() - start) / count / 2)
+        records.append({"bytes": nbytes, "seconds": statistics.median(times), "trials": times})
+    return records
+
+
+def _delta(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def time_concurrency(rank: int, ranks: int, group: Any, window_s: float) -> dict[str, float]:
+    """How much slower each rank works when ``ranks`` ranks work at once: rank 0 alone (the
+    others wait at a barrier), then every rank together, for a compute-bound layer pass and
+    for a memory-bound stream (an add over tensors far larger than the caches, like the
+    optimizer, gradient zeroing or the channel's sums). The slowdown is the rate alone over
+    the ranks' mean rate together; memory bandwidth is shared by every core, so the second can
+    be far larger than the first."""
+    op = LinearPass(*CONCURRENCY_SHAPE)
+    a, b, c = torch.ones(STREAM_NUMEL), torch.ones(STREAM_NUMEL), torch.empty(STREAM_NUMEL)
+    work: dict[str, Callable[[], object]] = {
+        "compute": op.both, "memory": lambda: torch.add(a, b, out=c)}
+
+    def rate(fn: Callable[[], object]) -> float:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window_s:
+            fn()
+            count += 1
+        return count / (time.perf_counter() - start)
+
+    out: dict[str, float] = {"ranks": ranks, "threads": torch.get_num_threads()}
+    try:
+        for name, fn in work.items():
+            fn()
+            dist.barrier(group=group)
+            alone = rate(fn) if rank == 0 else 0.0
+            dist.barrier(group=group)
+            rates = torch.tensor([rate(fn), alone], dtype=torch.float64)
+            dist.all_reduce(rates, group=group)
+            together = float(rates[0]) / ranks
+            out[f"{name}_alone_per_s"] = float(rates[1])
+            out[f"{name}_together_per_s"] = together
+            out[f"{name}_slowdown"] = float(rates[1]) / together
+    finally:
+        op.close()
+    return out
+
+
+def background_interference(call: Callable[[], None], window_s: float, group: Any,
+                            repeats: int) -> dict[str, float]:
+    """Matmul rate alone, while a thread runs ``call`` back to back ``repeats`` times, then
+    alone again: the compute lost per second of collective."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def matmul_rate(keep_going: Callable[[float], bool]) -> float:
+        count, start = 0, time.perf_counter()
+        while keep_going(time.perf_counter() - start):
+            torch.mm(a, b)
+            count += 1
+        return count / (time.perf_counter() - start)
+
+    dist.barrier(group=group)
+    alone_before = matmul_rate(lambda t: t < window_s)
+    dist.barrier(group=group)
+    comm_times: list[float] = []
+
+    def run_collectives() -> None:
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        comm_times.append((time.perf_counter() - begin) / repeats)
+
+    thread = threading.Thread(target=run_collectives, name="calibrate-collectives", daemon=True)
+    thread.start()
+    during = matmul_rate(lambda _t: thread.is_alive())
+    thread.join(timeout=60)
+    if thread.is_alive() or not comm_times:
+        raise RuntimeError("the background collectives of the interference test did not "
+                           "finish within 60 s")
+    dist.barrier(group=group)
+    alone_after = matmul_rate(lambda t: t < window_s)
+    alone = (alone_before + alone_after) / 2
+    return {"matmul_per_s_alone": alone, "matmul_per_s_during": during,
+            "collective_seconds_during": comm_times[0],
+            "fraction": min(1.0, max(0.0, 1.0 - during / alone))}
+
+
+# ----------------------------------------------------------------------------- the engine job
+
+JOB_STEPS = 16
+FIT_ROUNDS = 6
+FACTOR_CLASSES = ("passes", "optimizer")
+
+
+class ForeignLoad:
+    """Cores kept busy by other processes while a block runs: the host's busy CPU time
+    (/proc/stat) less this process's and its finished children's, over the wall time. A
+    shared host's other users skew any timing; this says how much they were there."""
+
+    def __enter__(self) -> Self:
+        self._busy, self._ours = host_busy_seconds(), own_cpu_seconds()
+        self._start = time.monotonic()
+        self.cores = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.monotonic() - self._start, 1e-9)
+        others = (host_busy_seconds() - self._busy) - (own_cpu_seconds() - self._ours)
+        self.cores = max(0.0, others) / wall
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds the whole host has been busy (not idle or waiting for I/O); 0 where there
+    is no /proc/stat."""
+    import os
+    from pathlib import Path
+
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have been waited for."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
+                 attempts: int = 3, busy_cores: float = 0.2) -> list[dict[str, Any]]:
+    """Launches ``sims.calibrate_job`` with ``flowtrain launch`` for each (ranks, pipeline
+    stages) and keeps what it recorded: its plan (and pipeline stage records), the median
+    seconds per task class of its steps (the first left out), and what the spans show of the
+    engine's own overheads. A job during which other processes kept more than
+    ``busy_cores`` cores busy is run again, up to ``attempts`` times in all, and the least
+    disturbed run is kept (its ``others_cores`` says how disturbed). A failed launch raises
+    CalibrationError with its last error line."""
+    records = []
+    for ranks, pp in jobs:
+        best: dict[str, Any] | None = None
+        for _ in range(attempts):
+            record = _run_job(ranks, pp, steps, timeout_s)
+            if best is None or record["others_cores"] < best["others_cores"]:
+                best = record
+            if record["others_cores"] <= busy_cores:
+                break
+        assert best is not None
+        records.append(best)
+    return records
+
+
+def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any]:
+    import subprocess
+    import sys
+    import tempfile
+
+    from sims.calibrate import CalibrationError
+    from sims.compare import measured_classes, read_run
+
+    with tempfile.TemporaryDirectory(prefix="flowtrain-calibrate-job-") as tmp:
+        cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node",
+               str(ranks), "--run-dir", tmp, "-m", "sims.calibrate_job", "--steps",
+               str(steps), "--pp", str(pp)]
+        try:
+            with ForeignLoad() as others:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                                      check=False)
+        except subprocess.TimeoutExpired:
+            raise CalibrationError(f"the {ranks}-rank calibration job did not finish within "
+                                   f"{timeout_s:g} s; rerun with a larger --timeout or on a "
+                                   "less busy host") from None
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CalibrationError(f"the {ranks}-rank calibration job failed (exit "
+                                   f"{proc.returncode}): {last}")
+        try:
+            run = read_run(tmp)
+        except ValueError as exc:
+            raise CalibrationError(f"the {ranks}-rank calibration job: {exc}") from None
+        measured, used = measured_classes(run)
+        record = {"ranks": ranks, "pp": pp, "plan": run.plan, "stages": list(run.stages),
+                  "measured": measured, "steps": used, "others_cores": others.cores}
+        if pp > 1:
+            record["gap_per_op_s"] = gap_per_op(run.steps)
+        else:
+            record["micro_batch_gap_s"] = micro_batch_gap(run.steps)
+        return record
+
+
+def micro_batch_gap(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
+    """The time between a micro-batch's forward and its backward (the loss, then the engine's
+    backward entry: loss scaling, bucket bookkeeping), median over ranks, steps and
+    micro-batches, the first step left out."""
+    gaps = []
+    for rows in steps.values():
+        for spans in rows[1:] if len(rows) > 1 else rows:
+            ends = {n.split("/")[1]: b for n, _, b in spans if n.startswith("forward/")}
+            for n, a, _ in spans:
+                mb = n.split("/")[1] if n.startswith("backward/") else None
+                if mb in ends and a >= ends[mb]:
+                    gaps.append(a - ends[mb])
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def gap_per_op(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
+    """A pipeline stage's time outside any span, per span, between its first and last pass
+    (median over ranks and steps, the first step left out): what getting each instruction
+    going costs it (actor, compute thread and gloo hand-offs)."""
+    per_step = []
+    for rows in steps.values():
+        for spans in rows[1:] if len(rows) > 1 else rows:
+            passes = [(a, b) for n, a, b in spans if n.startswith(("forward/", "backward/"))]
+            if not passes:
+                continue
+            first, last = min(a for a, _ in passes), max(b for _, b in passes)
+            inside = sorted((max(a, first), min(b, last)) for _, a, b in spans
+                            if b > first and a < last)
+            covered, reach = 0.0, first
+            for a, b in inside:
+                if b > reach:
+                    covered += b - max(a, reach)
+                    reach = b
+            per_step.append((last - first - covered) / len(inside))
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def predict_job(profile: Any, job: dict[str, Any]) -> dict[str, float]:
+    """The simulator's task classes for a recorded calibration job on ``profile``."""
+    from flowtrain.config import load_config
+    from sims.compare import predicted_classes
+    from sims.planner import Layout, Workload
+    from sims.simulate import predict
+
+    ranks, pp = int(job["ranks"]), int(job.get("pp", 1))
+    cfg = load_config(job["plan"]["config"], world_size=ranks // pp, check_supported=False)
+    micro_batch = cfg.train_micro_batch_size_per_gpu
+    work = Workload.from_stages(job["stages"], micro_batch) if pp > 1 else \
+        Workload.from_run(job["plan"], micro_batch, name="calibration job")
+    prediction = predict(None, cfg, Layout(1, ranks, 1, pp), profile, cluster=profile.name,
+                         workload=work)
+    return predicted_classes(prediction.timeline)
+
+
+def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
+    """The engine section of ``profile`` (whose factors are not fitted yet) completed from the
+    launched jobs. Per rank count, how much longer the data-parallel job's passes (forward +
+    backward) and optimizer step took than the simulator predicts for it. Then, from the
+    pipeline job, the time a stage spends outside its spans per instruction (measured from its
+    spans), and the delivery time per message beyond the calibrated send that makes the
+    predicted pipeline step the measured one (by bisection: the prediction grows with it)."""
+    import dataclasses
+
+    engine = dataclasses.replace(profile.engine, factors={}, pipeline_op_s=0.0,
+                                 pipeline_message_s=0.0)
+    for job in jobs:
+        if int(job.get("pp", 1)) > 1:
+            continue
+        ranks, measured = int(job["ranks"]), job["measured"]
+        wanted = {"passes": measured.get("forward", 0.0) + measured.get("backward", 0.0),
+                  "optimizer": measured.get("optimizer", 0.0)}
+        fitted = {kind: 1.0 for kind, seconds in wanted.items() if seconds > 0}
+        fitted["micro_batch_s"] = float(job.get("micro_batch_gap_s", 0.0))
+        fitted["step_s"] = 0.0
+        # A factor scales the compute it applies to, not what the prediction adds around it
+        # (a collective's share of the compute, the bucket passes), and the step's own
+        # overhead is what remains of the measured step: a few rounds settle them together.
+        for _ in range(FIT_ROUNDS):
+            trial = dataclasses.replace(profile, engine=dataclasses.replace(
+                engine, factors={**engine.factors, ranks: dict(fitted)}))
+            predicted = predict_job(trial, job)
+            got = {"passes": predicted.get("forward", 0.0) + predicted.get("backward", 0.0),
+                   "optimizer": predicted.get("optimizer", 0.0)}
+            for kind in ("passes", "optimizer"):
+                if kind in fitted and got[kind] > 0:
+                    fitted[kind] *= wanted[kind] / got[kind]
+            if "step" in measured:
+                fitted["step_s"] = max(0.0, fitted["step_s"] + measured["step"]
+                                       - predicted["step"])
+        engine = dataclasses.replace(engine, factors={**engine.factors, ranks: fitted})
+    for job in jobs:
+        if int(job.get("pp", 1)) <= 1 or "step" not in job["measured"]:
+            continue
+
+        engine = dataclasses.replace(engine, pipeline_op_s=float(job.get("gap_per_op_s", 0.0)))
+
+        def step_with(message_s: float, engine: Any = engine, job: Any = job) -> float:
+            trial = dataclasses.replace(profile, engine=dataclasses.replace(
+                engine, pipeline_message_s=message_s))
+            return predict_job(trial, job)["step"]
+
+        target = job["measured"]["step"]
+        low, high = 0.0, 0.001
+        while step_with(high) < target and high < 1.0:
+            low, high = high, high * 2
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if step_with(middle) < target else (low, middle)
+        engine = dataclasses.replace(engine, pipeline_message_s=low)
+    return engine
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def _relative_fit(rows: Sequence[tuple[float, float]], what: str) -> Link:
+    from sims.calibrate import fit_link
+
+    return fit_link(rows, what)
+
+
+def fit_pass_rates(records: Sequence[dict[str, Any]]
+                   ) -> dict[int, dict[str, tuple[tuple[float, float], ...]]]:
+    """Per thread count and pass kind, the measured FLOP/s by op FLOPs (backward does twice
+    the forward's FLOPs: grad input and grad weight), keeping the best rate per size."""
+    out: dict[int, dict[str, dict[float, float]]] = {}
+    for r in records:
+        kinds = out.setdefault(int(r["threads"]), {k: {} for k in PASS_KINDS})
+        for kind, flops in (("forward", r["flops"]), ("backward", 2 * r["flops"])):
+            rate = flops / r[f"{kind}_s"]
+            kinds[kind][flops] = max(kinds[kind].get(flops, 0.0), rate)
+    return {t: {k: tuple(sorted(points.items())) for k, points in kinds.items()}
+            for t, kinds in out.items()}
+
+
+def fit_engine(m: dict[str, Any]) -> tuple[EngineCosts, list[str]]:
+    """The ``engine`` section from the measurements' ``engine`` record; also returns what
+    could not be fitted (left out, so the simulator falls back to its generic figures)."""
+    from sims.calibrate import CalibrationError
+
+    skipped: list[str] = []
+    rates = fit_pass_rates(m["passes"])
+    optimizer = fit_calls_and_bytes(m["optimizer"])
+    channel: dict[str, dict[int, Link]] = {}
+    grouped: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in m.get("channel", []):
+        grouped.setdefault((r["op"], int(r["ranks"])), []).append((r["bytes"], r["seconds"]))
+    for (op, ranks), points in sorted(grouped.items()):
+        try:
+            channel.setdefault(op, {})[ranks] = _relative_fit(
+                points, f"shared-memory {op} over {ranks} ranks")
+        except CalibrationError as exc:
+            skipped.append(str(exc))
+    p2p = None
+    if m.get("p2p"):
+        try:
+            p2p = _relative_fit([(r["bytes"], r["seconds"]) for r in m["p2p"]],
+                                "pipeline send")
+        except CalibrationError as exc:
+            skipped.append(str(exc))
+    slowdown: dict[int, float] = {}
+    memory_slowdown: dict[int, float] = {}
+    for r in m.get("concurrency", []):
+        slowdown[int(r["ranks"])] = max(1.0, float(r["compute_slowdown"]))
+        memory_slowdown[int(r["ranks"])] = max(1.0, float(r["memory_slowdown"]))
+    interference = m.get("channel_interference", {}).get("fraction", 1.0)
+    return EngineCosts(pass_rates=rates, optimizer=optimizer, slowdown=slowdown,
+                       memory_slowdown=memory_slowdown, channel=channel,
+                       channel_interference=float(interference), p2p=p2p), skipped
+
+
+def fit_calls_and_bytes(records: Sequence[dict[str, Any]]) -> Link:
+    """The optimizer kernel as ``latency_s`` per call plus its 28-byte-per-parameter pass at
+    ``bandwidth``: least squares of seconds = tensors x latency + bytes / bandwidth over the
+    measured sets, relative error."""
+    from sims.calibrate import CalibrationError, _seconds_per_byte_to_link, _solve_relative
+
+    rows = [(float(r.get("tensors", 1)), ADAM_BYTES_PER_PARAM * r["numel"], r["seconds"])
+            for r in records]
+    try:
+        latency, per_byte = _solve_relative(rows)
+    except CalibrationError:
+        # one set size only: no split between calls and bytes, all of it is bandwidth
+        latency, per_byte = 0.0, sum(t for _, _, t in rows) / sum(b for _, b, _ in rows)
+    return _seconds_per_byte_to_link(latency, per_byte, "the Adam kernel")
+
+
+def summary_lines(engine: EngineCosts) -> list[str]:
+    """The engine figures in the units people quote, for ``flowtrain calibrate``'s report."""
+    lines = []
+    for threads, kinds in sorted(engine.pass_rates.items()):
+        for kind, curve in kinds.items():
+            lines.append(f"  engine {kind:<8} {threads} thread{'s' if threads > 1 else ' '}: "
+                         f"{curve[0][1] / 1e9:6.1f} GFLOP/s at {curve[0][0]:.3g} FLOPs .. "
+                         f"{curve[-1][1] / 1e9:6.1f} at {curve[-1][0]:.3g}")
+    kernel = engine.optimizer
+    lines.append(f"  engine Adam kernel: {kernel.latency_s * 1e6:.1f} us per call, "
+                 f"{kernel.bandwidth / 1e9:.1f} GB/s")
+    for op, by_ranks in engine.channel.items():
+        for ranks, link in sorted(by_ranks.items()):
+            lines.append(f"  shm channel {op:<14} {ranks} ranks: latency "
+                         f"{link.latency_s * 1e6:8.1f} us, bandwidth {link.bandwidth / 1e9:6.3f} "
+                         "GB/s")
+    lines.append(f"  shm channel interference {engine.channel_interference:.2f}")
+    if engine.p2p is not None:
+        lines.append(f"  pipeline send: {engine.p2p.latency_s * 1e6:.1f} us + "
+                     f"{engine.p2p.bandwidth / 1e9:.3f} GB/s")
+    if engine.pipeline_op_s or engine.pipeline_message_s:
+        lines.append(f"  engine pipeline: {engine.pipeline_op_s * 1e6:.0f} us to start each "
+                     f"instruction, {engine.pipeline_message_s * 1e6:.0f} us to deliver each "
+                     "message beyond the send")
+    for ranks, by_class in sorted(engine.factors.items()):
+        lines.append(f"  engine job on {ranks} rank{'s' if ranks > 1 else ' '}: passes x"
+                     f"{by_class.get('passes', 1.0):.2f}, optimizer x"
+                     f"{by_class.get('optimizer', 1.0):.2f} the isolated measurements; "
+                     f"{by_class.get('micro_batch_s', 0.0) * 1e3:.2f} ms between forward and "
+                     f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step")
+    for ranks, factor in sorted(engine.slowdown.items()):
+        memory = engine.memory_slowdown.get(ranks)
+        lines.append(f"  {ranks} ranks working at once: each computes {factor:.2f}x slower"
+                     + (f", streams memory {memory:.2f}x slower" if memory else ""))
+    return lines

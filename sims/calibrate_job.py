@@ -1,0 +1,92 @@
+"""The training job ``flowtrain calibrate`` launches to see the engine at work on this host.
+
+Timing an op in a quiet process undershoots what the same op takes inside a launched rank: the
+engine's helper threads (its actor event loop, the shared-memory channel's polling, telemetry)
+share the cores with the compute thread, the launcher and its other ranks run beside it, and a
+rank given several OpenMP threads rarely gets them all. On the project's 2-core host a forward
+ran 1.2x (2 ranks) to 2x (1 rank, 2 threads) slower in the engine than alone. So calibration
+launches this job (``flowtrain launch -m sims.calibrate_job``) at each rank count and holds its
+recorded spans against the simulator's prediction of the same job from the isolated
+measurements: the ratio, per rank count, is the profile's engine factor. A 2-stage pipeline
+run of the same model shows what each pipeline instruction costs beyond its compute and its
+send (handing it between the stage's actor, its compute thread and gloo's threads).
+
+The model is a calibration model of its own (widths, rows and depth that none of the
+benchmarks use), trained data parallel with the engine's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+# The calibration model: rows per micro-batch, input width, (in, out) of the hidden layers,
+# output width. Not a benchmark's shapes.
+ROWS = 40
+IN_WIDTH = 48
+HIDDEN = ((48, 384), (384, 768), (768, 384), (384, 768), (768, 384))
+OUT_WIDTH = 16
+
+
+def config(micro_batch: int = ROWS, micro_batches: int = 1) -> dict[str, Any]:
+    """The job's ds_config: data parallel (ZeRO stage 0), AdamW, the engine's default buckets;
+    ``micro_batches`` per step (a pipeline's micro-batches)."""
+    return {"train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": micro_batches, "steps_per_print": 10**9,
+            "zero_optimization": {"stage": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+PIPELINE_MICRO_BATCHES = 4
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of the job: trains ``--steps`` steps (as a ``--pp``-stage 1F1B pipeline of
+    PIPELINE_MICRO_BATCHES micro-batches when pp > 1); the engine records spans and its plan
+    in the launcher's run directory."""
+    parser = argparse.ArgumentParser(prog="python -m sims.calibrate_job")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch import nn
+
+    import flowtrain
+
+    torch.manual_seed(0)
+    flowtrain.init_distributed()
+    layers: list[nn.Module] = [nn.Linear(IN_WIDTH, HIDDEN[0][0]), nn.ReLU()]
+    for n_in, n_out in HIDDEN:
+        layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+    layers.append(nn.Linear(HIDDEN[-1][1], OUT_WIDTH))
+    generator = torch.Generator().manual_seed(1)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(ROWS, IN_WIDTH, generator=generator),
+                torch.randn(ROWS, OUT_WIDTH, generator=generator))
+
+    if args.pp > 1:
+        from flowtrain.pipe import PipelineModule
+
+        module = PipelineModule(layers, num_stages=args.pp, loss_fn=nn.functional.mse_loss,
+                                partition_method="parameters")
+        engine, _, _, _ = flowtrain.initialize(
+            model=module, config=config(micro_batches=PIPELINE_MICRO_BATCHES))
+        for _ in range(args.steps):
+            engine.train_batch(iter([batch() for _ in range(PIPELINE_MICRO_BATCHES)]))
+        engine.destroy()
+        return 0
+    model = nn.Sequential(*layers)
+    engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config())
+    for _ in range(args.steps):
+        x, target = batch()
+        engine.backward(nn.functional.mse_loss(engine(x), target))
+        engine.step()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
