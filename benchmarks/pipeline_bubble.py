@@ -1,13 +1,22 @@
 """Measured pipeline bubble on this machine against (p - 1) / (m + p - 1) and the simulator.
 
 Two ranks (p = 2 stages) train a stack of equal Linear+GELU layers with 1F1B for m = 4 and 8
-micro-batches. From each stage's recorded spans: busy = forward + backward time, makespan =
-first forward start to last backward end; bubble = 1 - busy / makespan (averaged over stages
-and steps after warm-up). The simulator's prediction uses the same measured per-micro-batch
-forward/backward times with free communication (the formula) and with this host's gloo
-point-to-point cost when a calibrated profile exists.
+micro-batches, launched with `flowtrain launch` so the engine records its spans in the run
+directory. From each stage's spans: busy = forward + backward time, makespan = the stage's first
+forward start to its last backward end, bubble = 1 - busy / makespan (median over steps after
+warm-up, averaged over the stages).
 
-    python benchmarks/pipeline_bubble.py [--steps 12] [--width 512] [--layers 8]
+"simulated" is the simulator's prediction for the same runs: the 1F1B schedule of
+``sims.planner.pipeline_tasks`` run by ``sims.executor`` with the runs' own median forward and
+backward times and this host's calibrated pipeline send (`flowtrain calibrate`; free sends when
+there is no profile), the bubble read off its timeline the same way. "profile" predicts the
+whole run from the calibrated profile alone (``flowtrain simulate --compare``).
+
+Where the measured bubble is above the simulated one, the breakdown shows where a stage's
+makespan went besides compute: waiting in recv for the neighbour's activations or gradients,
+launching sends, and the gaps between spans (handing each op to the compute thread and back).
+
+    python benchmarks/pipeline_bubble.py [--steps 12] [--width 512] [--layers 8] [--micro 16]
 """
 
 from __future__ import annotations
@@ -20,16 +29,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 WORKER = r'''
-import json, os, sys, time, torch
+import sys, torch
 from torch import nn
 import flowtrain
 from flowtrain.pipe import PipelineModule
 
-m, steps, width, layers, out = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
-                                int(sys.argv[4]), sys.argv[5])
+m, steps, width, layers, micro = (int(a) for a in sys.argv[1:6])
 torch.set_num_threads(1)
 flowtrain.init_distributed()
 torch.manual_seed(0)
@@ -38,56 +48,110 @@ for _ in range(layers):
     blocks += [nn.Linear(width, width), nn.GELU()]
 module = PipelineModule(blocks, num_stages=2, loss_fn=nn.functional.mse_loss,
                         partition_method="uniform")
-cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": m,
+cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": m,
        "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
 engine, *_ = flowtrain.initialize(model=module, config=cfg)
 g = torch.Generator().manual_seed(1)
-rows = []
 for step in range(steps):
-    data = iter([(torch.randn(16, width, generator=g), torch.randn(16, width, generator=g))
+    data = iter([(torch.randn(micro, width, generator=g), torch.randn(micro, width, generator=g))
                  for _ in range(m)])
     engine.train_batch(data)
-    start, spans = engine.timer.last_step
-    rows.append([(n, a - start, b - start) for n, a, b in spans])
-json.dump({"stage": module.stage_id, "steps": rows}, open(f"{out}.{module.stage_id}.json", "w"))
 engine.destroy()
 '''
+WARMUP = 2  # steps left out: plans, first allocations, the observed bucket order
 
 
-def measure(m: int, steps: int, width: int, layers: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "bubble_worker.py"
-        script.write_text(WORKER)
-        out = Path(tmp) / "out"
-        cmd = [str(REPO / ".venv/bin/flowtrain"), "launch", "--nproc-per-node", "2",
-               "--run-dir", str(Path(tmp) / "run"), str(script), str(m), str(steps),
-               str(width), str(layers), str(out)]
-        subprocess.run(cmd, check=True, timeout=600, capture_output=True,
-                       env={**os.environ, "FLOWTRAIN_CONSOLE_LEVEL": "ERROR"})
-        stages = [json.loads(Path(f"{out}.{s}.json").read_text()) for s in (0, 1)]
-    bubbles, fwd, bwd = [], [], []
-    for step in range(2, steps):  # after warm-up
-        for stage in stages:
-            spans = stage["steps"][step]
-            compute = [(a, b) for n, a, b in spans if n.startswith(("forward/", "backward/"))]
-            busy = sum(b - a for a, b in compute)
-            makespan = max(b for _, b in compute) - min(a for a, _ in compute)
-            bubbles.append(1 - busy / makespan)
+def _stage_bubble(spans: list[tuple[str, float, float]]) -> dict[str, float]:
+    """One stage's step: busy compute, makespan and where the rest of the makespan went."""
+    compute = [(a, b) for n, a, b in spans if n.startswith(("forward/", "backward/"))]
+    first = min(a for a, _ in compute)
+    last = max(b for _, b in compute)
+    inside = [(n, max(a, first), min(b, last)) for n, a, b in spans if b > first and a < last]
+    busy = sum(b - a for a, b in compute)
+    recv = sum(b - a for n, a, b in inside if n.startswith("recv_"))
+    send = sum(b - a for n, a, b in inside if n.startswith("send_"))
+    makespan = last - first
+    return {"bubble": 1 - busy / makespan, "makespan": makespan, "busy": busy, "recv": recv,
+            "send": send, "gaps": makespan - busy - recv - send,
+            "ops": float(sum(1 for n, _, _ in inside if not n.startswith("optimizer")))}
+
+
+def measure(m: int, steps: int, width: int, layers: int, micro: int,
+            keep: Path | None) -> tuple[dict[str, Any], Path]:
+    """Launches the 2-stage job and reads its run directory's spans."""
+    from sims.compare import read_run
+
+    tmp = tempfile.mkdtemp(prefix="pipeline_bubble_")
+    script = Path(tmp) / "bubble_worker.py"
+    script.write_text(WORKER)
+    run_dir = (keep or Path(tmp)) / f"m{m}"
+    cmd = [str(REPO / ".venv/bin/flowtrain"), "launch", "--nproc-per-node", "2",
+           "--run-dir", str(run_dir), str(script), str(m), str(steps), str(width), str(layers),
+           str(micro)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True,
+                   env={**os.environ, "FLOWTRAIN_CONSOLE_LEVEL": "ERROR"})
+    run = read_run(run_dir)
+    per_stage: list[dict[str, float]] = []
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for rank in sorted(run.steps):
+        rows = [_stage_bubble(spans) for spans in run.steps[rank][WARMUP:]]
+        per_stage.append({k: statistics.median(r[k] for r in rows) for k in rows[0]})
+        for spans in run.steps[rank][WARMUP:]:
             fwd += [b - a for n, a, b in spans if n.startswith("forward/")]
             bwd += [b - a for n, a, b in spans if n.startswith("backward/")]
-    return {"bubble": statistics.median(bubbles), "forward_s": statistics.median(fwd),
-            "backward_s": statistics.median(bwd)}
+    return {"stages": per_stage, "forward_s": statistics.median(fwd),
+            "backward_s": statistics.median(bwd)}, run_dir
 
 
-def predicted(m: int, fwd: float, bwd: float) -> float:
-    """The simulator's executor on the same schedule (free communication), when available."""
+def simulated(m: int, fwd: float, bwd: float, send_s: float) -> float:
+    """The simulator's bubble for 2 stages of m micro-batches with these pass and send times,
+    read off its timeline as the measured one is."""
+    from sims.executor import execute
+    from sims.planner import pipeline_tasks
+
+    timeline = execute(pipeline_tasks(2, m, fwd, bwd, send_s))
+    bubbles = []
+    for stage in range(2):
+        spans = [(t.name, a, b) for t, a, b in timeline.spans() if t.stage == stage]
+        bubbles.append(_stage_bubble(spans)["bubble"])
+    return statistics.fmean(bubbles)
+
+
+def profile_bubble(run_dir: Path, cluster: str) -> float | None:
+    """The bubble of the whole run predicted from the calibrated profile (simulate --compare's
+    plan of the run), read off the timeline the same way; None without a profile."""
+    from flowtrain.config import load_config
+    from sims.compare import read_run
+    from sims.hardware import ProfileError, get_profile
+    from sims.planner import Layout, Workload
+    from sims.simulate import predict
+
     try:
-        from tests.test_pipeline import _simulate  # the schedule walker used by the tests
-    except ImportError:
-        sys.path.insert(0, str(REPO))
-        from tests.test_pipeline import _simulate
-    step = _simulate("1f1b", 2, m, fwd, bwd)
-    return 1 - m * (fwd + bwd) / step
+        hw = get_profile(cluster)
+    except ProfileError:
+        return None
+    run = read_run(run_dir)
+    cfg = load_config(run.plan["config"], world_size=1, check_supported=False)
+    work = Workload.from_stages(run.stages, cfg.train_micro_batch_size_per_gpu)
+    prediction = predict(None, cfg, Layout(1, 2, 1, len(run.stages)), hw, cluster=cluster,
+                         workload=work)
+    bubbles = []
+    for stage in range(len(run.stages)):
+        spans = [(t.name, a, b) for t, a, b in prediction.timeline.spans() if t.stage == stage]
+        bubbles.append(_stage_bubble(spans)["bubble"])
+    return statistics.fmean(bubbles)
+
+
+def send_seconds(cluster: str, nbytes: float) -> float:
+    """This host's calibrated pipeline send of ``nbytes`` (0 without a profile)."""
+    from sims.costs import p2p_seconds
+    from sims.hardware import ProfileError, get_profile
+
+    try:
+        return p2p_seconds(nbytes, get_profile(cluster), inter_node=False)
+    except ProfileError:
+        return 0.0
 
 
 def main() -> int:
@@ -95,15 +159,38 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=16, help="rows per micro-batch")
+    ap.add_argument("--micro-batches", default="4,8", help="m values, comma-separated")
+    ap.add_argument("--cluster", default="this-host", help="profile for the send cost")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
-    print(f"{'m':>3} {'measured':>9} {'formula':>8} {'predicted':>9} {'meas/formula':>12}")
-    for m in (4, 8):
-        got = measure(m, args.steps, args.width, args.layers)
+    load = os.getloadavg()
+    sent = args.micro * args.width * 4
+    send_s = send_seconds(args.cluster, sent)
+    print(f"2 stages, {args.layers} x Linear({args.width})+GELU, micro-batch {args.micro} rows "
+          f"({sent / 1024:.0f} KiB sent per micro-batch, calibrated send "
+          f"{send_s * 1e6:.0f} us); load average {load[0]:.2f}")
+    print(f"{'m':>3} {'measured':>9} {'formula':>8} {'simulated':>9} {'profile':>8} "
+          f"{'meas/sim':>8}   per micro-batch: forward, backward")
+    details = []
+    for m in (int(v) for v in args.micro_batches.split(",")):
+        got, run_dir = measure(m, args.steps, args.width, args.layers, args.micro, args.keep)
+        bubble = statistics.fmean(s["bubble"] for s in got["stages"])
         formula = (2 - 1) / (m + 2 - 1)
-        pred = predicted(m, got["forward_s"], got["backward_s"])
-        print(f"{m:>3} {got['bubble']:>9.3f} {formula:>8.3f} {pred:>9.3f} "
-              f"{got['bubble'] / formula:>12.2f}   (forward {got['forward_s'] * 1e3:.2f} ms, "
-              f"backward {got['backward_s'] * 1e3:.2f} ms per micro-batch)")
+        sim = simulated(m, got["forward_s"], got["backward_s"], send_s)
+        whole = profile_bubble(run_dir, args.cluster)
+        print(f"{m:>3} {bubble:>9.3f} {formula:>8.3f} {sim:>9.3f} "
+              f"{'-' if whole is None else f'{whole:.3f}':>8} {bubble / sim:>8.2f}   "
+              f"{got['forward_s'] * 1e3:.2f} ms, {got['backward_s'] * 1e3:.2f} ms", flush=True)
+        details.append((m, got))
+    print("where each stage's makespan went (median step, ms; gaps: between spans, per op):")
+    for m, got in details:
+        for stage, s in enumerate(got["stages"]):
+            print(f"  m={m} stage {stage}: makespan {s['makespan'] * 1e3:6.2f} = compute "
+                  f"{s['busy'] * 1e3:6.2f} + recv wait {s['recv'] * 1e3:6.2f} + send "
+                  f"{s['send'] * 1e3:5.2f} + gaps {s['gaps'] * 1e3:5.2f} "
+                  f"({s['gaps'] / max(s['ops'], 1) * 1e6:.0f} us x {s['ops']:.0f} ops)")
+    print(json.dumps({"load_average_end": os.getloadavg()[0]}))
     return 0
 
 

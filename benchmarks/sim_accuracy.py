@@ -1,14 +1,20 @@
-"""How close `flowtrain simulate` comes to real runs on this machine: for each config (ZeRO
-stages 0-3, accumulation, bucket sizes, prefetch, CPU offload) launch a small training job with
-`flowtrain launch`, then predict it with `simulate --compare` against this host's calibrated
-profile, and print predicted vs measured step time per config and the mean absolute
-percentage error (MAPE) per task class.
+"""How close `flowtrain simulate` comes to real runs on this machine: each configuration (world
+1, 2 and 4; ZeRO stages 0-3; bucket sizes, accumulation, micro-batch sizes, CPU offload; 1F1B
+pipelines of 2 stages) is launched for real with `flowtrain launch`, then predicted with
+`simulate --compare` against this host's calibrated profile. Prints predicted vs measured step
+time per configuration, the mean absolute percentage error (MAPE) over them and per task class,
+and a gloo all-reduce row across sizes (measured now vs the profile's model).
 
     .venv/bin/flowtrain calibrate            # once: writes the this-host profile
-    .venv/bin/python benchmarks/sim_accuracy.py [--ranks 2] [--steps 24] [--only 10,13]
+    .venv/bin/python benchmarks/sim_accuracy.py [--steps 24] [--only 3,17] [--quiet-wait 120]
+
+A shared host makes every figure noisy: before each launch the script waits (at most
+--quiet-wait seconds) until the CPUs are nearly idle, and each row reports how many cores other
+processes kept busy during that run ("others"), from /proc/stat less this job's own CPU time.
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
-layer numbers, as the simulator's planner expects.
+layer numbers, as the simulator's planner expects, trained as a plain module or as a
+PipelineModule; ``--gloo-worker`` times gloo all-reduces.
 """
 
 from __future__ import annotations
@@ -16,37 +22,60 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_BUCKET = 200_000
-CONFIGS: list[tuple[str, dict[str, Any]]] = [
-    ("dp, 1 micro-batch", {"zero_optimization": {"stage": 0}}),
-    ("dp, 2 micro-batches", {"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": 2}),
-    ("dp, small buckets", {"zero_optimization": {"stage": 0, "reduce_bucket_size": SMALL_BUCKET}}),
-    ("zero1", {"zero_optimization": {"stage": 1}}),
-    ("zero1, 2 micro-batches", {"zero_optimization": {"stage": 1},
-                                "gradient_accumulation_steps": 2}),
-    ("zero1, small buckets", {"zero_optimization": {"stage": 1,
-                                                    "reduce_bucket_size": SMALL_BUCKET}}),
-    ("zero2", {"zero_optimization": {"stage": 2}}),
-    ("zero2, 2 micro-batches", {"zero_optimization": {"stage": 2},
-                                "gradient_accumulation_steps": 2}),
-    ("zero2, offload", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
-    ("zero3", {"zero_optimization": {"stage": 3}}),
-    ("zero3, no prefetch", {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}),
-    ("zero3, 2 micro-batches", {"zero_optimization": {"stage": 3},
-                                "gradient_accumulation_steps": 2}),
-    ("zero3, offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
-]
+GLOO_BYTES = (128 << 10, 2 << 20, 12 << 20)  # not the calibration's sizes
 CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
 
 
-def worker(config: str, steps: int, width: int, layers: int) -> None:
+@dataclass(frozen=True)
+class Config:
+    name: str
+    ranks: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    pp: int = 1
+
+
+CONFIGS: list[Config] = [
+    Config("1 rank", 1, {"zero_optimization": {"stage": 0}}),
+    Config("1 rank, 2 micro-batches of 32", 1,
+           {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 2}),
+    Config("dp", 2, {"zero_optimization": {"stage": 0}}),
+    Config("dp, 2 micro-batches", 2, {"gradient_accumulation_steps": 2}),
+    Config("dp, small buckets", 2, {"zero_optimization": {"stage": 0,
+                                                          "reduce_bucket_size": SMALL_BUCKET}}),
+    Config("dp, micro-batch 16", 2, {"train_micro_batch_size_per_gpu": 16}),
+    Config("zero1", 2, {"zero_optimization": {"stage": 1}}),
+    Config("zero1, small buckets", 2, {"zero_optimization": {"stage": 1,
+                                                             "reduce_bucket_size": SMALL_BUCKET}}),
+    Config("zero2", 2, {"zero_optimization": {"stage": 2}}),
+    Config("zero2, 2 micro-batches", 2, {"zero_optimization": {"stage": 2},
+                                         "gradient_accumulation_steps": 2}),
+    Config("zero2, offload", 2, {"zero_optimization": {"stage": 2, "offload_optimizer":
+                                                       {"device": "cpu"}}}),
+    Config("zero3", 2, {"zero_optimization": {"stage": 3}}),
+    Config("zero3, no prefetch", 2, {"zero_optimization": {"stage": 3,
+                                                           "stage3_prefetch_bucket_size": 0}}),
+    Config("4 ranks, dp", 4, {"zero_optimization": {"stage": 0}}),
+    Config("4 ranks, zero1", 4, {"zero_optimization": {"stage": 1}}),
+    Config("4 ranks, zero2", 4, {"zero_optimization": {"stage": 2}}),
+    Config("pp 2, 4 micro-batches", 2, {"gradient_accumulation_steps": 4}, pp=2),
+    Config("pp 2 x dp 2, 4 micro-batches", 4, {"gradient_accumulation_steps": 4}, pp=2),
+]
+
+
+# ----------------------------------------------------------------------------- the workers
+
+def worker(config: str, steps: int, width: int, layers: int, pp: int) -> None:
     """The training job one config runs (every rank)."""
     import torch
     from torch import nn
@@ -63,11 +92,11 @@ def worker(config: str, steps: int, width: int, layers: int) -> None:
             return x + self.proj(torch.relu(self.fc(x)))
 
     class Net(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, parts: list[nn.Module]) -> None:
             super().__init__()
-            self.embed = nn.Linear(64, width)
-            self.layers = nn.ModuleList(Block() for _ in range(layers))
-            self.head = nn.Linear(width, 10)
+            self.embed = parts[0]
+            self.layers = nn.ModuleList(parts[1:-1])
+            self.head = parts[-1]
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.embed(x)
@@ -77,63 +106,154 @@ def worker(config: str, steps: int, width: int, layers: int) -> None:
 
     torch.manual_seed(0)
     flowtrain.init_distributed()
-    net = Net()
+    parts = [nn.Linear(64, width), *(Block() for _ in range(layers)), nn.Linear(width, 10)]
+    if pp > 1:
+        from flowtrain.pipe import PipelineModule
+
+        net: nn.Module = PipelineModule(parts, num_stages=pp,
+                                        loss_fn=nn.functional.cross_entropy,
+                                        partition_method="parameters")
+    else:
+        net = Net(parts)
     engine, _, _, _ = flowtrain.initialize(model=net, model_parameters=net.parameters(),
                                            config=config)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(steps * engine.gradient_accumulation_steps()):
-        x = torch.randn(engine.train_micro_batch_size_per_gpu(), 64, generator=generator)
-        y = torch.randint(0, 10, (x.shape[0],), generator=generator)
-        engine.backward(nn.functional.cross_entropy(engine(x), y))
-        engine.step()
+    size = engine.train_micro_batch_size_per_gpu()
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(size, 64, generator=generator),
+                torch.randint(0, 10, (size,), generator=generator))
+
+    gas = engine.gradient_accumulation_steps()
+    for _ in range(steps):
+        if pp > 1:
+            engine.train_batch(iter([batch() for _ in range(gas)]))
+            continue
+        for _ in range(gas):
+            x, y = batch()
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.step()
+    if pp > 1:
+        engine.destroy()
 
 
-def launch(name: str, overrides: dict[str, Any], workdir: Path, args: argparse.Namespace) -> Path:
-    config = {"train_micro_batch_size_per_gpu": args.micro_batch,
-              "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    config.update(overrides)
-    slug = "".join(c if c.isalnum() else "-" for c in name)
+def gloo_worker(out: str, trials: int) -> None:
+    """Gloo all-reduce of each size in GLOO_BYTES among the launched ranks, timed as
+    `flowtrain calibrate` times collectives (back-to-back calls per trial, fastest trial);
+    rank 0 writes {bytes: seconds}."""
+    import torch
+    import torch.distributed as dist
+
+    import flowtrain
+    from sims.calibrate import _agreed_repeats
+
+    torch.set_num_threads(1)
+    flowtrain.init_distributed()
+    results = {}
+    for nbytes in GLOO_BYTES:
+        buffer = torch.ones(nbytes // 4)
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        repeats = _agreed_repeats(time.perf_counter() - start, 0.05, None)
+        times = []
+        for _ in range(trials):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                dist.all_reduce(buffer)
+            times.append((time.perf_counter() - start) / repeats)
+        results[nbytes] = min(times)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------- the host
+
+def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
+    """Waits until the host's CPUs are less than ``busy_below`` busy over one second, at most
+    ``limit_s`` seconds; returns the busy fraction last seen."""
+    from sims.calibrate_engine import host_busy_seconds
+
+    cores = os.cpu_count() or 1
+    deadline = time.monotonic() + limit_s
+    while True:
+        before = host_busy_seconds()
+        time.sleep(1.0)
+        busy = (host_busy_seconds() - before) / cores
+        if busy < busy_below or time.monotonic() >= deadline:
+            return busy
+
+
+# ----------------------------------------------------------------------------- running
+
+def launch(cfg: Config, workdir: Path, args: argparse.Namespace) -> Path:
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": args.micro_batch,
+                              "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config.update(cfg.overrides)
+    slug = "".join(c if c.isalnum() else "-" for c in cfg.name)
     config_path = workdir / f"{slug}.json"
     config_path.write_text(json.dumps(config))
     run_dir = workdir / slug
-    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", str(args.ranks),
+    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", str(cfg.ranks),
            "--run-dir", str(run_dir), __file__, "--worker", "--config", str(config_path),
-           "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+           "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers),
+           "--pp", str(cfg.pp)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                          check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: launch failed ({proc.returncode}): "
+        raise RuntimeError(f"{cfg.name}: launch failed ({proc.returncode}): "
                            f"{proc.stderr.strip().splitlines()[-1:]}")
     return run_dir
 
 
 def compare(run_dir: Path, cluster: str) -> dict[str, Any]:
+    """``flowtrain simulate --compare run_dir --json``, through the command's own code."""
+    import contextlib
+    import io
+
     from sims.simulate import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     ns = parser.parse_args(["--compare", str(run_dir), "--cluster", cluster, "--json"])
-    out = run_json(run, ns)
-    return {row["class"]: row for row in out["classes"]}
-
-
-def run_json(run: Any, ns: argparse.Namespace) -> dict[str, Any]:
-    import contextlib
-    import io
-
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         run(ns)
-    return json.loads(buffer.getvalue())
+    out = json.loads(buffer.getvalue())
+    return {row["class"]: row for row in out["classes"]}
+
+
+def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str]:
+    """Measured gloo all-reduce over 2 ranks against the profile's cost for each size."""
+    from sims.costs import collective_seconds
+    from sims.hardware import get_profile
+
+    out = workdir / "gloo.json"
+    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
+           "--run-dir", str(workdir / "gloo-run"), __file__, "--gloo-worker", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                   check=True)
+    measured = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    hw = get_profile(cluster)
+    lines = []
+    for nbytes, seconds in sorted(measured.items()):
+        model = collective_seconds("all_reduce", nbytes, 2, hw)
+        lines.append(f"  gloo all_reduce {nbytes / 2**20:7.3f} MiB, 2 ranks: model "
+                     f"{model * 1e3:7.2f} ms, measured {seconds * 1e3:7.2f} ms, "
+                     f"{100 * (model - seconds) / seconds:+6.1f} %")
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--ranks", type=int, default=2, help="ranks per run (default 2)")
+    parser.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=24,
-                        help="optimizer steps per run (default 24; spans are flushed every 20)")
+                        help="optimizer steps per run (default 24; the first is left out)")
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -142,39 +262,67 @@ def main() -> int:
                         help="comma-separated config numbers to run (1-based), e.g. 10,13")
     parser.add_argument("--keep", type=Path, default=None, help="keep run directories here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
+                        help="most seconds to wait before each launch for the host to be idle")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the gloo all-reduce rows")
     args = parser.parse_args()
     if args.worker:
-        worker(args.config, args.steps, args.width, args.layers)
+        worker(args.config, args.steps, args.width, args.layers, args.pp)
         return 0
-    configs = CONFIGS
+    if args.gloo_worker:
+        gloo_worker(args.out, trials=5)
+        return 0
+    from sims.calibrate_engine import ForeignLoad
+
+    configs = list(enumerate(CONFIGS, start=1))
     if args.only:
         try:
-            configs = [CONFIGS[int(n) - 1] for n in args.only.split(",")]
+            configs = [(int(n), CONFIGS[int(n) - 1]) for n in args.only.split(",")]
         except (ValueError, IndexError):
             parser.error(f"--only: config numbers from 1 to {len(CONFIGS)}, got {args.only!r}")
     errors: dict[str, list[float]] = {c: [] for c in CLASSES}
+    load = os.getloadavg()
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sim_accuracy_") as tmp:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        print(f"{len(configs)} configs, {args.ranks} ranks, {args.steps} steps each, predicted "
-              f"with {args.cluster} ({os.cpu_count()} CPUs here)")
-        print(f"  {'config':<26} {'predicted':>10} {'measured':>10} {'error':>8}")
-        for name, overrides in configs:
+        print(f"{len(configs)} configs, {args.steps} steps each, predicted with {args.cluster} "
+              f"({os.cpu_count()} CPUs here; load average {load[0]:.2f} {load[1]:.2f} "
+              f"{load[2]:.2f})")
+        print(f"  {'#':>2} {'config':<30} {'ranks':>5} {'predicted':>10} {'measured':>10} "
+              f"{'error':>8} {'others':>7}")
+        for number, cfg in configs:
+            wait_for_quiet(args.quiet_wait)
             try:
-                rows = compare(launch(name, overrides, workdir, args), args.cluster)
+                with ForeignLoad() as others:
+                    run_dir = launch(cfg, workdir, args)
+                rows = compare(run_dir, args.cluster)
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-                print(f"  {name:<26} failed: {exc}")
+                print(f"  {number:>2} {cfg.name:<30} failed: {exc}")
                 continue
             step = rows["step"]
-            print(f"  {name:<26} {step['predicted_s'] * 1e3:8.2f}ms {step['measured_s'] * 1e3:8.2f}"
-                  f"ms {step['error_pct']:+7.1f}%", flush=True)
+            print(f"  {number:>2} {cfg.name:<30} {cfg.ranks:>5} {step['predicted_s'] * 1e3:8.2f}ms "
+                  f"{step['measured_s'] * 1e3:8.2f}ms {step['error_pct']:+7.1f}% "
+                  f"{others.cores:6.2f}", flush=True)
             for c, row in rows.items():
                 if row["error_pct"] is not None:
                     errors[c].append(abs(row["error_pct"]))
-    print("MAPE per task class:")
-    for c in CLASSES:
-        if errors[c]:
-            print(f"  {c:<10} {sum(errors[c]) / len(errors[c]):6.1f} %  ({len(errors[c])} runs)")
+        if errors["step"]:
+            print(f"step time: MAPE {statistics.fmean(errors['step']):.1f} %, worst "
+                  f"{max(errors['step']):.1f} % over {len(errors['step'])} configs")
+        print("MAPE per task class:")
+        for c in CLASSES:
+            if errors[c]:
+                print(f"  {c:<10} {statistics.fmean(errors[c]):6.1f} %  ({len(errors[c])} runs)")
+        if not args.no_gloo:
+            wait_for_quiet(args.quiet_wait)
+            try:
+                print("\n".join(gloo_rows(workdir, args.cluster, args)))
+            except (subprocess.SubprocessError, OSError, ValueError) as exc:
+                print(f"  gloo all_reduce: failed: {exc}")
+    end = os.getloadavg()
+    print(f"took {time.monotonic() - started:.0f} s; load average at the end {end[0]:.2f} "
+          f"{end[1]:.2f} {end[2]:.2f}")
     return 0
 
 
