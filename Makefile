@@ -15,7 +15,7 @@ test: setup
 	$(PY) -m pytest -q
 
 demo: setup
-	$(VENV)/bin/flowtrain launch --nproc-per-node 2 examples/train_gpt.py
+	VENV=$(VENV) bash scripts/demo.sh
 
 bench: setup
 	$(PY) benchmarks/actor_latency.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -128,3 +129,12 @@ class GPT(nn.Module):
             next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
+
+
+def build_demo_model() -> GPT:
+    """The model `make demo` trains: examples/train_gpt.py's defaults (3 blocks of width 128, 4
+    heads, 64-character context) over the characters of examples/data/input.txt. A factory for
+    `flowtrain simulate --model gpt:build_demo_model`, which builds it on the meta device."""
+    text = (Path(__file__).parent / "data" / "input.txt").read_text(encoding="utf-8")
+    return GPT(GPTConfig(vocab_size=len(set(text)), block_size=64, n_layer=3, n_head=4,
+                         n_embd=128))
