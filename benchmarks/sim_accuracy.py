@@ -9,8 +9,12 @@ and a gloo all-reduce row across sizes (measured now vs the profile's model).
     .venv/bin/python benchmarks/sim_accuracy.py [--steps 24] [--only 3,17] [--quiet-wait 120]
 
 A shared host makes every figure noisy: before each launch the script waits (at most
---quiet-wait seconds) until the CPUs are nearly idle, and each row reports how many cores other
-processes kept busy during that run ("others"), from /proc/stat less this job's own CPU time.
+--quiet-wait seconds) until the CPUs are nearly idle, each config is run --repeat times (a
+round over all configs, then another) and the run with the shortest step is kept, since other
+work only ever lengthens steps (on a VM its neighbours do too, unseen), as calibration keeps its
+least disturbed runs. Each row reports how many cores other processes kept busy during the kept
+run ("others", from /proc/stat less this job's own CPU time) and how much longer the slowest
+run of the config was ("spread").
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
 layer numbers, as the simulator's planner expects, trained as a plain module or as a
@@ -139,7 +143,7 @@ def worker(config: str, steps: int, width: int, layers: int, pp: int) -> None:
 
 def gloo_worker(out: str, trials: int) -> None:
     """Gloo all-reduce of each size in GLOO_BYTES among the launched ranks, timed as
-    `flowtrain calibrate` times collectives (back-to-back calls per trial, fastest trial);
+    `flowtrain calibrate` times collectives (back-to-back calls per trial, the median trial);
     rank 0 writes {bytes: seconds}."""
     import torch
     import torch.distributed as dist
@@ -162,7 +166,7 @@ def gloo_worker(out: str, trials: int) -> None:
             for _ in range(repeats):
                 dist.all_reduce(buffer)
             times.append((time.perf_counter() - start) / repeats)
-        results[nbytes] = min(times)
+        results[nbytes] = statistics.median(times)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -186,7 +190,7 @@ def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
 
 # ----------------------------------------------------------------------------- running
 
-def launch(cfg: Config, workdir: Path, args: argparse.Namespace) -> Path:
+def launch(cfg: Config, workdir: Path, args: argparse.Namespace, run: int = 0) -> Path:
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": args.micro_batch,
                               "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -194,7 +198,7 @@ def launch(cfg: Config, workdir: Path, args: argparse.Namespace) -> Path:
     slug = "".join(c if c.isalnum() else "-" for c in cfg.name)
     config_path = workdir / f"{slug}.json"
     config_path.write_text(json.dumps(config))
-    run_dir = workdir / slug
+    run_dir = workdir / (slug if run == 0 else f"{slug}-run{run + 1}")
     cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", str(cfg.ranks),
            "--run-dir", str(run_dir), __file__, "--worker", "--config", str(config_path),
            "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers),
@@ -265,6 +269,9 @@ def main() -> int:
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="most seconds to wait before each launch for the host to be idle")
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo all-reduce rows")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs of each config, a round over all configs after the other; "
+                             "the one with the shortest step (least disturbed) is kept")
     args = parser.parse_args()
     if args.worker:
         worker(args.config, args.steps, args.width, args.layers, args.pp)
@@ -286,24 +293,39 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sim_accuracy_") as tmp:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        print(f"{len(configs)} configs, {args.steps} steps each, predicted with {args.cluster} "
-              f"({os.cpu_count()} CPUs here; load average {load[0]:.2f} {load[1]:.2f} "
-              f"{load[2]:.2f})")
+        print(f"{len(configs)} configs, {args.steps} steps each, {args.repeat} run(s) of each "
+              f"(the least disturbed kept), predicted with {args.cluster} ({os.cpu_count()} "
+              f"CPUs here; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
+        # (rows, others' cores) of each run of each config
+        runs: dict[int, list[tuple[dict[str, Any], float]]] = {}
+        for repeat in range(args.repeat):
+            for number, cfg in configs:
+                wait_for_quiet(args.quiet_wait)
+                try:
+                    with ForeignLoad() as others:
+                        run_dir = launch(cfg, workdir, args, repeat)
+                    rows = compare(run_dir, args.cluster)
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                    print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
+                          flush=True)
+                    continue
+                runs.setdefault(number, []).append((rows, others.cores))
+                print(f"  ... {number:>2} {cfg.name:<30} run {repeat + 1}: measured "
+                      f"{rows['step']['measured_s'] * 1e3:8.2f} ms", file=sys.stderr, flush=True)
         print(f"  {'#':>2} {'config':<30} {'ranks':>5} {'predicted':>10} {'measured':>10} "
-              f"{'error':>8} {'others':>7}")
+              f"{'error':>8} {'others':>7} {'spread':>7}")
         for number, cfg in configs:
-            wait_for_quiet(args.quiet_wait)
-            try:
-                with ForeignLoad() as others:
-                    run_dir = launch(cfg, workdir, args)
-                rows = compare(run_dir, args.cluster)
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-                print(f"  {number:>2} {cfg.name:<30} failed: {exc}")
+            if number not in runs:
                 continue
+            # Other work only ever lengthens a step: the run with the shortest is the least
+            # disturbed; "spread" is how much longer the longest was.
+            measured = [r["step"]["measured_s"] for r, _ in runs[number]]
+            rows, others = min(runs[number], key=lambda run: run[0]["step"]["measured_s"])
             step = rows["step"]
             print(f"  {number:>2} {cfg.name:<30} {cfg.ranks:>5} {step['predicted_s'] * 1e3:8.2f}ms "
                   f"{step['measured_s'] * 1e3:8.2f}ms {step['error_pct']:+7.1f}% "
-                  f"{others.cores:6.2f}", flush=True)
+                  f"{others:6.2f} {100 * (max(measured) / min(measured) - 1):6.1f}%",
+                  flush=True)
             for c, row in rows.items():
                 if row["error_pct"] is not None:
                     errors[c].append(abs(row["error_pct"]))

@@ -439,6 +439,7 @@ class _StageBuilder:
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
         self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
+        self.fp16 = cfg.precision == "fp16"
         self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
         self.segments = _segments(params, self.partitioned)
@@ -702,8 +703,12 @@ class _StageBuilder:
         whole = sum(b.numel for b in self.buckets)
         zeroed = whole if self.stage_no <= 1 or self.dp == 1 else numel
         passes = zeroed * self.comm_elem + (numel * 12 if self.clip else 0)
-        return (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
+        seconds = (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
             self.optimizer_factor
+        if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
+            # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
+            seconds += self._collective("all_reduce", 8)
+        return seconds
 
     def _step(self, last: int | None, last_reduce: int | None) -> None:
         s, plan = self.stage, self.plan
