@@ -154,6 +154,88 @@ def send_seconds(cluster: str, nbytes: float) -> float:
         return 0.0
 
 
+def _probe_rank(rank: int, port: int, nbytes: int, count: int, out: Any) -> None:
+    """One of two processes: one-way time of a pipeline message (an int64 header, then the
+    float32 tensor) by ping-pong, waited on blocking, then through ``flowtrain.comm.wait``
+    inside an event loop as the pipeline engine's stage actor waits on it."""
+    import asyncio
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from flowtrain import comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    peer = 1 - rank
+    header, tensor = torch.zeros(64, dtype=torch.int64), torch.zeros(nbytes // 4)
+
+    def blocking() -> None:
+        for leg in range(2):  # there (rank 0 sends) and back
+            if (rank == 0) == (leg == 0):
+                dist.isend(header, peer).wait()
+                dist.isend(tensor, peer).wait()
+            else:
+                dist.irecv(header, peer).wait()
+                dist.irecv(tensor, peer).wait()
+
+    async def through_the_loop() -> None:
+        for leg in range(2):
+            if (rank == 0) == (leg == 0):
+                works = [dist.isend(header, peer), dist.isend(tensor, peer)]
+                for work in works:
+                    await comm.wait(work, "probe send", 60)
+            else:
+                await comm.wait(dist.irecv(header, peer), "probe header", 60)
+                await comm.wait(dist.irecv(tensor, peer), "probe tensor", 60)
+
+    async def timed_loop() -> float:
+        await through_the_loop()
+        start = time.perf_counter()
+        for _ in range(count):
+            await through_the_loop()
+        return (time.perf_counter() - start) / count / 2
+
+    blocking()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        blocking()
+    one_way_blocking = (time.perf_counter() - start) / count / 2
+    dist.barrier()
+    one_way_loop = asyncio.run(timed_loop())
+    if rank == 0:
+        out.put((one_way_blocking, one_way_loop))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def delivery_probe(nbytes: int, count: int = 200) -> tuple[float, float]:
+    """(blocking, through flowtrain.comm.wait) one-way seconds of one pipeline message of
+    ``nbytes`` between two processes of this host."""
+    import multiprocessing as mp
+
+    from sims.calibrate import _free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_probe_rank, args=(r, port, nbytes, count, out))
+             for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        result = out.get(timeout=300)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -190,6 +272,11 @@ def main() -> int:
                   f"{s['busy'] * 1e3:6.2f} + recv wait {s['recv'] * 1e3:6.2f} + send "
                   f"{s['send'] * 1e3:5.2f} + gaps {s['gaps'] * 1e3:5.2f} "
                   f"({s['gaps'] / max(s['ops'], 1) * 1e6:.0f} us x {s['ops']:.0f} ops)")
+    blocking, looped = delivery_probe(sent)
+    print(f"one pipeline message ({sent / 1024:.0f} KiB: header + tensor) one way between two "
+          f"idle processes: {blocking * 1e6:.0f} us waited on blocking, {looped * 1e6:.0f} us "
+          f"through flowtrain.comm.wait in an event loop (a thread started per wait: gloo's "
+          f"point-to-point work has no future)")
     print(json.dumps({"load_average_end": os.getloadavg()[0]}))
     return 0
 

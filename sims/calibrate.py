@@ -1,5 +1,6 @@
 """`flowtrain calibrate`: measures this host (matmul, memory copies, gloo collectives over
-loopback, how much a collective slows compute), fits the cost model and writes a profile.
+loopback, how much a collective slows compute) and, on it, the engine's own pieces and a few
+launched calibration jobs (``sims.calibrate_engine``), fits the cost model and writes a profile.
 
 Measuring and fitting are separate: the measurements are plain JSON (``--save-measurements``)
 and ``fit_profile`` turns them into a HardwareProfile without touching the machine.
@@ -645,10 +646,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowtrain calibrate",
         description="Measure this host (matmul, memory, gloo collectives, comm/compute "
-                    "interference), fit the simulator's cost model and write a hardware "
-                    "profile that `flowtrain simulate --hardware this-host` reads.")
+                    "interference, the engine's own pieces and launched calibration jobs), "
+                    "fit the simulator's cost model and write a hardware profile that "
+                    "`flowtrain simulate --cluster this-host` reads.")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer sizes and repetitions: well under 20 s instead of ~60 s")
+                        help="fewer sizes and repetitions, one 2-rank calibration job: about "
+                             "20 s instead of 2-3 minutes")
     parser.add_argument("--out", type=Path, default=None,
                         help="profile path (default: $FLOWTRAIN_HOST_PROFILE or "
                              "~/.cache/flowtrain/host_profile.json)")

@@ -350,7 +350,7 @@ def background_interference(call: Callable[[], None], window_s: float, group: An
 # ----------------------------------------------------------------------------- the engine job
 
 JOB_STEPS = 16
-FIT_ROUNDS = 6
+FIT_ROUNDS = 12
 FACTOR_CLASSES = ("passes", "optimizer")
 
 
@@ -434,13 +434,18 @@ def _less_disturbed(a: dict[str, Any], b: dict[str, Any], busy_cores: float) -> 
     quiet_a, quiet_b = a["others_cores"] <= busy_cores, b["others_cores"] <= busy_cores
     if quiet_a != quiet_b:
         return quiet_a
-    return a["measured"].get("step", math.inf) < b["measured"].get("step", math.inf)
+
+    def steps(job: dict[str, Any]) -> float:
+        return sum(size["measured"].get("step", math.inf) for size in job["sizes"])
+
+    return steps(a) < steps(b)
 
 
 def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any]:
     import subprocess
     import sys
     import tempfile
+    from pathlib import Path
 
     from sims.calibrate import CalibrationError
     from sims.compare import measured_classes, read_run
@@ -461,18 +466,28 @@ def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise CalibrationError(f"the {ranks}-rank calibration job failed (exit "
                                    f"{proc.returncode}): {last}")
-        try:
-            run = read_run(tmp)
-        except ValueError as exc:
-            raise CalibrationError(f"the {ranks}-rank calibration job: {exc}") from None
-        measured, used = measured_classes(run)
-        record = {"ranks": ranks, "pp": pp, "plan": run.plan, "stages": list(run.stages),
-                  "measured": measured, "steps": used, "others_cores": others.cores}
-        if pp > 1:
-            record["gap_per_op_s"] = gap_per_op(run.steps)
-        else:
-            record["micro_batch_gap_s"] = micro_batch_gap(run.steps)
-        return record
+        # a data-parallel job records each size in a directory of its own
+        dirs = [Path(tmp)] if pp > 1 else sorted(
+            (d for d in Path(tmp).glob("rows*") if d.is_dir()),
+            key=lambda d: int(d.name.removeprefix("rows")))
+        sizes = []
+        for run_dir in dirs:
+            try:
+                run = read_run(run_dir)
+            except ValueError as exc:
+                raise CalibrationError(f"the {ranks}-rank calibration job: {exc}") from None
+            measured, used = measured_classes(run)
+            size: dict[str, Any] = {"ranks": ranks, "pp": pp, "plan": run.plan,
+                                    "stages": list(run.stages), "measured": measured,
+                                    "steps": used}
+            if pp > 1:
+                size["gap_per_op_s"] = gap_per_op(run.steps)
+            else:
+                size["micro_batch_gap_s"] = micro_batch_gap(run.steps)
+            sizes.append(size)
+        if not sizes:
+            raise CalibrationError(f"the {ranks}-rank calibration job recorded no run")
+        return {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores}
 
 
 def micro_batch_gap(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
@@ -531,52 +546,74 @@ def predict_job(profile: Any, job: dict[str, Any]) -> dict[str, float]:
 
 def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
     """The engine section of ``profile`` (whose factors are not fitted yet) completed from the
-    launched jobs. Per rank count, how much longer the data-parallel job's passes (forward +
-    backward) and optimizer step took than the simulator predicts for it. Then, from the
-    pipeline job, the time a stage spends outside its spans per instruction (measured from its
-    spans), and the delivery time per message beyond the calibrated send that makes the
-    predicted pipeline step the measured one (by bisection: the prediction grows with it)."""
+    launched jobs.
+
+    Per rank count, from the data-parallel job's sizes: the passes (forward + backward) as
+    measured = factor x the simulator's passes from the isolated measurements + a time per
+    step (``pass_s``: what the engine's other work takes from its passes whatever their size),
+    a line through the sizes (one size: the factor alone); the optimizer's factor; the time
+    between forward and backward (read off the spans); and ``step_s``, what remains of the
+    measured step. A few rounds settle them together, since a factor scales only the compute
+    it applies to, not what the prediction adds around it (a collective's share of the
+    compute, the bucket passes).
+
+    Then, from the pipeline job, the time a stage spends outside its spans per instruction
+    (read off its spans) and the delivery time per message beyond the calibrated send that
+    makes the predicted pipeline step the measured one (by bisection: the prediction grows
+    with it)."""
     import dataclasses
 
     engine = dataclasses.replace(profile.engine, factors={}, pipeline_op_s=0.0,
                                  pipeline_message_s=0.0)
+
+    def predicted(fitted: dict[str, float], ranks: int, size: dict[str, Any]
+                  ) -> dict[str, float]:
+        trial = dataclasses.replace(profile, engine=dataclasses.replace(
+            engine, factors={**engine.factors, ranks: dict(fitted)}))
+        return predict_job(trial, size)
+
+    def passes(classes: dict[str, float]) -> float:
+        return classes.get("forward", 0.0) + classes.get("backward", 0.0)
+
     for job in jobs:
         if int(job.get("pp", 1)) > 1:
             continue
-        ranks, measured = int(job["ranks"]), job["measured"]
-        wanted = {"passes": measured.get("forward", 0.0) + measured.get("backward", 0.0),
-                  "optimizer": measured.get("optimizer", 0.0)}
-        fitted = {kind: 1.0 for kind, seconds in wanted.items() if seconds > 0}
-        fitted["micro_batch_s"] = float(job.get("micro_batch_gap_s", 0.0))
-        fitted["step_s"] = 0.0
-        # A factor scales the compute it applies to, not what the prediction adds around it
-        # (a collective's share of the compute, the bucket passes), and the step's own
-        # overhead is what remains of the measured step: a few rounds settle them together.
+        ranks, sizes = int(job["ranks"]), job["sizes"]
+        fitted = {"passes": 1.0, "pass_s": 0.0, "optimizer": 1.0,
+                  "micro_batch_s": float(sizes[0].get("micro_batch_gap_s", 0.0)),
+                  "step_s": 0.0}
+        iso = [passes(predicted(fitted, ranks, size)) for size in sizes]
         for _ in range(FIT_ROUNDS):
-            trial = dataclasses.replace(profile, engine=dataclasses.replace(
-                engine, factors={**engine.factors, ranks: dict(fitted)}))
-            predicted = predict_job(trial, job)
-            got = {"passes": predicted.get("forward", 0.0) + predicted.get("backward", 0.0),
-                   "optimizer": predicted.get("optimizer", 0.0)}
-            for kind in ("passes", "optimizer"):
-                if kind in fitted and got[kind] > 0:
-                    fitted[kind] *= wanted[kind] / got[kind]
-            if "step" in measured:
-                fitted["step_s"] = max(0.0, fitted["step_s"] + measured["step"]
-                                       - predicted["step"])
+            got = [predicted(fitted, ranks, size) for size in sizes]
+            residual = [passes(size["measured"]) - passes(g) for size, g in zip(sizes, got)]
+            factor_step, per_step = _line(iso, residual, free_intercept=len(sizes) > 1)
+            if fitted["pass_s"] + per_step < 0:  # no negative overhead: the factor alone
+                factor_step, per_step = _line(iso, [r + fitted["pass_s"] for r in residual],
+                                              free_intercept=False)
+                per_step = -fitted["pass_s"]
+            fitted["passes"] += factor_step
+            fitted["pass_s"] += per_step
+            optimizer = sum(g.get("optimizer", 0.0) for g in got)
+            if optimizer > 0:
+                fitted["optimizer"] *= sum(size["measured"].get("optimizer", 0.0)
+                                           for size in sizes) / optimizer
+            step_left = [size["measured"]["step"] - g["step"] for size, g in zip(sizes, got)
+                         if "step" in size["measured"]]
+            if step_left:
+                fitted["step_s"] = max(0.0, fitted["step_s"] + statistics.fmean(step_left))
         engine = dataclasses.replace(engine, factors={**engine.factors, ranks: fitted})
     for job in jobs:
-        if int(job.get("pp", 1)) <= 1 or "step" not in job["measured"]:
+        size = job["sizes"][0]
+        if int(job.get("pp", 1)) <= 1 or "step" not in size["measured"]:
             continue
+        engine = dataclasses.replace(engine, pipeline_op_s=float(size.get("gap_per_op_s", 0.0)))
 
-        engine = dataclasses.replace(engine, pipeline_op_s=float(job.get("gap_per_op_s", 0.0)))
-
-        def step_with(message_s: float, engine: Any = engine, job: Any = job) -> float:
+        def step_with(message_s: float, engine: Any = engine, size: Any = size) -> float:
             trial = dataclasses.replace(profile, engine=dataclasses.replace(
                 engine, pipeline_message_s=message_s))
-            return predict_job(trial, job)["step"]
+            return predict_job(trial, size)["step"]
 
-        target = job["measured"]["step"]
+        target = size["measured"]["step"]
         low, high = 0.0, 0.001
         while step_with(high) < target and high < 1.0:
             low, high = high, high * 2
@@ -585,6 +622,17 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
             low, high = (middle, high) if step_with(middle) < target else (low, middle)
         engine = dataclasses.replace(engine, pipeline_message_s=low)
     return engine
+
+
+def _line(x: Sequence[float], y: Sequence[float], free_intercept: bool) -> tuple[float, float]:
+    """Least squares y = slope x + intercept (intercept 0 unless ``free_intercept`` and the
+    x differ)."""
+    if free_intercept and len(x) > 1 and max(x) > min(x):
+        mx, my = statistics.fmean(x), statistics.fmean(y)
+        slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+        return slope, my - slope * mx
+    denominator = sum(a * a for a in x)
+    return (sum(a * b for a, b in zip(x, y)) / denominator if denominator else 0.0), 0.0
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -687,7 +735,8 @@ def summary_lines(engine: EngineCosts) -> list[str]:
                      "message beyond the send")
     for ranks, by_class in sorted(engine.factors.items()):
         lines.append(f"  engine job on {ranks} rank{'s' if ranks > 1 else ' '}: passes x"
-                     f"{by_class.get('passes', 1.0):.2f}, optimizer x"
+                     f"{by_class.get('passes', 1.0):.2f} + {by_class.get('pass_s', 0.0) * 1e3:.2f}"
+                     f" ms per step, optimizer x"
                      f"{by_class.get('optimizer', 1.0):.2f} the isolated measurements; "
                      f"{by_class.get('micro_batch_s', 0.0) * 1e3:.2f} ms between forward and "
                      f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step")

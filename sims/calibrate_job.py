@@ -24,6 +24,7 @@ from typing import Any
 # The calibration model: rows per micro-batch, input width, (in, out) of the hidden layers,
 # output width. Not a benchmark's shapes.
 ROWS = 40
+ROWS_BY_SIZE = (ROWS, 4 * ROWS)  # the data-parallel job's two sizes (rows per micro-batch)
 IN_WIDTH = 48
 HIDDEN = ((48, 384), (384, 768), (768, 384), (384, 768), (768, 384))
 OUT_WIDTH = 16
@@ -42,9 +43,10 @@ PIPELINE_MICRO_BATCHES = 4
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank of the job: trains ``--steps`` steps (as a ``--pp``-stage 1F1B pipeline of
-    PIPELINE_MICRO_BATCHES micro-batches when pp > 1); the engine records spans and its plan
-    in the launcher's run directory."""
+    """One rank of the job: trains ``--steps`` steps as a ``--pp``-stage 1F1B pipeline of
+    PIPELINE_MICRO_BATCHES micro-batches (pp > 1; the engine records in the launcher's run
+    directory), or data parallel at each of ROWS_BY_SIZE rows per micro-batch, each recorded
+    in ``rows{n}/`` of the run directory."""
     parser = argparse.ArgumentParser(prog="python -m sims.calibrate_job")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pp", type=int, default=1)
@@ -78,13 +80,27 @@ def main(argv: list[str] | None = None) -> int:
             engine.train_batch(iter([batch() for _ in range(PIPELINE_MICRO_BATCHES)]))
         engine.destroy()
         return 0
-    model = nn.Sequential(*layers)
-    engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config())
-    for _ in range(args.steps):
-        x, target = batch()
-        engine.backward(nn.functional.mse_loss(engine(x), target))
-        engine.step()
+    import copy
+    import os
+    from pathlib import Path
+
+    from flowtrain.env import RUN_DIR
+
+    # Two sizes of the same model, each recorded in a run directory of its own: what the engine
+    # adds to a pass that grows with its work and what it adds per step can then be told apart.
+    base = os.environ.get(RUN_DIR)
+    for rows in ROWS_BY_SIZE:
+        if base:
+            os.environ[RUN_DIR] = str(Path(base) / f"rows{rows}")
+        model = nn.Sequential(*copy.deepcopy(layers))
+        engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config(micro_batch=rows))
+        for _ in range(args.steps):
+            x = torch.randn(rows, IN_WIDTH, generator=generator)
+            target = torch.randn(rows, OUT_WIDTH, generator=generator)
+            engine.backward(nn.functional.mse_loss(engine(x), target))
+            engine.step()
+        engine.destroy()
     return 0
 
 

@@ -69,7 +69,8 @@ class EngineCosts:
     its 28-byte-per-parameter pass. ``factors[ranks]``: what a launched engine job on
     ``ranks`` ranks (``sims.calibrate_job``) showed: how much longer its passes and its
     optimizer step took than these isolated measurements predict for it (the engine's own
-    threads, the launcher, OpenMP threads that do not all get a core), the time between a
+    threads, the launcher, OpenMP threads that do not all get a core) plus what the engine's
+    other work takes from each step's passes whatever their size (``pass_s``), the time between a
     micro-batch's forward and backward (``micro_batch_s``: the loss, the engine's backward
     entry) and what each step spends outside its passes, reduces and optimizer
     (``step_s``: the reducer's flush, the step's bookkeeping). ``pipeline_op_s``: what a
@@ -248,7 +249,7 @@ _OPTIONAL = ("v", "collectives", "comm_compute_interference", "sources",
 _ENGINE_REQUIRED = ("pass_rates", "optimizer")
 _ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference", "p2p",
                     "factors", "pipeline_op_s", "pipeline_message_s")
-ENGINE_FACTOR_KINDS = ("passes", "optimizer", "micro_batch_s", "step_s")
+ENGINE_FACTOR_KINDS = ("passes", "pass_s", "optimizer", "micro_batch_s", "step_s")
 _LINK_FIELDS = ("latency_s", "bandwidth")
 
 

@@ -421,6 +421,9 @@ class _StageBuilder:
             if not self.gpu else 1.0
         # what a launched engine job on this many ranks took over the isolated measurements
         self.pass_factor = self.engine.factor(ranks_here, "passes") if self.engine else 1.0
+        # ... and what its other work takes from each step's passes, spread over them
+        self.pass_s = self.engine.factor(ranks_here, "pass_s") / (2 * micro_batches) \
+            if self.engine else 0.0
         self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
             if self.engine else 1.0
         # between a micro-batch's forward and backward, and per step (flush, bookkeeping),
@@ -498,6 +501,9 @@ class _StageBuilder:
                 bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
+        if self.segments:
+            self.segments[0].forward_s += self.pass_s
+            self.segments[-1].backward_s += self.pass_s
 
 
     def _cost_engine_segments(self, weights: list[int], scale: float, recompute: bool) -> None:
@@ -519,6 +525,9 @@ class _StageBuilder:
                     numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
+        if self.segments:
+            self.segments[0].forward_s += self.pass_s
+            self.segments[-1].backward_s += self.pass_s
 
 
     def _stage3_uses(self) -> _Stage3Uses:

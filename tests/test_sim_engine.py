@@ -360,17 +360,22 @@ def test_engine_measurements_are_checked_by_field(tmp_path: Path) -> None:
         calibrate.fit_profile(broken)
 
 
-def _job_from_run(run_dir: Path, ranks: int, pp: int) -> dict[str, Any]:
-    """A recorded run as `measure_jobs` records a calibration job."""
+def _size_from_run(run_dir: Path, ranks: int, pp: int) -> dict[str, Any]:
+    """A recorded run as `measure_jobs` records one size of a calibration job."""
     record = read_run(run_dir)
     measured, steps = measured_classes(record)
-    job = {"ranks": ranks, "pp": pp, "plan": record.plan, "stages": list(record.stages),
-           "measured": measured, "steps": steps, "others_cores": 0.0}
+    size = {"ranks": ranks, "pp": pp, "plan": record.plan, "stages": list(record.stages),
+            "measured": measured, "steps": steps}
     if pp > 1:
-        job["gap_per_op_s"] = calibrate_engine.gap_per_op(record.steps)
+        size["gap_per_op_s"] = calibrate_engine.gap_per_op(record.steps)
     else:
-        job["micro_batch_gap_s"] = calibrate_engine.micro_batch_gap(record.steps)
-    return job
+        size["micro_batch_gap_s"] = calibrate_engine.micro_batch_gap(record.steps)
+    return size
+
+
+def _job(*sizes: dict[str, Any]) -> dict[str, Any]:
+    return {"ranks": sizes[0]["ranks"], "pp": sizes[0]["pp"], "sizes": list(sizes),
+            "others_cores": 0.0}
 
 
 def test_overheads_read_off_a_jobs_spans_by_hand() -> None:
@@ -384,30 +389,59 @@ def test_overheads_read_off_a_jobs_spans_by_hand() -> None:
     assert calibrate_engine.gap_per_op({0: [pipe, pipe]}) == pytest.approx(0.15)
 
 
-def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None:
+def _base_profile() -> HardwareProfile:
     sample = json.loads((DATA / "calibration_sample.json").read_text())
-    base = calibrate.fit_profile({**sample, "engine": _synthetic_engine_measurements()})
+    return calibrate.fit_profile({**sample, "engine": _synthetic_engine_measurements()})
+
+
+def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None:
+    base = _base_profile()
     assert base.engine is not None and base.engine.factors == {}
     # a data-parallel job (the recorded ZeRO-1 run) and the recorded pipeline run
-    jobs = [_job_from_run(RUN, 2, 1), _job_from_run(PIPELINE_RUN, 2, 2)]
+    jobs = [_job(_size_from_run(RUN, 2, 1)), _job(_size_from_run(PIPELINE_RUN, 2, 2))]
     fitted = dataclasses.replace(base, engine=calibrate_engine.fit_factors(base, jobs))
-    again = calibrate_engine.predict_job(fitted, jobs[0])
-    measured = jobs[0]["measured"]
+    size = jobs[0]["sizes"][0]
+    again = calibrate_engine.predict_job(fitted, size)
+    measured = size["measured"]
     assert again["forward"] + again["backward"] == \
         pytest.approx(measured["forward"] + measured["backward"], rel=0.02)
     assert again["optimizer"] == pytest.approx(measured["optimizer"], rel=0.02)
     assert again["step"] == pytest.approx(measured["step"], rel=0.02)
     assert fitted.engine is not None
-    assert fitted.engine.factors[2]["micro_batch_s"] == jobs[0]["micro_batch_gap_s"] > 0
-    assert fitted.engine.pipeline_op_s == jobs[1]["gap_per_op_s"] > 0
+    factors = fitted.engine.factors[2]
+    assert factors["micro_batch_s"] == size["micro_batch_gap_s"] > 0
+    assert factors["pass_s"] == 0.0  # one size: no line to fit, the factor alone
+    pipeline = jobs[1]["sizes"][0]
+    assert fitted.engine.pipeline_op_s == pipeline["gap_per_op_s"] > 0
     assert fitted.engine.pipeline_message_s > 0
-    assert calibrate_engine.predict_job(fitted, jobs[1])["step"] == \
-        pytest.approx(jobs[1]["measured"]["step"], rel=1e-3)
+    assert calibrate_engine.predict_job(fitted, pipeline)["step"] == \
+        pytest.approx(pipeline["measured"]["step"], rel=1e-3)
     # fitting through fit_profile gives the same profile, and it survives JSON
+    sample = json.loads((DATA / "calibration_sample.json").read_text())
     whole = calibrate.fit_profile({**sample, "engine": {**_synthetic_engine_measurements(),
                                                         "jobs": jobs}})
     assert whole == fitted
     assert HardwareProfile.from_dict(json.loads(json.dumps(whole.to_dict()))) == whole
+
+
+def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
+    base = _base_profile()
+    small = _size_from_run(RUN, 2, 1)
+    large = json.loads(json.dumps(small))
+    large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= 4
+    large["plan"]["config"]["train_batch_size"] *= 4
+    large["plan"]["forward_flops_per_micro_batch"] *= 4
+    # an engine whose passes take 1.5x what the isolated measurements predict plus 2 ms per
+    # step (its optimizer 1.2x, 1 ms more per step): what its two sizes would measure
+    assert base.engine is not None
+    truth = {"passes": 1.5, "pass_s": 0.002, "optimizer": 1.2,
+             "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001}
+    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
+                                                                factors={2: truth}))
+    for size in (small, large):
+        size["measured"] = calibrate_engine.predict_job(host, size)
+    fitted = calibrate_engine.fit_factors(base, [_job(small, large)]).factors[2]
+    assert fitted == pytest.approx(truth, rel=0.01)
 
 
 def test_a_measured_layer_pass_is_the_engines() -> None:
