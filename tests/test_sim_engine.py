@@ -448,14 +448,21 @@ def test_a_measured_layer_pass_is_the_engines() -> None:
     timed = calibrate_engine.time_pass((8, 16, 16), 0.02)
     assert timed["flops"] == 2 * 8 * 16 * 16
     assert 0 < timed["forward_s"] < 0.01 and 0 < timed["backward_s"] < 0.01
-    op = calibrate_engine.LinearPass(4, 8, 8)
-    arrived = []
+    # 4 MiB of weights: one copy of the layer
+    op = calibrate_engine.LinearPass(2, 1024, 1024)
+    arrived: list[int] = []
     op.buckets.on_bucket_ready = arrived.append
     op.both()
     op.close()
-    # the engine's bucket hook saw both parameters land: one bucket, reported ready once
-    assert arrived == [0]
+    # the engine's bucket hooks saw both parameters land: each bucket (the engine's plan puts
+    # a small first bucket ahead) reported ready once
+    assert sorted(arrived) == list(range(len(op.buckets.plan))) and arrived
     assert math.isfinite(float(op.layer.weight.grad.sum()))
+    # a small layer cycles through copies holding 4 MiB of weights, as a model's layers do
+    small = calibrate_engine.LinearPass(4, 8, 8)
+    used = [id(small.layer) for _ in range(3) if small.forward() is not None]
+    assert len(small.layers) == 16 and len(set(used)) == 3
+    small.close()
 
 
 def test_the_demo_factory_is_the_model_make_demo_trains(monkeypatch: pytest.MonkeyPatch) -> None:
