@@ -69,6 +69,7 @@ class Settings:
     # every measured rank count, and a 2-stage pipeline)
     jobs: tuple[tuple[int, int], ...] | None = None
     job_runs: int = 2  # each job's runs; the least disturbed is kept
+    job_steps: int = calibrate_engine.JOB_STEPS  # steps of each size (the first left out)
 
 
 DEFAULT = Settings(
@@ -395,7 +396,7 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
         settings.seconds_per_point)
     jobs = settings.jobs if settings.jobs is not None else \
         tuple((n, 1) for n in (1, *ranks)) + ((2, 2),)
-    engine["jobs"] = calibrate_engine.measure_jobs(jobs, calibrate_engine.JOB_STEPS, timeout_s,
+    engine["jobs"] = calibrate_engine.measure_jobs(jobs, settings.job_steps, timeout_s,
                                                    runs=settings.job_runs)
     return {"v": MEASUREMENTS_VERSION, "host": host_facts(), "threads_per_device": 1,
             "matmul": measure_matmul(settings), "memory": measure_memory(settings),

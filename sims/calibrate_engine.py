@@ -17,6 +17,7 @@ The measured shapes are a calibration set of their own: none is a shape of the b
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import threading
@@ -500,7 +501,12 @@ def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any
             sizes.append(size)
         if not sizes:
             raise CalibrationError(f"the {ranks}-rank calibration job recorded no run")
-        return {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores}
+        from sims.calibrate_job import GLOO_FILE
+
+        gloo_path = Path(tmp) / GLOO_FILE
+        gloo = json.loads(gloo_path.read_text()) if gloo_path.is_file() else []
+        return {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores,
+                "gloo": gloo}
 
 
 def micro_batch_gap(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
@@ -614,6 +620,13 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
                          if "step" in size["measured"]]
             if step_left:
                 fitted["step_s"] = max(0.0, fitted["step_s"] + statistics.fmean(step_left))
+        if job.get("gloo"):
+            # what a gloo call takes beside a live engine over what the bare ranks measured
+            from sims.costs import collective_seconds
+
+            fitted["gloo_s"] = max(0.0, statistics.median(
+                r["seconds"] - collective_seconds(r["op"], r["bytes"], int(r["ranks"]), profile)
+                for r in job["gloo"]))
         engine = dataclasses.replace(engine, factors={**engine.factors, ranks: fitted})
     for job in jobs:
         size = job["sizes"][0]
@@ -752,7 +765,8 @@ def summary_lines(engine: EngineCosts) -> list[str]:
                      f" ms per step, optimizer x"
                      f"{by_class.get('optimizer', 1.0):.2f} the isolated measurements; "
                      f"{by_class.get('micro_batch_s', 0.0) * 1e3:.2f} ms between forward and "
-                     f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step")
+                     f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step, "
+                     f"gloo calls {by_class.get('gloo_s', 0.0) * 1e3:.2f} ms longer")
     for ranks, factor in sorted(engine.slowdown.items()):
         memory = engine.memory_slowdown.get(ranks)
         lines.append(f"  {ranks} ranks working at once: each computes {factor:.2f}x slower"

@@ -112,8 +112,36 @@ def main(argv: list[str] | None = None) -> int:
             target = torch.randn(rows, OUT_WIDTH, generator=generator)
             engine.backward(nn.functional.mse_loss(engine(x), target))
             engine.step()
+        if rows == ROWS_BY_SIZE[-1] and base:
+            _time_gloo(Path(base) / GLOO_FILE)
         engine.destroy()
     return 0
+
+
+GLOO_FILE = "gloo.json"
+GLOO_BYTES = (64 << 10, 4 << 20)
+
+
+def _time_gloo(out: Any) -> None:
+    """Gloo's collectives among the job's ranks, timed as calibration times them, but inside a
+    launched rank beside a live engine (its runtime's threads, the launcher): rank 0 writes
+    the records to ``out``. ZeRO's all-gathers and global norm, and the pipeline's data
+    parallel reduces, are such calls."""
+    import dataclasses
+    import json
+
+    import torch.distributed as dist
+
+    from sims import calibrate
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world < 2:
+        return
+    settings = dataclasses.replace(calibrate.QUICK, collective_bytes=GLOO_BYTES,
+                                   collective_trials=5)
+    records = calibrate._time_collectives(None, world, settings)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(records))
 
 
 if __name__ == "__main__":

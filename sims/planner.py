@@ -432,6 +432,8 @@ class _StageBuilder:
             if self.engine is not None and self.pp == 1 else 0.0
         self.step_s = self.engine.factor(ranks_here, "step_s") \
             if self.engine is not None and self.pp == 1 else 0.0
+        self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
+            if self.engine is not None and self.dp > 1 else 0.0
         # a pipeline stage's hand-offs per instruction, and per message delivered
         pipelined = self.engine is not None and self.pp > 1
         self.op_s = self.engine.pipeline_op_s if pipelined else 0.0
@@ -551,7 +553,10 @@ class _StageBuilder:
     # -- durations ---------------------------------------------------------------------------
 
     def _collective(self, op: str, nbytes: float) -> float:
-        return costs.collective_seconds(op, nbytes, self.dp, self.hw, nodes=self.layout.dp_nodes)
+        """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
+        what such a call took beside a live engine over the bare ranks' figure."""
+        return costs.collective_seconds(op, nbytes, self.dp, self.hw,
+                                        nodes=self.layout.dp_nodes) + self.gloo_s
 
     def _shard(self, numel: int) -> int:
         return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,9 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
         seconds_per_point=0.01, memory_elements=1 << 20,
         collective_bytes=(4 << 10, 256 << 10, 2 << 20),
         collective_trials=3, trial_seconds=0.005, interference_bytes=256 << 10,
-        interference_window_s=0.1)
+        interference_window_s=0.1, pass_shapes=((8, 16, 16), (32, 64, 64)),
+        optimizer_sets=((8, 1024), (2, 1 << 16)), p2p_bytes=(4 << 10, 64 << 10),
+        concurrency_window_s=0.05, jobs=((2, 1),), job_steps=3)
     monkeypatch.setattr(calibrate, "QUICK", tiny)  # `--quick`, smaller still
     out, raw = tmp_path / "p.json", tmp_path / "raw.json"
     assert main(["--quick", "--ranks", "2", "--out", str(out), "--save-measurements", str(raw),
@@ -229,6 +232,15 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     profile = get_profile(str(out))
     assert profile == fit_profile(measurements)
     assert profile.memory_bandwidth > 1e8  # any host streams more than 100 MB/s
+    # the engine's pieces: both thread counts' passes, the launched 2-rank job of two sizes
+    engine = measurements["engine"]
+    cores = os.cpu_count() or 1
+    assert {r["threads"] for r in engine["passes"]} == {max(1, cores // n) for n in (1, 2)}
+    [job] = engine["jobs"]
+    assert (job["ranks"], job["pp"], len(job["sizes"])) == (2, 1, 2)
+    assert all(size["steps"] == 2 and size["measured"]["step"] > 0 for size in job["sizes"])
+    assert profile.engine is not None and set(profile.engine.factors) == {2}
+    assert "engine job on 2 ranks" in printed
 
 
 @pytest.mark.multiprocess

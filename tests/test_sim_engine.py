@@ -444,6 +444,24 @@ def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
     assert fitted == pytest.approx(truth, rel=0.01)
 
 
+def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
+    base = _base_profile()
+    model = [("all_reduce", 65536), ("all_gather", 4 << 20), ("reduce_scatter", 4 << 20)]
+    gloo = [{"op": op, "ranks": 2, "bytes": nbytes,
+             "seconds": costs.collective_seconds(op, nbytes, 2, base) + extra}
+            for (op, nbytes), extra in zip(model, (0.001, 0.002, 0.004))]
+    job = {**_job(_size_from_run(RUN, 2, 1)), "gloo": gloo}
+    engine = calibrate_engine.fit_factors(base, [job])
+    assert engine.factors[2]["gloo_s"] == pytest.approx(0.002)
+    hw = dataclasses.replace(base, engine=engine)
+    cfg = _cfg(2, flowtrain={"data_channel": "torch"})
+    [reduce] = [t for t in build_plan(_work(), cfg, Layout(1, 2), hw).tasks
+                if t.kind == "reduce"]
+    scale_pass = 2 * 56 * 4 / hw.memory_bandwidth * costs.compute_slowdown(2, hw, memory=True)
+    assert reduce.duration == pytest.approx(costs.collective_seconds("all_reduce", 56 * 4, 2, hw)
+                                            + 0.002 + scale_pass)
+
+
 def test_a_measured_layer_pass_is_the_engines() -> None:
     timed = calibrate_engine.time_pass((8, 16, 16), 0.02)
     assert timed["flops"] == 2 * 8 * 16 * 16
