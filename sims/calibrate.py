@@ -394,8 +394,10 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
     engine["passes"] = calibrate_engine.measure_passes(
         [max(1, cores // n) for n in (1, *ranks)], settings.pass_shapes,
         settings.seconds_per_point)
+    from sims.planner import PIPELINE_JOB_RANKS
+
     jobs = settings.jobs if settings.jobs is not None else \
-        tuple((n, 1) for n in (1, *ranks)) + ((2, 2),)
+        tuple((n, 1) for n in (1, *ranks)) + ((PIPELINE_JOB_RANKS, 2),)
     engine["jobs"] = calibrate_engine.measure_jobs(jobs, settings.job_steps, timeout_s,
                                                    runs=settings.job_runs)
     return {"v": MEASUREMENTS_VERSION, "host": host_facts(), "threads_per_device": 1,
@@ -469,6 +471,14 @@ def fit_ring_link(measurements: dict[str, Any]) -> Link:
     rows = [(float(ring_steps(r["op"], r["ranks"])), ring_factor(r["op"], r["ranks"]) * r["bytes"],
              r["seconds"]) for r in records]
     latency, per_byte = _solve_relative(rows)
+    if per_byte <= 0 and len({v for _, v, _ in rows}) > 1:
+        # A disturbed small size can leave no slope to fit (seen with --quick's few trials on
+        # a busy host); the link every profile needs then comes from the largest transfer
+        # (bandwidth) and the smallest (latency per step).
+        steps, moved, seconds = max(rows, key=lambda row: row[1])
+        small = min(rows, key=lambda row: row[1])
+        latency = small[2] / small[0]
+        per_byte = max(seconds - steps * latency, 0.5 * seconds) / moved
     return _seconds_per_byte_to_link(latency, per_byte, "ring link")
 
 

@@ -365,7 +365,7 @@ def background_interference(call: Callable[[], None], window_s: float, group: An
 
 JOB_STEPS = 16
 FIT_ROUNDS = 12
-FACTOR_CLASSES = ("passes", "optimizer")
+MIN_FACTOR = 0.1
 
 
 class ForeignLoad:
@@ -567,12 +567,13 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
     """The engine section of ``profile`` (whose factors are not fitted yet) completed from the
     launched jobs.
 
-    Per rank count, from the data-parallel job's sizes: the passes (forward + backward) as
-    measured = factor x the simulator's passes from the isolated measurements + a time per
-    step (``pass_s``: what the engine's other work takes from its passes whatever their size),
-    a line through the sizes (one size: the factor alone); the optimizer's factor; the time
-    between forward and backward (read off the spans); and ``step_s``, what remains of the
-    measured step. A few rounds settle them together, since a factor scales only the compute
+    Per rank count, from the data-parallel job's sizes: its forwards, and its backwards, as
+    measured = factor x the simulator's from the isolated measurements + a time per step
+    (``forward_s``, ``backward_s``: what the engine's other work takes from them whatever
+    their size), a line through the sizes (one size: the factor alone); the optimizer's
+    factor; the time between forward and backward (read off the spans); ``step_s``, what
+    remains of the measured step; and ``gloo_s``, what the job's gloo calls took beside its
+    live engine over the bare ranks' figure. A few rounds settle them together, since a factor scales only the compute
     it applies to, not what the prediction adds around it (a collective's share of the
     compute, the bucket passes).
 
@@ -591,27 +592,31 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
             engine, factors={**engine.factors, ranks: dict(fitted)}))
         return predict_job(trial, size)
 
-    def passes(classes: dict[str, float]) -> float:
-        return classes.get("forward", 0.0) + classes.get("backward", 0.0)
-
     for job in jobs:
         if int(job.get("pp", 1)) > 1:
             continue
         ranks, sizes = int(job["ranks"]), job["sizes"]
-        fitted = {"passes": 1.0, "pass_s": 0.0, "optimizer": 1.0,
+        fitted = {"forward": 1.0, "forward_s": 0.0, "backward": 1.0, "backward_s": 0.0,
+                  "optimizer": 1.0,
                   "micro_batch_s": float(sizes[0].get("micro_batch_gap_s", 0.0)),
                   "step_s": 0.0}
-        iso = [passes(predicted(fitted, ranks, size)) for size in sizes]
+        first = [predicted(fitted, ranks, size) for size in sizes]
         for _ in range(FIT_ROUNDS):
             got = [predicted(fitted, ranks, size) for size in sizes]
-            residual = [passes(size["measured"]) - passes(g) for size, g in zip(sizes, got)]
-            factor_step, per_step = _line(iso, residual, free_intercept=len(sizes) > 1)
-            if fitted["pass_s"] + per_step < 0:  # no negative overhead: the factor alone
-                factor_step, per_step = _line(iso, [r + fitted["pass_s"] for r in residual],
-                                              free_intercept=False)
-                per_step = -fitted["pass_s"]
-            fitted["passes"] += factor_step
-            fitted["pass_s"] += per_step
+            for kind in ("forward", "backward"):
+                iso = [g.get(kind, 0.0) for g in first]
+                residual = [size["measured"].get(kind, 0.0) - g.get(kind, 0.0)
+                            for size, g in zip(sizes, got)]
+                extra = f"{kind}_s"
+                factor_step, per_step = _line(iso, residual, free_intercept=len(sizes) > 1)
+                if fitted[extra] + per_step < 0 or fitted[kind] + factor_step < MIN_FACTOR:
+                    # no negative overhead, and no pass faster than a tenth of its isolated
+                    # time (a disturbed size can tilt the line): the factor alone
+                    factor_step, _ = _line(iso, [r + fitted[extra] for r in residual],
+                                           free_intercept=False)
+                    per_step = -fitted[extra]
+                fitted[kind] = max(MIN_FACTOR, fitted[kind] + factor_step)
+                fitted[extra] += per_step
             optimizer = sum(g.get("optimizer", 0.0) for g in got)
             if optimizer > 0:
                 fitted["optimizer"] *= sum(size["measured"].get("optimizer", 0.0)
@@ -760,9 +765,11 @@ def summary_lines(engine: EngineCosts) -> list[str]:
                      f"instruction, {engine.pipeline_message_s * 1e6:.0f} us to deliver each "
                      "message beyond the send")
     for ranks, by_class in sorted(engine.factors.items()):
-        lines.append(f"  engine job on {ranks} rank{'s' if ranks > 1 else ' '}: passes x"
-                     f"{by_class.get('passes', 1.0):.2f} + {by_class.get('pass_s', 0.0) * 1e3:.2f}"
-                     f" ms per step, optimizer x"
+        lines.append(f"  engine job on {ranks} rank{'s' if ranks > 1 else ' '}: forward x"
+                     f"{by_class.get('forward', 1.0):.2f} + "
+                     f"{by_class.get('forward_s', 0.0) * 1e3:.2f} ms, backward x"
+                     f"{by_class.get('backward', 1.0):.2f} + "
+                     f"{by_class.get('backward_s', 0.0) * 1e3:.2f} ms per step, optimizer x"
                      f"{by_class.get('optimizer', 1.0):.2f} the isolated measurements; "
                      f"{by_class.get('micro_batch_s', 0.0) * 1e3:.2f} ms between forward and "
                      f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step, "

@@ -67,14 +67,16 @@ class EngineCosts:
     ``p2p``: one pipeline send (gloo isend/irecv of a header and a tensor). ``optimizer``:
     the engine's fused Adam kernel, ``latency_s`` per call and ``bandwidth`` in bytes/s of
     its 28-byte-per-parameter pass. ``factors[ranks]``: what a launched engine job on
-    ``ranks`` ranks (``sims.calibrate_job``) showed: how much longer its passes and its
-    optimizer step took than these isolated measurements predict for it (the engine's own
-    threads, the launcher, OpenMP threads that do not all get a core) plus what the engine's
-    other work takes from each step's passes whatever their size (``pass_s``), the time between a
-    micro-batch's forward and backward (``micro_batch_s``: the loss, the engine's backward
-    entry), what each step spends outside its passes, reduces and optimizer (``step_s``: the
-    reducer's flush, the step's bookkeeping), and how much longer a gloo collective takes
-    beside a live engine than between bare ranks (``gloo_s``). ``pipeline_op_s``: what a
+    ``ranks`` ranks (``sims.calibrate_job``) showed: how much longer its forwards and its
+    backwards took than these isolated measurements predict (``forward``, ``backward``:
+    factors; the engine's own threads, the launcher, OpenMP threads that do not all get a
+    core; a backward also shares the cores with the reduces it starts) plus what the engine's
+    other work takes from each step's forwards and backwards whatever their size
+    (``forward_s``, ``backward_s``), the optimizer's factor, the time between a micro-batch's
+    forward and backward (``micro_batch_s``: the loss, the engine's backward entry), what each
+    step spends outside its passes, reduces and optimizer (``step_s``: the reducer's flush,
+    the step's bookkeeping), and how much longer a gloo collective takes beside a live engine
+    than between bare ranks (``gloo_s``). ``pipeline_op_s``: what a
     pipeline stage spends getting each instruction going, outside any span (handing it between
     its actor, its compute thread and gloo's threads), and ``pipeline_message_s`` what
     delivering each activation or gradient message takes beyond the calibrated send (header
@@ -250,7 +252,8 @@ _OPTIONAL = ("v", "collectives", "comm_compute_interference", "sources",
 _ENGINE_REQUIRED = ("pass_rates", "optimizer")
 _ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference", "p2p",
                     "factors", "pipeline_op_s", "pipeline_message_s")
-ENGINE_FACTOR_KINDS = ("passes", "pass_s", "optimizer", "micro_batch_s", "step_s", "gloo_s")
+ENGINE_FACTOR_KINDS = ("forward", "forward_s", "backward", "backward_s", "optimizer",
+                       "micro_batch_s", "step_s", "gloo_s")
 _LINK_FIELDS = ("latency_s", "bandwidth")
 
 

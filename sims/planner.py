@@ -45,6 +45,8 @@ PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
 # DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
+PIPELINE_JOB_RANKS = 2
 
 
 @dataclass(frozen=True)
@@ -411,6 +413,8 @@ class _StageBuilder:
         self.comm_elem = comm_elem
         self.param_elem = params[0][3] if params else 2
         self.gpu = getattr(hw, "kind", "gpu") == "gpu"
+        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
+        self.fp16 = cfg.precision == "fp16"
         # A CPU host calibrated with the engine's own costs (float32: what was measured)
         self.engine = None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
         ranks_here = layout.devices_per_node
@@ -420,10 +424,15 @@ class _StageBuilder:
         self.memory_slowdown = costs.compute_slowdown(ranks_here, hw, memory=True) \
             if not self.gpu else 1.0
         # what a launched engine job on this many ranks took over the isolated measurements
-        self.pass_factor = self.engine.factor(ranks_here, "passes") if self.engine else 1.0
-        # ... and what its other work takes from each step's passes, spread over them
-        self.pass_s = self.engine.factor(ranks_here, "pass_s") / (2 * micro_batches) \
-            if self.engine else 0.0
+        # ... and what its other work takes from each step's forwards and backwards, spread
+        # over the step's micro-batches
+        engine = self.engine
+        self.forward_factor = engine.factor(ranks_here, "forward") if engine else 1.0
+        self.backward_factor = engine.factor(ranks_here, "backward") if engine else 1.0
+        self.forward_extra_s = engine.factor(ranks_here, "forward_s") / micro_batches \
+            if engine else 0.0
+        self.backward_extra_s = engine.factor(ranks_here, "backward_s") / micro_batches \
+            if engine else 0.0
         self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
             if self.engine else 1.0
         # between a micro-batch's forward and backward, and per step (flush, bookkeeping),
@@ -434,17 +443,26 @@ class _StageBuilder:
             if self.engine is not None and self.pp == 1 else 0.0
         self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
             if self.engine is not None and self.dp > 1 else 0.0
-        # a pipeline stage's hand-offs per instruction, and per message delivered
+        # a pipeline stage's hand-offs per instruction, and per message delivered, as the
+        # 2-rank pipeline job measured them: thread hand-offs that wait for a core, so with more
+        # ranks sharing the host they take as much longer as its compute does
         pipelined = self.engine is not None and self.pp > 1
-        self.op_s = self.engine.pipeline_op_s if pipelined else 0.0
-        self.message_s = self.engine.pipeline_message_s if pipelined else 0.0
+        crowding = self.slowdown / costs.compute_slowdown(PIPELINE_JOB_RANKS, hw) \
+            if pipelined else 1.0
+        self.op_s = self.engine.pipeline_op_s * crowding if pipelined else 0.0
+        self.message_s = self.engine.pipeline_message_s * crowding if pipelined else 0.0
+        # model-parallel clipping sums the gradient norm over every rank (one all-reduce of
+        # the world), and the pipeline broadcasts the step's loss from the last stage
+        self.world_norm_s = costs.collective_seconds(
+            "all_reduce", 8, layout.world_size, hw) + self.engine.factor(ranks_here, "gloo_s") \
+            if pipelined and self.clip else 0.0
+        self.loss_broadcast_s = costs.collective_seconds("broadcast", 4, self.pp, hw) \
+            if pipelined else 0.0
         # the engine reduces over its shared-memory channel when every rank of a
         # data-parallel-only job is a CPU rank on one host (flowtrain.engine.FlowtrainEngine)
         self.channel = (self.engine is not None and bool(self.engine.channel)
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
-        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
-        self.fp16 = cfg.precision == "fp16"
         self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
         self.segments = _segments(params, self.partitioned)
@@ -503,10 +521,6 @@ class _StageBuilder:
                 bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
-        if self.segments:
-            self.segments[0].forward_s += self.pass_s
-            self.segments[-1].backward_s += self.pass_s
-
 
     def _cost_engine_segments(self, weights: list[int], scale: float, recompute: bool) -> None:
         """Forward and backward per module at the rank's measured pass rates (its thread count,
@@ -521,16 +535,16 @@ class _StageBuilder:
             for members in modules.values():
                 flops = sum(weights[i] for i in members) * scale
                 numel = sum(_numel(self.params[i][1]) for i in members)
-                slow = self.slowdown * self.pass_factor
-                fwd = costs.pass_seconds("forward", flops, self.threads, self.hw) * slow
-                bwd = costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) * slow + \
+                fwd = costs.pass_seconds("forward", flops, self.threads, self.hw) * \
+                    self.slowdown * self.forward_factor
+                bwd = costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) * \
+                    self.slowdown * self.backward_factor + \
                     numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
         if self.segments:
-            self.segments[0].forward_s += self.pass_s
-            self.segments[-1].backward_s += self.pass_s
-
+            self.segments[0].forward_s += self.forward_extra_s
+            self.segments[-1].backward_s += self.backward_extra_s
 
     def _stage3_uses(self) -> _Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -592,6 +606,9 @@ class _StageBuilder:
         if self.step_s:
             last = plan.add(s, "overhead/step", "overhead", "compute", self.step_s,
                             [last, reduces[-1] if reduces else None])
+        if self.loss_broadcast_s:
+            last = plan.add(s, "overhead/loss-broadcast", "overhead", "compute",
+                            self.loss_broadcast_s, [last])
         self._step(last, reduces[-1] if reduces else None)
 
     def _handoff(self, kind: str, k: int, last: int | None, refs: list[tuple[int, str]]
@@ -722,7 +739,7 @@ class _StageBuilder:
         if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
             # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
             seconds += self._collective("all_reduce", 8)
-        return seconds
+        return seconds + self.world_norm_s
 
     def _step(self, last: int | None, last_reduce: int | None) -> None:
         s, plan = self.stage, self.plan

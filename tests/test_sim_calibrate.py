@@ -67,6 +67,20 @@ def test_fit_link_errors_say_what_is_missing() -> None:
         fit_link([(4096.0, 2e-3), (1 << 20, 1e-3)], "all_reduce over 2 ranks")
 
 
+def test_fit_ring_link_survives_a_disturbed_small_size() -> None:
+    # the small all-reduces took longer than the 2 MiB one: no slope to fit; the link then
+    # comes from the largest transfer and the smallest one's time per ring step
+    records = [{"op": "all_reduce", "ranks": 2, "bytes": b, "seconds": t}
+               for b, t in ((4096, 5e-3), (1 << 18, 4e-3), (2 << 20, 3e-3))]
+    rows = [(2.0, float(r["bytes"]), r["seconds"]) for r in records]
+    assert calibrate._solve_relative(rows)[1] <= 0  # least squares finds no bandwidth
+    link = fit_ring_link({"collectives": records})
+    # latency: 5 ms over the 2 ring steps of 2 ranks; the 2 MiB transfer's time less that
+    # latency is nothing, so half its time is taken as the transfer's
+    assert link.latency_s == pytest.approx(2.5e-3)
+    assert link.bandwidth == pytest.approx((2 << 20) / 1.5e-3)
+
+
 def test_fit_ring_link_recovers_the_link_behind_every_op() -> None:
     alpha, bandwidth = 3e-5, 2e9
     records = [{"op": op, "ranks": n, "bytes": b,
@@ -212,15 +226,17 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
         calibrate.QUICK, matmul_sizes=(32, 128), low_precision_sizes=(64,),
         seconds_per_point=0.01, memory_elements=1 << 20,
         collective_bytes=(4 << 10, 256 << 10, 2 << 20),
-        collective_trials=3, trial_seconds=0.005, interference_bytes=256 << 10,
+        collective_trials=5, trial_seconds=0.005, interference_bytes=256 << 10,
         interference_window_s=0.1, pass_shapes=((8, 16, 16), (32, 64, 64)),
         optimizer_sets=((8, 1024), (2, 1 << 16)), p2p_bytes=(4 << 10, 64 << 10),
         concurrency_window_s=0.05, jobs=((2, 1),), job_steps=3)
     monkeypatch.setattr(calibrate, "QUICK", tiny)  # `--quick`, smaller still
     out, raw = tmp_path / "p.json", tmp_path / "raw.json"
-    assert main(["--quick", "--ranks", "2", "--out", str(out), "--save-measurements", str(raw),
-                 "--timeout", "45"]) == 0
-    printed = capsys.readouterr().out
+    code = main(["--quick", "--ranks", "2", "--out", str(out), "--save-measurements", str(raw),
+                 "--timeout", "45"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    printed = captured.out
     assert "all_reduce     2 ranks: latency" in printed and f"wrote {out}" in printed
     measurements = json.loads(raw.read_text())
     records = measurements["collectives"]

@@ -40,7 +40,7 @@ def engine_costs(**changes: Any) -> EngineCosts:
         channel={"all_reduce": {2: Link(1e-4, 5 * GB)},
                  "reduce_scatter": {2: Link(2e-4, 8 * GB)}},
         channel_interference=0.5, p2p=Link(2e-4, 2 * GB),
-        factors={2: {"passes": 1.25, "optimizer": 2.0}})
+        factors={2: {"forward": 1.25, "backward": 1.25, "optimizer": 2.0}})
     return dataclasses.replace(base, **changes)
 
 
@@ -65,7 +65,7 @@ def test_engine_section_round_trips_and_hashes(tmp_path: Path) -> None:
     back = HardwareProfile.load(hw.save(tmp_path / "p.json"))
     assert back == hw and hash(back) == hash(hw)
     assert json.loads((tmp_path / "p.json").read_text())["engine"]["factors"] == \
-        {"2": {"passes": 1.25, "optimizer": 2.0}}
+        {"2": {"forward": 1.25, "backward": 1.25, "optimizer": 2.0}}
     assert hash(cpu_profile()) != hash(cpu_profile(channel_interference=0.25))
 
 
@@ -75,7 +75,7 @@ def test_engine_section_round_trips_and_hashes(tmp_path: Path) -> None:
     (lambda e: e["pass_rates"]["1"].pop("backward"),
      "'engine.pass_rates.1' must have exactly forward, backward curves"),
     (lambda e: e["channel"].update(all_gather={}), "unknown op 'all_gather'"),
-    (lambda e: e["factors"]["2"].update(reduce=1.0), "'engine.factors.2' maps some of passes"),
+    (lambda e: e["factors"]["2"].update(reduce=1.0), "'engine.factors.2' maps some of forward"),
     (lambda e: e.update(pipeline_op_s=-1.0), "field 'engine.pipeline_op_s' must be >= 0"),
     (lambda e: e["slowdown"].update(x=1.0), "'engine.slowdown' keys must be counts"),
 ])
@@ -260,6 +260,19 @@ def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
     assert classes["forward"] + classes["backward"] == pytest.approx(sum(passes) / 2)
     with pytest.raises(ValueError, match="split into 2 pipeline stages"):
         build_plan(work, _cfg(1), Layout(1, 3, pp=3), hw)
+    # 4 ranks (2 stages x 2 data parallel) on the 2-core host: the hand-offs measured on 2
+    # ranks take 2.0 / 1.1 as long (the ranks' compute slowdown), the stages broadcast the
+    # loss, and clipping sums the norm over all 4 ranks
+    four = {t.name: t for t in build_plan(work, _cfg(2, gradient_accumulation_steps=2),
+                                          Layout(1, 4, pp=2), hw).tasks}
+    assert four["handoff/forward/mb0"].duration == pytest.approx(1e-3 * 2.0 / 1.1)
+    broadcast = costs.collective_seconds("broadcast", 4, 2, hw)
+    assert four["overhead/loss-broadcast"].duration == pytest.approx(broadcast)
+    no_clip = {t.name: t for t in build_plan(
+        work, _cfg(2, gradient_accumulation_steps=2, gradient_clipping=0.0),
+        Layout(1, 4, pp=2), hw).tasks}
+    assert four["optimizer/step"].duration - no_clip["optimizer/step"].duration > \
+        costs.collective_seconds("all_reduce", 8, 4, hw)
 
 
 # ----------------------------------------------------------------------------- --compare
@@ -403,14 +416,15 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     size = jobs[0]["sizes"][0]
     again = calibrate_engine.predict_job(fitted, size)
     measured = size["measured"]
-    assert again["forward"] + again["backward"] == \
-        pytest.approx(measured["forward"] + measured["backward"], rel=0.02)
+    assert again["forward"] == pytest.approx(measured["forward"], rel=0.02)
+    assert again["backward"] == pytest.approx(measured["backward"], rel=0.02)
     assert again["optimizer"] == pytest.approx(measured["optimizer"], rel=0.02)
     assert again["step"] == pytest.approx(measured["step"], rel=0.02)
     assert fitted.engine is not None
     factors = fitted.engine.factors[2]
     assert factors["micro_batch_s"] == size["micro_batch_gap_s"] > 0
-    assert factors["pass_s"] == 0.0  # one size: no line to fit, the factor alone
+    # one size: no line to fit, the factors alone
+    assert factors["forward_s"] == factors["backward_s"] == 0.0
     pipeline = jobs[1]["sizes"][0]
     assert fitted.engine.pipeline_op_s == pipeline["gap_per_op_s"] > 0
     assert fitted.engine.pipeline_message_s > 0
@@ -431,10 +445,12 @@ def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
     large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= 4
     large["plan"]["config"]["train_batch_size"] *= 4
     large["plan"]["forward_flops_per_micro_batch"] *= 4
-    # an engine whose passes take 1.5x what the isolated measurements predict plus 2 ms per
-    # step (its optimizer 1.2x, 1 ms more per step): what its two sizes would measure
+    # an engine whose forwards take 1.5x what the isolated measurements predict plus 2 ms per
+    # step, its backwards 1.8x plus 1 ms (its optimizer 1.2x, 1 ms more per step): what its two
+    # sizes would measure
     assert base.engine is not None
-    truth = {"passes": 1.5, "pass_s": 0.002, "optimizer": 1.2,
+    truth = {"forward": 1.5, "forward_s": 0.002, "backward": 1.8, "backward_s": 0.001,
+             "optimizer": 1.2,
              "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001}
     host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
                                                                 factors={2: truth}))
