@@ -123,6 +123,31 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
             _pending.pop(key, None)
 
 
+def wait_blocking(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Waits on a work handle on the calling thread, never the event loop's: for a long-lived
+    helper thread that owns a stream of point-to-point operations (a pipeline stage's
+    receiver), where ``wait`` would start a thread per call (gloo's send and receive have no
+    future). Listed in ``pending()`` while it waits; raises ``CollectiveTimeout`` naming
+    ``description`` after ``timeout`` seconds (gloo closes the connection to the peer then), and
+    lets the backend's own error through otherwise (a peer that died: the connection closed)."""
+    key = next(_ids)
+    with _pending_lock:
+        _pending[key] = f"#{key} {description}"
+    try:
+        try:
+            finished = work.wait(timedelta(seconds=max(timeout, 0.001)))
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            finished = False
+        if finished is False:
+            raise CollectiveTimeout(f"{description} did not finish within {timeout:g} s; a peer "
+                                    f"rank may be stuck or dead")
+    finally:
+        with _pending_lock:
+            _pending.pop(key, None)
+
+
 def _hand_over(wait: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                done: asyncio.Future[None]) -> None:
     """Runs on the backend's (or a helper) thread: waits, then passes the outcome to the loop."""

@@ -1,16 +1,35 @@
 """The pipeline-parallel engine: ``engine.train_batch(data_iter)`` / ``eval_batch``.
 
-Each rank's ``PipeStage`` actor runs its stage's instruction list (``flowtrain.pipe.schedule``):
-activation and gradient sends and receives are awaited on the event loop (torch.distributed
-isend/irecv on a process group of their own), forward and backward run on one compute thread
-handed work by the actor. Gradients of the stage's parameters go through the usual buckets and
-BucketReducer over the data-parallel group; the optimizer step follows the last backward.
+Each rank's ``PipeStage`` actor runs its stage's instruction list (``flowtrain.pipe.schedule``)
+on one compute thread, handed the whole list at once: forward and backward, and between them
+activations and gradients crossing stages as torch.distributed isend/irecv on a process group of
+their own. Gradients of the stage's parameters go through the usual buckets and BucketReducer
+over the data-parallel group; the optimizer step follows the last backward.
+
+Point-to-point messages. gloo's send and receive have no future to await, and a thread started
+per wait costs about a millisecond a message; a hop to the event loop and back between
+instructions costs a few hundred microseconds on a busy host. So each incoming stream
+(activations from the previous stage, gradients from the next) has one long-lived receiver
+thread that waits blocking, with a timeout on every wait, and hands each message over through a
+future the compute thread takes it from; sends are posted by the compute thread and a
+long-lived sender thread waits on them (and keeps their tensors alive). At the start of a
+schedule every receive it holds is queued, so a message's receive is posted as soon as the one
+before it is in. A message is a header (micro-batch, then each tensor's dtype and shape) on one
+tag and its tensors on another. Both ends remember the stream's last shapes: the receiver posts
+the payload's receives with them at once, next to the header's, so the payload does not wait
+for the header to arrive. When the shapes change (a smaller last micro-batch, eval after train)
+the sender first sends placeholders of the old shapes to fill those receives, then the tensors;
+the receiver reads the new shapes from the header and receives them. A failure leaves the
+streams out of step, so the stage refuses further schedules.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,10 +49,19 @@ from flowtrain.runtime.actor import Actor, handler
 
 log = get_logger("flowtrain.pipe")
 
-TAG_ACT, TAG_GRAD = 11, 12
-HEADER = 64  # int64 slots: count, then per tensor dtype code, ndim, dims
+TAG_ACT, TAG_GRAD = 11, 12  # the headers of activations and of gradients
+TAG_ACT_DATA, TAG_GRAD_DATA = 13, 14  # their tensors
+HEADER = 64  # int64 slots: micro-batch, count, then per tensor dtype code, ndim, dims
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+Shapes = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+class PipelineChannelError(RuntimeError):
+    """A pipeline message could not be sent or received: the peer stage died, or the stages'
+    schedules disagree. Names the message, its micro-batch and the peer stage."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +76,201 @@ class ScheduleDone:
     losses: tuple[float, ...]  # the last stage's per-micro-batch losses
 
 
+def _shapes(tensors: list[torch.Tensor]) -> Shapes:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _encode(mb: int, shapes: Shapes) -> torch.Tensor:
+    slots = [mb, len(shapes)]
+    for dtype, dims in shapes:
+        if dtype not in _DTYPES:
+            raise ValueError(f"a pipeline stage cannot send a tensor of {dtype}; use one of "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}")
+        slots += [_DTYPES.index(dtype), len(dims), *dims]
+    if len(slots) > HEADER:
+        raise ValueError(f"pipeline stage output too complex to send: {len(shapes)} tensors of "
+                         f"up to {max(len(d) for _, d in shapes)} dimensions")
+    return torch.tensor(slots + [0] * (HEADER - len(slots)), dtype=torch.int64)
+
+
+def _decode(header: torch.Tensor) -> tuple[int, Shapes]:
+    slots = header.tolist()
+    mb, count, i = int(slots[0]), int(slots[1]), 2
+    shapes = []
+    for _ in range(count):
+        code, ndim = int(slots[i]), int(slots[i + 1])
+        shapes.append((_DTYPES[code], tuple(int(d) for d in slots[i + 2:i + 2 + ndim])))
+        i += 2 + ndim
+    return mb, tuple(shapes)
+
+
+Future = concurrent.futures.Future
+
+
+def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:
+    if not future.set_running_or_notify_cancel():
+        return  # the schedule failed and gave up on it
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class _Receiver:
+    """One incoming stream of a stage (activations from the previous stage, or gradients from
+    the next) and its long-lived thread: it receives the stream's messages in order, each
+    wait blocking with a timeout, and hands each message over through a future."""
+
+    def __init__(self, group: Any, src: int, tags: tuple[int, int], device: torch.device,
+                 timeout: float, name: str) -> None:
+        self.group, self.src, self.tags = group, src, tags
+        self.device, self.timeout = device, timeout
+        self.shapes: Shapes | None = None  # of the stream's last message (its sender's too)
+        self.failure: BaseException | None = None
+        self.cancelled = 0  # queued receives of schedules up to this number are dropped
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def expect(self, run: int, mb: int, what: str) -> Future[list[torch.Tensor]]:
+        """Queues the receive of micro-batch ``mb``'s message; the future gets its tensors."""
+        future: Future[list[torch.Tensor]] = Future()
+        self._jobs.put((run, mb, what, future))
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            run, mb, what, future = job
+            if run <= self.cancelled:
+                continue
+            value: list[torch.Tensor] | None = None
+            error: BaseException | None = None
+            if self.failure is not None:
+                error = PipelineChannelError(f"{what}: not received, the stream failed before "
+                                             f"({self.failure})")
+            else:
+                try:
+                    value = self._receive(mb, what)
+                except BaseException as exc:  # noqa: BLE001 - handed to the schedule
+                    self.failure = error = exc
+            _settle(future, value, error)
+
+    def _post(self, shapes: Shapes, tag: int, what: str) -> list[tuple[Any, torch.Tensor]]:
+        out = []
+        for dtype, dims in shapes:
+            t = torch.empty(dims, dtype=dtype, device=self.device)
+            try:
+                out.append((dist.irecv(t, self.src, group=self.group, tag=tag), t))
+            except RuntimeError as exc:
+                raise PipelineChannelError(f"{what} could not be received: {exc}; that stage "
+                                           f"may have died") from None
+        return out
+
+    def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str, deadline: float) -> None:
+        for work, _ in posted:
+            try:
+                comm.wait_blocking(work, f"receive of {what}", deadline - time.monotonic())
+            except comm.CollectiveTimeout:
+                raise comm.CollectiveTimeout(f"{what} did not arrive within {self.timeout:g} s; "
+                                             f"that stage may be stuck or dead") from None
+            except RuntimeError as exc:
+                raise PipelineChannelError(f"{what} could not be received: {exc}; that stage "
+                                           f"may have died") from None
+
+    def _receive(self, mb: int, what: str) -> list[torch.Tensor]:
+        deadline = time.monotonic() + self.timeout
+        header_tag, data_tag = self.tags
+        header = self._post(((torch.int64, (HEADER,)),), header_tag, what)
+        # the tensors' receives go out with the header's, in the stream's last shapes
+        posted = self._post(self.shapes or (), data_tag, what)
+        self._wait(header, what, deadline)
+        sent_mb, shapes = _decode(header[0][1])
+        if sent_mb != mb:
+            raise PipelineChannelError(f"{what}: micro-batch {sent_mb}'s message came instead; "
+                                       f"the stages' schedules disagree")
+        self._wait(posted, what, deadline)  # the tensors, or placeholders before new shapes
+        if shapes != self.shapes:
+            posted = self._post(shapes, data_tag, what)
+            self._wait(posted, what, deadline)
+            self.shapes = shapes
+        return [t for _, t in posted]
+
+
+class _Sender:
+    """A stage's outgoing messages: posted by the schedule (``send``); a long-lived thread
+    waits on them in order, each with a timeout, and holds their tensors until they are out."""
+
+    def __init__(self, group: Any, device: torch.device, timeout: float, name: str) -> None:
+        self.group, self.device, self.timeout = group, device, timeout
+        self.shapes: dict[tuple[int, int], Shapes] = {}  # (peer, header tag): last message's
+        self.failure: BaseException | None = None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, tensors: tuple[torch.Tensor, ...], dst: int, tags: tuple[int, int], mb: int,
+             what: str) -> None:
+        if self.failure is not None:
+            raise PipelineChannelError(f"{what}: not sent, an earlier send failed "
+                                       f"({self.failure})")
+        header_tag, data_tag = tags
+        out = [t.contiguous() for t in tensors]
+        shapes = _shapes(out)
+        messages = [(_encode(mb, shapes), header_tag)]
+        last = self.shapes.get((dst, header_tag))
+        if last is not None and last != shapes:
+            # fill the receives the peer posted in the old shapes, then the new tensors
+            messages += [(torch.empty(dims, dtype=dtype, device=self.device), data_tag)
+                         for dtype, dims in last]
+        messages += [(t, data_tag) for t in out]
+        works = []
+        try:
+            for t, tag in messages:
+                works.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+        except RuntimeError as exc:
+            self.failure = PipelineChannelError(f"{what} could not be sent: {exc}; that stage "
+                                                f"may have died")
+            raise self.failure from None
+        self.shapes[(dst, header_tag)] = shapes
+        self._jobs.put((works, what, time.monotonic() + self.timeout))
+
+    def drain(self) -> Future[None]:
+        """A future done once every send posted so far is out (the first failure if not)."""
+        future: Future[None] = Future()
+        self._jobs.put(future)
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if isinstance(job, Future):
+                _settle(job, None, self.failure)
+                continue
+            works, what, deadline = job
+            if self.failure is not None:
+                continue
+            try:
+                for work, _ in works:
+                    comm.wait_blocking(work, f"send of {what}", deadline - time.monotonic())
+            except comm.CollectiveTimeout:
+                self.failure = comm.CollectiveTimeout(
+                    f"{what} was not taken within {self.timeout:g} s; that stage may be stuck "
+                    f"or dead")
+            except RuntimeError as exc:
+                self.failure = PipelineChannelError(f"{what} could not be sent: {exc}; that "
+                                                    f"stage may have died")
+
+
 class PipeStage(Actor):
-    """Runs one stage's schedule for one batch."""
+    """Runs one stage's schedule for one batch. The whole instruction list runs on the
+    stage's compute thread, handed over once per schedule: forward and backward, posting
+    sends, and taking each received message from its receiver thread (a wait only when it
+    has not arrived yet), with no hop back to the loop between instructions."""
 
     mailbox_size = 16
 
@@ -58,95 +279,135 @@ class PipeStage(Actor):
         self.group = group
         self.timeout = timeout
         self.limiter = anyio.CapacityLimiter(1)
+        self._receivers: dict[int, _Receiver] = {}  # by source rank
+        self._sender: _Sender | None = None
+        self._runs = 0
+        self._failed: str | None = None
 
-    async def _compute(self, fn: Any, *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    async def on_stop(self) -> None:
+        for receiver in self._receivers.values():
+            receiver.close()
+        if self._sender is not None:
+            self._sender.close()
+
+    def _receiver(self, src: int, tags: tuple[int, int]) -> _Receiver:
+        if src not in self._receivers:
+            self._receivers[src] = _Receiver(self.group, src, tags, self.engine.device,
+                                             self.timeout, f"flowtrain-pipe-recv-{src}")
+        return self._receivers[src]
+
+    def _send(self, tensors: tuple[torch.Tensor, ...], dst: int, tags: tuple[int, int], mb: int,
+              what: str) -> None:
+        if self._sender is None:
+            self._sender = _Sender(self.group, self.engine.device, self.timeout,
+                                   "flowtrain-pipe-send")
+        self._sender.send(tensors, dst, tags, mb, what)
+
+    def _result(self, future: Future[Any], what: str, abort: threading.Event) -> Any:
+        # the helper threads' own waits time out first; this only guards a lost answer
+        if abort.is_set():
+            raise concurrent.futures.CancelledError(f"{what}: the schedule was cancelled")
+        try:
+            return future.result(timeout=self.timeout + 60.0)
+        except concurrent.futures.TimeoutError:
+            raise comm.CollectiveTimeout(f"{what} was not delivered within "
+                                         f"{self.timeout + 60:g} s") from None
 
     @handler
     async def run(self, msg: RunSchedule) -> ScheduleDone:
+        grid = self.engine.grid
+        s = grid.pp_rank
+        if self._failed is not None:
+            raise PipelineChannelError(
+                f"pipeline stage {s} cannot run another schedule: an earlier one failed "
+                f"({self._failed}), which leaves its messages out of step with the other "
+                f"stages; start a new engine")
+        self._runs += 1
+        run = self._runs
+        prev = grid.stage_rank(s - 1) if not grid.is_first_stage else None
+        nxt = grid.stage_rank(s + 1) if not grid.is_last_stage else None
+        names = {"recv_act": f"activations of micro-batch {{}} from stage {s - 1} (rank {prev})",
+                 "recv_grad": f"gradients of micro-batch {{}} from stage {s + 1} (rank {nxt})",
+                 "send_act": f"activations of micro-batch {{}} to stage {s + 1} (rank {nxt})",
+                 "send_grad": f"gradients of micro-batch {{}} to stage {s - 1} (rank {prev})"}
+        # every receive of the schedule is queued now: each is posted as soon as the one
+        # before it on its stream is in
+        waits: dict[Any, Future[Any]] = {}
+        for op in msg.ops:
+            if op.kind == "recv_act":
+                waits[op.kind, op.mb] = self._receiver(prev, (TAG_ACT, TAG_ACT_DATA)).expect(
+                    run, op.mb, names[op.kind].format(op.mb))
+            elif op.kind == "recv_grad":
+                waits[op.kind, op.mb] = self._receiver(nxt, (TAG_GRAD, TAG_GRAD_DATA)).expect(
+                    run, op.mb, names[op.kind].format(op.mb))
+        abort = threading.Event()
+        try:
+            return await anyio.to_thread.run_sync(self._run, msg, names, prev, nxt, waits, abort,
+                                                  limiter=self.limiter, abandon_on_cancel=True)
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            abort.set()  # before the futures: a wait registered after this sees it
+            for receiver in self._receivers.values():
+                receiver.cancelled = run
+            for future in list(waits.values()):
+                future.cancel()
+            raise
+
+    def _run(self, msg: RunSchedule, names: dict[str, str], prev: int | None, nxt: int | None,
+             waits: dict[Any, Future[Any]], abort: threading.Event) -> ScheduleDone:
+        """On the compute thread: the schedule's instructions in order."""
         engine = self.engine
-        grid = engine.grid
-        prev = grid.stage_rank(grid.pp_rank - 1) if not grid.is_first_stage else None
-        nxt = grid.stage_rank(grid.pp_rank + 1) if not grid.is_last_stage else None
+        last_stage = engine.grid.is_last_stage
         inputs: dict[int, Any] = {}
         outputs: dict[int, Any] = {}
         grads: dict[int, Any] = {}
-        sends: list[tuple[Any, Any, str]] = []
         losses: list[float] = []
         spans = engine.timer.spans
-        for op in msg.ops:
+        last_backward = max((i for i, op in enumerate(msg.ops) if op.kind == "backward"),
+                            default=-1)
+        for i, op in enumerate(msg.ops):
             mb = op.mb
             start = time.perf_counter()
             if op.kind == "recv_act":
-                inputs[mb] = await self._recv(prev, TAG_ACT, f"activations of micro-batch {mb} "
-                                              f"from stage {grid.pp_rank - 1}", msg.train)
+                got = self._result(waits.pop((op.kind, mb)), names[op.kind].format(mb), abort)
+                if msg.train:
+                    for t in got:
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
+                inputs[mb] = got[0] if len(got) == 1 else tuple(got)
             elif op.kind == "forward":
+                if abort.is_set():
+                    raise concurrent.futures.CancelledError("the schedule was cancelled")
                 x = inputs[mb] if mb in inputs else msg.batches[mb][0]
-                labels = msg.batches[mb][1] if grid.is_last_stage else None
-                outputs[mb] = await self._compute(engine._stage_forward, mb, x, labels,
-                                                  msg.train)
-                if grid.is_last_stage and outputs[mb] is not None:
+                labels = msg.batches[mb][1] if last_stage else None
+                outputs[mb] = engine._stage_forward(mb, x, labels, msg.train)
+                if last_stage and outputs[mb] is not None:
                     losses.append(float(outputs[mb].detach()))
                 if not msg.train:
                     inputs.pop(mb, None)
-                continue  # the compute thread records its own span
+                continue  # it records its own span
             elif op.kind == "send_act":
                 out = outputs[mb] if msg.train else outputs.pop(mb)
-                sends += self._send(_detached(out), nxt, TAG_ACT, f"activations of "
-                                    f"micro-batch {mb} to stage {grid.pp_rank + 1}")
+                self._send(_detached(out), nxt, (TAG_ACT, TAG_ACT_DATA), mb,
+                           names[op.kind].format(mb))
             elif op.kind == "recv_grad":
-                grads[mb] = await self._recv(nxt, TAG_GRAD, f"gradients of micro-batch {mb} "
-                                             f"from stage {grid.pp_rank + 1}", False)
+                got = self._result(waits.pop((op.kind, mb)), names[op.kind].format(mb), abort)
+                grads[mb] = got[0] if len(got) == 1 else tuple(got)
             elif op.kind == "backward":
-                await self._compute(engine._stage_backward, mb, outputs.pop(mb),
-                                    grads.pop(mb, None), _last_backward(msg.ops, op))
+                if abort.is_set():
+                    raise concurrent.futures.CancelledError("the schedule was cancelled")
+                engine._stage_backward(mb, outputs.pop(mb), grads.pop(mb, None),
+                                       i == last_backward)
                 continue
             elif op.kind == "send_grad":
                 x = inputs.pop(mb)
-                sends += self._send(_input_grads(x), prev, TAG_GRAD, f"gradients of "
-                                    f"micro-batch {mb} to stage {grid.pp_rank - 1}")
+                self._send(_input_grads(x), prev, (TAG_GRAD, TAG_GRAD_DATA), mb,
+                           names[op.kind].format(mb))
             spans.append((op.task_name, start, time.perf_counter()))
-        for work, _keep, what in sends:
-            await comm.wait(work, what, self.timeout)
+        if self._sender is not None:
+            waits["drain"] = self._sender.drain()
+            self._result(waits.pop("drain"), f"stage {engine.grid.pp_rank}'s sends", abort)
         return ScheduleDone(tuple(losses))
-
-    def _send(self, tensors: tuple[torch.Tensor, ...], dst: int, tag: int,
-              what: str) -> list[tuple[Any, Any, str]]:
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        header[0] = len(tensors)
-        i = 1
-        for t in tensors:
-            dims = list(t.shape)
-            if i + 2 + len(dims) > HEADER:
-                raise ValueError(f"pipeline stage output too complex to send: {len(tensors)} "
-                                 f"tensors of up to {len(dims)} dimensions")
-            header[i], header[i + 1] = _DTYPES.index(t.dtype), len(dims)
-            header[i + 2:i + 2 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
-            i += 2 + len(dims)
-        works = [(dist.isend(header, dst, group=self.group, tag=tag), header, what)]
-        for t in tensors:
-            t = t.contiguous()
-            works.append((dist.isend(t, dst, group=self.group, tag=tag), t, what))
-        return works
-
-    async def _recv(self, src: int, tag: int, what: str, requires_grad: bool) -> Any:
-        header = torch.empty(HEADER, dtype=torch.int64)
-        await comm.wait(dist.irecv(header, src, group=self.group, tag=tag), what, self.timeout)
-        count, i, out = int(header[0]), 1, []
-        for _ in range(count):
-            dtype, ndim = _DTYPES[int(header[i])], int(header[i + 1])
-            shape = [int(d) for d in header[i + 2:i + 2 + ndim]]
-            i += 2 + ndim
-            t = torch.empty(shape, dtype=dtype, device=self.engine.device)
-            await comm.wait(dist.irecv(t, src, group=self.group, tag=tag), what, self.timeout)
-            if requires_grad and t.is_floating_point():
-                t.requires_grad_(True)
-            out.append(t)
-        return out[0] if count == 1 else tuple(out)
-
-
-def _last_backward(ops: tuple[Op, ...], op: Op) -> bool:
-    return op is [o for o in ops if o.kind == "backward"][-1]
 
 
 def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
