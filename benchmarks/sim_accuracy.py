@@ -24,6 +24,7 @@ PipelineModule; ``--gloo-worker`` times gloo all-reduces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,23 @@ def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
             return busy
 
 
+@contextlib.contextmanager
+def host_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` while the block runs (nothing when None): other jobs
+    on the host that take the same lock (``flock PATH cmd``) wait instead of running beside it."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 # ----------------------------------------------------------------------------- running
 
 def launch(cfg: Config, workdir: Path, args: argparse.Namespace, run: int = 0) -> Path:
@@ -272,6 +291,9 @@ def main() -> int:
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="most seconds to wait before each launch for the host to be idle")
     parser.add_argument("--no-gloo", action="store_true", help="skip the gloo all-reduce rows")
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="hold an exclusive flock on this file during each launch, so other "
+                             "jobs that take the same lock do not run beside a measured run")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs of each config, a round over all configs after the other; "
                              "the one with the shortest step (least disturbed) is kept")
@@ -303,10 +325,11 @@ def main() -> int:
         runs: dict[int, list[tuple[dict[str, Any], float]]] = {}
         for repeat in range(args.repeat):
             for number, cfg in configs:
-                wait_for_quiet(args.quiet_wait)
                 try:
-                    with ForeignLoad() as others:
-                        run_dir = launch(cfg, workdir, args, repeat)
+                    with host_lock(args.lock):
+                        wait_for_quiet(args.quiet_wait)
+                        with ForeignLoad() as others:
+                            run_dir = launch(cfg, workdir, args, repeat)
                     rows = compare(run_dir, args.cluster)
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                     print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
@@ -340,9 +363,11 @@ def main() -> int:
             if errors[c]:
                 print(f"  {c:<10} {statistics.fmean(errors[c]):6.1f} %  ({len(errors[c])} runs)")
         if not args.no_gloo:
-            wait_for_quiet(args.quiet_wait)
             try:
-                print("\n".join(gloo_rows(workdir, args.cluster, args)))
+                with host_lock(args.lock):
+                    wait_for_quiet(args.quiet_wait)
+                    lines = gloo_rows(workdir, args.cluster, args)
+                print("\n".join(lines))
             except (subprocess.SubprocessError, OSError, ValueError) as exc:
                 print(f"  gloo all_reduce: failed: {exc}")
     end = os.getloadavg()

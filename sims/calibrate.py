@@ -32,7 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from sims import calibrate_engine
+from sims import calibrate_engine, calibrate_ops
 from sims.costs import ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, host_profile_path
 
@@ -394,6 +394,8 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
     engine["passes"] = calibrate_engine.measure_passes(
         [max(1, cores // n) for n in (1, *ranks)], settings.pass_shapes,
         settings.seconds_per_point)
+    engine["ops"] = calibrate_ops.measure_ops([max(1, cores // n) for n in (1, *ranks)],
+                                              settings.seconds_per_point)
     from sims.planner import PIPELINE_JOB_RANKS
 
     jobs = settings.jobs if settings.jobs is not None else \

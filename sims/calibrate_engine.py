@@ -28,6 +28,7 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 
+from sims.calibrate_ops import fit_op_costs
 from sims.costs import ADAM_BYTES_PER_PARAM
 from sims.hardware import PASS_KINDS, EngineCosts, Link
 
@@ -75,9 +76,9 @@ COLD_BYTES = 4 << 20  # a layer's weights come from past the 1-2 MiB L2 caches, 
 
 
 class LinearPass:
-    """One layer as the engine trains it: an ``nn.Linear`` and the elementwise op on its output
-    (a ReLU here: models follow a matmul with an activation or a residual add, which the FLOP
-    count leaves out). Its input needs a gradient (an inner layer), and its gradients land in
+    """One layer as the engine trains it: an ``nn.Linear`` alone (the activation or residual add
+    that follows a matmul in a model is priced by its own class, ``sims.calibrate_ops``, from
+    the model's op census). Its input needs a gradient (an inner layer), and its gradients land in
     flat bucket views through the engine's post-accumulate hooks
     (``flowtrain.engine.buckets.GradBuckets``), counting arrivals as on a reducing step.
 
@@ -107,7 +108,7 @@ class LinearPass:
     def forward(self) -> torch.Tensor:
         self.layer = self.layers[self._next]
         self._next = (self._next + 1) % len(self.layers)
-        return torch.relu(self.layer(self.x))
+        return self.layer(self.x)
 
     def backward(self, y: torch.Tensor) -> None:
         self.buckets.reset_arrivals()
@@ -719,9 +720,11 @@ def fit_engine(m: dict[str, Any]) -> tuple[EngineCosts, list[str]]:
         slowdown[int(r["ranks"])] = max(1.0, float(r["compute_slowdown"]))
         memory_slowdown[int(r["ranks"])] = max(1.0, float(r["memory_slowdown"]))
     interference = m.get("channel_interference", {}).get("fraction", 1.0)
+    op_costs = fit_op_costs(m["ops"]) if m.get("ops") else {}
     return EngineCosts(pass_rates=rates, optimizer=optimizer, slowdown=slowdown,
                        memory_slowdown=memory_slowdown, channel=channel,
-                       channel_interference=float(interference), p2p=p2p), skipped
+                       channel_interference=float(interference), p2p=p2p,
+                       op_costs=op_costs), skipped
 
 
 def fit_calls_and_bytes(records: Sequence[dict[str, Any]]) -> Link:

@@ -7,142 +7,44 @@ writes a measured profile of this host that loads through the same JSON schema.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sims.engine_costs import ENGINE_FACTOR_KINDS, PASS_KINDS, EngineCosts, engine_from
+from sims.profile_fields import (
+    Curve,
+    Link,
+    ProfileError,
+    check_curve,
+    check_int,
+    check_number,
+    count_keys,
+    link_from,
+)
+
+__all__ = [
+    "BUILTIN_PROFILES",
+    "COLLECTIVE_OPS",
+    "ENGINE_FACTOR_KINDS",
+    "PASS_KINDS",
+    "THIS_HOST",
+    "Curve",
+    "EngineCosts",
+    "HardwareProfile",
+    "Link",
+    "ProfileError",
+    "count_keys",
+    "get_profile",
+    "host_profile_path",
+]
 
 PROFILE_VERSION = 1
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 KINDS = ("gpu", "cpu")
 HOST_PROFILE_ENV = "FLOWTRAIN_HOST_PROFILE"
 THIS_HOST = "this-host"
-
-
-class ProfileError(ValueError):
-    """A hardware profile that cannot be used: names the field, the value seen and what is valid."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One transfer path, costed as ``latency_s + bytes / bandwidth`` (bandwidth in bytes/s,
-    one direction)."""
-
-    latency_s: float
-    bandwidth: float
-
-    def __post_init__(self) -> None:
-        _check_number("latency_s", self.latency_s, minimum=0.0)
-        _check_number("bandwidth", self.bandwidth, minimum=0.0, strict=True)
-
-    def seconds(self, nbytes: float) -> float:
-        """Time to move ``nbytes`` over this link in one message."""
-        return self.latency_s + nbytes / self.bandwidth
-
-    def to_dict(self) -> dict[str, float]:
-        return {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
-
-
-Curve = tuple[tuple[float, float], ...]  # (op FLOPs, FLOP/s) points, FLOPs increasing
-PASS_KINDS = ("forward", "backward")
-
-
-@dataclass(frozen=True)
-class EngineCosts:
-    """What flowtrain's own work costs on a calibrated CPU host, measured by ``flowtrain
-    calibrate`` running the engine's pieces rather than bare kernels: on a CPU a forward or
-    backward is many small ops with Python and autograd in between, the data-parallel reduce
-    goes over the engine's shared-memory channel (not gloo), and several ranks share the
-    cores, so peak matmul rates alone predicted steps 20-80 % short.
-
-    ``pass_rates[threads][kind]``: FLOP/s of one ``nn.Linear`` forward or backward (with the
-    engine's gradient-bucket hooks) by the op's FLOPs, at that many torch threads per rank.
-    ``slowdown[ranks]``: how much slower each rank computes when ``ranks`` ranks compute at
-    once on this host (cores shared); ``memory_slowdown[ranks]``: the same for work bound by
-    memory bandwidth, which every core shares (the optimizer, zeroing gradients).
-    ``channel[op][ranks]``: the
-    shared-memory data channel's all_reduce / reduce_scatter. ``channel_interference``: the
-    fraction of a channel collective's time that its summing takes from the rank's compute.
-    ``p2p``: one pipeline send (gloo isend/irecv of a header and a tensor). ``optimizer``:
-    the engine's fused Adam kernel, ``latency_s`` per call and ``bandwidth`` in bytes/s of
-    its 28-byte-per-parameter pass. ``factors[ranks]``: what a launched engine job on
-    ``ranks`` ranks (``sims.calibrate_job``) showed: how much longer its forwards and its
-    backwards took than these isolated measurements predict (``forward``, ``backward``:
-    factors; the engine's own threads, the launcher, OpenMP threads that do not all get a
-    core; a backward also shares the cores with the reduces it starts) plus what the engine's
-    other work takes from each step's forwards and backwards whatever their size
-    (``forward_s``, ``backward_s``), the optimizer's factor, the time between a micro-batch's
-    forward and backward (``micro_batch_s``: the loss, the engine's backward entry), what each
-    step spends outside its passes, reduces and optimizer (``step_s``: the reducer's flush,
-    the step's bookkeeping), and how much longer a gloo collective takes beside a live engine
-    than between bare ranks (``gloo_s``). ``pipeline_op_s``: what a
-    pipeline stage spends getting each instruction going, outside any span (handing it between
-    its actor, its compute thread and gloo's threads), and ``pipeline_message_s`` what
-    delivering each activation or gradient message takes beyond the calibrated send (header
-    and tensor each completed through the event loop), both from a launched pipeline job."""
-
-    pass_rates: dict[int, dict[str, Curve]]
-    optimizer: Link
-    slowdown: dict[int, float] = field(default_factory=dict)
-    memory_slowdown: dict[int, float] = field(default_factory=dict)
-    channel: dict[str, dict[int, Link]] = field(default_factory=dict)
-    channel_interference: float = 1.0
-    p2p: Link | None = None
-    factors: dict[int, dict[str, float]] = field(default_factory=dict)
-    pipeline_op_s: float = 0.0
-    pipeline_message_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.pass_rates, dict):  # hand-written curves may use lists
-            for kinds in self.pass_rates.values():
-                if isinstance(kinds, dict):
-                    for kind, curve in kinds.items():
-                        if isinstance(curve, list):
-                            kinds[kind] = tuple(tuple(p) if isinstance(p, list) else p
-                                                for p in curve)
-        _validate_engine(self)
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.to_dict(), sort_keys=True))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (rank and thread counts as string keys)."""
-        out: dict[str, Any] = {
-            "pass_rates": {str(t): {k: [[f, r] for f, r in curve] for k, curve in kinds.items()}
-                           for t, kinds in sorted(self.pass_rates.items())},
-            "optimizer": self.optimizer.to_dict(),
-            "slowdown": {str(n): x for n, x in sorted(self.slowdown.items())},
-            "memory_slowdown": {str(n): x for n, x in sorted(self.memory_slowdown.items())},
-            "channel": {op: {str(n): link.to_dict() for n, link in sorted(by_ranks.items())}
-                        for op, by_ranks in self.channel.items()},
-            "channel_interference": self.channel_interference,
-        }
-        if self.p2p is not None:
-            out["p2p"] = self.p2p.to_dict()
-        if self.factors:
-            out["factors"] = {str(n): dict(f) for n, f in sorted(self.factors.items())}
-        if self.pipeline_op_s:
-            out["pipeline_op_s"] = self.pipeline_op_s
-        if self.pipeline_message_s:
-            out["pipeline_message_s"] = self.pipeline_message_s
-        return out
-
-    def factor(self, ranks: int, kind: str) -> float:
-        """What the launched job showed of ``kind`` for ``ranks`` ranks per host: the measured
-        figure, else the nearest rank count's, else none (a multiplier of 1, 0 seconds)."""
-        known = [n for n, f in self.factors.items() if kind in f]
-        if not known:
-            return 0.0 if kind.endswith("_s") else 1.0
-        near = min(known, key=lambda n: (abs(n - ranks), n))
-        return self.factors[near][kind]
-
-    def threads_curve(self, threads: int, kind: str) -> Curve:
-        """The pass curve measured at ``threads`` threads, else at the most threads measured
-        below it (more threads than measured are not assumed to help)."""
-        known = sorted(self.pass_rates)
-        below = [t for t in known if t <= threads]
-        return self.pass_rates[below[-1] if below else known[0]][kind]
 
 
 @dataclass(frozen=True)
@@ -249,35 +151,6 @@ _REQUIRED = ("name", "kind", "devices_per_node", "device_memory_bytes", "peak_fl
              "memory_bandwidth", "intra_node", "inter_node", "host_to_device", "efficiency")
 _OPTIONAL = ("v", "collectives", "comm_compute_interference", "sources",
              "host_memory_bandwidth", "engine")
-_ENGINE_REQUIRED = ("pass_rates", "optimizer")
-_ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference", "p2p",
-                    "factors", "pipeline_op_s", "pipeline_message_s")
-ENGINE_FACTOR_KINDS = ("forward", "forward_s", "backward", "backward_s", "optimizer",
-                       "micro_batch_s", "step_s", "gloo_s")
-_LINK_FIELDS = ("latency_s", "bandwidth")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_number(name: str, value: Any, *, minimum: float | None = None,
-                  maximum: float | None = None, strict: bool = False) -> None:
-    """One numeric field: a finite number within bounds (``strict``: above ``minimum``)."""
-    if not _is_number(value) or not math.isfinite(value):
-        raise ProfileError(f"field {name!r} must be a finite number, got {value!r}")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise ProfileError(f"field {name!r} must be {bound}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ProfileError(f"field {name!r} must be <= {maximum:g}, got {value!r}")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ProfileError(f"field {name!r} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ProfileError(f"field {name!r} must be >= {minimum}, got {value}")
 
 
 def _validate(p: HardwareProfile) -> None:
@@ -286,17 +159,17 @@ def _validate(p: HardwareProfile) -> None:
         raise ProfileError(f"field 'name' must be a non-empty string, got {p.name!r}")
     if p.kind not in KINDS:
         raise ProfileError(f"field 'kind' must be one of {', '.join(KINDS)}, got {p.kind!r}")
-    _check_int("devices_per_node", p.devices_per_node, 1)
-    _check_int("device_memory_bytes", p.device_memory_bytes, 1)
+    check_int("devices_per_node", p.devices_per_node, 1)
+    check_int("device_memory_bytes", p.device_memory_bytes, 1)
     if not isinstance(p.peak_flops, dict) or not p.peak_flops:
         raise ProfileError("field 'peak_flops' must map at least one dtype name to FLOP/s, "
                            f"got {p.peak_flops!r}")
     for dtype, flops in p.peak_flops.items():
         if not isinstance(dtype, str):
             raise ProfileError(f"field 'peak_flops' keys must be dtype names, got {dtype!r}")
-        _check_number(f"peak_flops.{dtype}", flops, minimum=0.0, strict=True)
-    _check_number("memory_bandwidth", p.memory_bandwidth, minimum=0.0, strict=True)
-    _check_number("host_memory_bandwidth", p.host_memory_bandwidth, minimum=0.0)
+        check_number(f"peak_flops.{dtype}", flops, minimum=0.0, strict=True)
+    check_number("memory_bandwidth", p.memory_bandwidth, minimum=0.0, strict=True)
+    check_number("host_memory_bandwidth", p.host_memory_bandwidth, minimum=0.0)
     for name in ("intra_node", "inter_node", "host_to_device"):
         if not isinstance(getattr(p, name), Link):
             raise ProfileError(f"field {name!r} must be a Link, got {getattr(p, name)!r}")
@@ -306,11 +179,11 @@ def _validate(p: HardwareProfile) -> None:
             raise ProfileError(f"field 'collectives' has unknown op {op!r}; valid ops: "
                                f"{', '.join(COLLECTIVE_OPS)}")
         for ranks, link in by_ranks.items():
-            _check_int(f"collectives.{op} rank count", ranks, 2)
+            check_int(f"collectives.{op} rank count", ranks, 2)
             if not isinstance(link, Link):
                 raise ProfileError(f"field 'collectives.{op}.{ranks}' must be a Link, "
                                    f"got {link!r}")
-    _check_number("comm_compute_interference", p.comm_compute_interference,
+    check_number("comm_compute_interference", p.comm_compute_interference,
                   minimum=0.0, maximum=1.0)
     for key, text in p.sources.items():
         if not isinstance(key, str) or not isinstance(text, str):
@@ -319,86 +192,8 @@ def _validate(p: HardwareProfile) -> None:
         raise ProfileError(f"field 'engine' must be EngineCosts, got {p.engine!r}")
 
 
-def _validate_engine(e: EngineCosts) -> None:
-    """Range checks of the engine section; messages name the field under 'engine.'."""
-    if not isinstance(e.pass_rates, dict) or not e.pass_rates:
-        raise ProfileError("field 'engine.pass_rates' must map thread counts to forward and "
-                           f"backward curves, got {e.pass_rates!r}")
-    for threads, kinds in e.pass_rates.items():
-        _check_int("engine.pass_rates thread count", threads, 1)
-        if not isinstance(kinds, dict) or set(kinds) != set(PASS_KINDS):
-            raise ProfileError(f"field 'engine.pass_rates.{threads}' must have exactly "
-                               f"{', '.join(PASS_KINDS)} curves, got {kinds!r}")
-        for kind, curve in kinds.items():
-            _check_curve(f"engine.pass_rates.{threads}.{kind}", curve, maximum=None)
-    if not isinstance(e.optimizer, Link):
-        raise ProfileError(f"field 'engine.optimizer' must be a Link, got {e.optimizer!r}")
-    for name in ("slowdown", "memory_slowdown"):
-        for ranks, factor in getattr(e, name).items():
-            _check_int(f"engine.{name} rank count", ranks, 1)
-            _check_number(f"engine.{name}.{ranks}", factor, minimum=0.0, strict=True)
-    for op, by_ranks in e.channel.items():
-        if op not in ("all_reduce", "reduce_scatter"):
-            raise ProfileError(f"field 'engine.channel' has unknown op {op!r}; the shared-memory "
-                               "channel does all_reduce and reduce_scatter")
-        for ranks, link in by_ranks.items():
-            _check_int(f"engine.channel.{op} rank count", ranks, 2)
-            if not isinstance(link, Link):
-                raise ProfileError(f"field 'engine.channel.{op}.{ranks}' must be a Link, "
-                                   f"got {link!r}")
-    _check_number("engine.channel_interference", e.channel_interference, minimum=0.0,
-                  maximum=1.0)
-    if e.p2p is not None and not isinstance(e.p2p, Link):
-        raise ProfileError(f"field 'engine.p2p' must be a Link, got {e.p2p!r}")
-    _check_number("engine.pipeline_op_s", e.pipeline_op_s, minimum=0.0)
-    _check_number("engine.pipeline_message_s", e.pipeline_message_s, minimum=0.0)
-    for ranks, by_kind in e.factors.items():
-        _check_int("engine.factors rank count", ranks, 1)
-        if not isinstance(by_kind, dict) or not set(by_kind) <= set(ENGINE_FACTOR_KINDS):
-            raise ProfileError(f"field 'engine.factors.{ranks}' maps some of "
-                               f"{', '.join(ENGINE_FACTOR_KINDS)} to numbers, got {by_kind!r}")
-        for kind, value in by_kind.items():
-            _check_number(f"engine.factors.{ranks}.{kind}", value, minimum=0.0,
-                          strict=not kind.endswith("_s"))
-
-
 def _check_efficiency(curve: Any) -> None:
-    _check_curve("efficiency", curve, maximum=1.0)
-
-
-def _check_curve(name: str, curve: Any, *, maximum: float | None) -> None:
-    """A non-empty tuple of (FLOPs, value) pairs with FLOPs strictly increasing and values
-    positive (at most ``maximum`` when given: an efficiency is a fraction of peak)."""
-    what = "fraction" if maximum == 1.0 else "FLOP/s"
-    if not isinstance(curve, tuple) or not curve:
-        raise ProfileError(f"field {name!r} must be a non-empty list of [FLOPs, {what}] "
-                           f"pairs, got {curve!r}")
-    previous = 0.0
-    for i, point in enumerate(curve):
-        if not isinstance(point, tuple) or len(point) != 2:
-            raise ProfileError(f"field '{name}[{i}]' must be a [FLOPs, {what}] pair, "
-                               f"got {point!r}")
-        _check_number(f"{name}[{i}] FLOPs", point[0], minimum=previous, strict=True)
-        _check_number(f"{name}[{i}] {what}", point[1], minimum=0.0, maximum=maximum,
-                      strict=True)
-        previous = point[0]
-
-
-def _link_from(path: str, value: Any) -> Link:
-    if not isinstance(value, dict):
-        raise ProfileError(f"field {path!r} must be an object with latency_s and bandwidth, "
-                           f"got {value!r}")
-    for key in _LINK_FIELDS:
-        if key not in value:
-            raise ProfileError(f"missing field '{path}.{key}'")
-    extra = sorted(set(value) - set(_LINK_FIELDS))
-    if extra:
-        raise ProfileError(f"unknown field '{path}.{extra[0]}'; a link has latency_s and "
-                           "bandwidth")
-    try:
-        return Link(value["latency_s"], value["bandwidth"])
-    except ProfileError as exc:
-        raise ProfileError(str(exc).replace("field '", f"field '{path}.", 1)) from None
+    check_curve("efficiency", curve, maximum=1.0)
 
 
 def _from_dict(d: Any) -> HardwareProfile:
@@ -439,15 +234,15 @@ def _from_dict(d: Any) -> HardwareProfile:
             except ValueError:
                 raise ProfileError(f"field 'collectives.{op}' keys must be rank counts, "
                                    f"got {key!r}") from None
-            collectives[op][ranks] = _link_from(f"collectives.{op}.{key}", link)
-    engine = _engine_from(d["engine"]) if "engine" in d else None
+            collectives[op][ranks] = link_from(f"collectives.{op}.{key}", link)
+    engine = engine_from(d["engine"]) if "engine" in d else None
     return HardwareProfile(
         name=d["name"], kind=d["kind"], devices_per_node=d["devices_per_node"],
         device_memory_bytes=d["device_memory_bytes"], peak_flops=dict(d["peak_flops"]),
         memory_bandwidth=d["memory_bandwidth"],
-        intra_node=_link_from("intra_node", d["intra_node"]),
-        inter_node=_link_from("inter_node", d["inter_node"]),
-        host_to_device=_link_from("host_to_device", d["host_to_device"]),
+        intra_node=link_from("intra_node", d["intra_node"]),
+        inter_node=link_from("inter_node", d["inter_node"]),
+        host_to_device=link_from("host_to_device", d["host_to_device"]),
         efficiency=curve,  # type: ignore[arg-type]  # checked by _validate
         collectives=collectives,
         comm_compute_interference=d.get("comm_compute_interference", 0.0),
@@ -455,54 +250,6 @@ def _from_dict(d: Any) -> HardwareProfile:
         host_memory_bandwidth=d.get("host_memory_bandwidth", 0.0),
         engine=engine,
     )
-
-
-def _count_keys(path: str, d: Any) -> dict[int, Any]:
-    """A JSON object keyed by rank or thread counts, with the keys as ints."""
-    if not isinstance(d, dict):
-        raise ProfileError(f"field {path!r} must be an object keyed by counts, got {d!r}")
-    out: dict[int, Any] = {}
-    for key, value in d.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise ProfileError(f"field {path!r} keys must be counts, got {key!r}") from None
-    return out
-
-
-def _engine_from(d: Any) -> EngineCosts:
-    if not isinstance(d, dict):
-        raise ProfileError(f"field 'engine' must be an object, got {d!r}")
-    for key in _ENGINE_REQUIRED:
-        if key not in d:
-            raise ProfileError(f"missing field 'engine.{key}'")
-    unknown = sorted(set(d) - set(_ENGINE_REQUIRED) - set(_ENGINE_OPTIONAL))
-    if unknown:
-        raise ProfileError(f"unknown field 'engine.{unknown[0]}'; valid fields: "
-                           f"{', '.join(_ENGINE_REQUIRED + _ENGINE_OPTIONAL)}")
-    rates: dict[int, dict[str, Curve]] = {}
-    for threads, kinds in _count_keys("engine.pass_rates", d["pass_rates"]).items():
-        if not isinstance(kinds, dict):
-            raise ProfileError(f"field 'engine.pass_rates.{threads}' must be an object, "
-                               f"got {kinds!r}")
-        rates[threads] = {k: tuple(tuple(p) if isinstance(p, list) else p for p in curve)
-                          if isinstance(curve, list) else curve for k, curve in kinds.items()}
-    channel_in = d.get("channel", {})
-    if not isinstance(channel_in, dict):
-        raise ProfileError(f"field 'engine.channel' must be an object, got {channel_in!r}")
-    channel = {op: {n: _link_from(f"engine.channel.{op}.{n}", link)
-                    for n, link in _count_keys(f"engine.channel.{op}", by_ranks).items()}
-               for op, by_ranks in channel_in.items()}
-    return EngineCosts(
-        pass_rates=rates, optimizer=_link_from("engine.optimizer", d["optimizer"]),
-        slowdown=_count_keys("engine.slowdown", d.get("slowdown", {})),
-        memory_slowdown=_count_keys("engine.memory_slowdown", d.get("memory_slowdown", {})),
-        channel=channel,
-        channel_interference=d.get("channel_interference", 1.0),
-        p2p=_link_from("engine.p2p", d["p2p"]) if d.get("p2p") is not None else None,
-        factors=_count_keys("engine.factors", d.get("factors", {})),
-        pipeline_op_s=d.get("pipeline_op_s", 0.0),
-        pipeline_message_s=d.get("pipeline_message_s", 0.0))
 
 
 # ----------------------------------------------------------------------------- builtins

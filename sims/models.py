@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+
+from flowtrain.profiling.census import OpCensus
 
 ParamShapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -115,6 +116,9 @@ class ModelSpec:
     layer_activation_bytes_per_sample: float = 0.0
     layer_input_bytes_per_sample: float = 0.0
     arch: Architecture | None = None
+    # a traced forward's ops besides its matmuls (flowtrain.profiling.census summary), FLOPs
+    # and elements per sample, calls per forward; None for presets
+    op_census: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def num_params(self) -> int:
@@ -298,8 +302,9 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
     parameters have shapes and no storage, and a forward in training mode runs on meta inputs:
     token ids of shape (batch, seq_len) by default, or what ``example`` ("pkg.mod:fn", called as
     ``fn(batch=..., seq_len=...)`` under the meta device) returns: a tensor, a tuple of
-    positional inputs or a dict of keyword inputs. FLOPs come from
-    ``torch.utils.flop_counter.FlopCounterMode`` (shape-only, so it works on meta). Activation
+    positional inputs or a dict of keyword inputs. FLOPs and the other ops come from
+    ``flowtrain.profiling.census.OpCensus`` (torch.utils.flop_counter's formulas; shape-only,
+    so it works on meta; attention counted whole, as a run's census counts it). Activation
     bytes are the storages autograd saves for backward (``saved_tensors_hooks``), each storage
     counted once, parameters and buffers excluded, plus the outputs, which stay alive until
     backward; floating parameters are cast to ``dtype`` first so the bytes are those of
@@ -335,7 +340,7 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
         handles.append(block.register_forward_pre_hook(recorder.enter(index), with_kwargs=True))
         handles.append(block.register_forward_hook(recorder.leave))
     try:
-        with torch.enable_grad(), FlopCounterMode(display=False) as counter, \
+        with torch.enable_grad(), OpCensus() as census, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             try:
                 output = module(*args, **kwargs)
@@ -354,14 +359,20 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
     layer_input = sum(recorder.input_bytes.values()) / batch / layers if layers else 0.0
     outside = recorder.outside_bytes / batch
     total = sum(per_layer) + outside
+    ops = census.summary()
+    per_sample = {"matmul_flops": ops["matmul_flops"] / batch,
+                  "attention_calls": ops["attention_calls"],
+                  "attention_flops": ops["attention_flops"] / batch,
+                  "ops": {cls: [calls, elements / batch]
+                          for cls, (calls, elements) in ops["ops"].items()}}
     return ModelSpec(
         name=factory, params=params, layers=layers, hidden=0, heads=0, seq_len=seq_len, vocab=0,
-        forward_flops_per_sample=counter.get_total_flops() / batch,
+        forward_flops_per_sample=(ops["matmul_flops"] + ops["attention_flops"]) / batch,
         activation_bytes_per_sample=total,
         checkpointed_activation_bytes_per_sample=(
             layers * layer_input + max(per_layer, default=0.0) + outside),
         dtype=dtype, layer_activation_bytes_per_sample=layer_mean,
-        layer_input_bytes_per_sample=layer_input)
+        layer_input_bytes_per_sample=layer_input, op_census=per_sample)
 
 
 def _resolve(target: str, what: str) -> Callable[..., Any]:
@@ -398,7 +409,7 @@ def _example_inputs(example: str | None, batch: int, seq_len: int
     make = _resolve(example, "example")
     with torch.device("meta"):
         given = make(batch=batch, seq_len=seq_len)
-    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x
     if isinstance(given, torch.Tensor):
         return (to_meta(given),), {}
     if isinstance(given, (tuple, list)):

@@ -121,6 +121,25 @@ class Workload:
     stage_params: tuple[tuple[int, ...], ...] = ()
     stage_flops_per_sample: tuple[float, ...] = ()
     stage_output_bytes_per_sample: tuple[float, ...] = ()
+    # A forward's ops besides its matmuls (flowtrain.profiling.census): (class, calls per
+    # forward, elements per sample) triples, and attention's calls and FLOPs per sample (part
+    # of forward_flops_per_sample, priced at attention's own rate on a calibrated CPU host).
+    op_census: tuple[tuple[str, float, float], ...] = ()
+    attention_calls: float = 0.0
+    attention_flops_per_sample: float = 0.0
+
+    @staticmethod
+    def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
+        """Workload fields from an ``OpCensus.summary()`` of a forward of ``samples``
+        samples (none: no fields)."""
+        if not summary:
+            return {}
+        ops = summary.get("ops", {})
+        return {"op_census": tuple((str(cls), float(calls), float(elements) / samples)
+                                   for cls, (calls, elements) in sorted(ops.items())),
+                "attention_calls": float(summary.get("attention_calls", 0)),
+                "attention_flops_per_sample": float(summary.get("attention_flops", 0.0))
+                / samples}
 
     @classmethod
     def from_model(cls, model: Any, precision: str) -> Workload:
@@ -131,7 +150,8 @@ class Workload:
         params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
         return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
                    model.hidden, model.layers, float(model.activation_bytes_per_sample),
-                   float(getattr(model, "layer_input_bytes_per_sample", 0.0)))
+                   float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
+                   **cls.census_fields(getattr(model, "op_census", None), 1))
 
     @classmethod
     def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
@@ -140,7 +160,8 @@ class Workload:
         params = tuple((str(n), tuple(int(d) for d in s), str(dt), int(e))
                        for n, s, dt, e in plan["param_specs"])
         flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
-        return cls(name, params, flops)
+        return cls(name, params, flops, **cls.census_fields(
+            plan.get("forward_ops_per_micro_batch"), micro_batch_size))
 
     @classmethod
     def from_stages(cls, stages: Sequence[Mapping[str, Any]], micro_batch_size: int,
@@ -510,7 +531,7 @@ class _StageBuilder:
         act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
         recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
         if self.engine is not None:
-            self._cost_engine_segments(weights, scale, recompute)
+            self._cost_engine_segments(work, weights, recompute)
             return
         for seg in self.segments:
             for i in seg.params:
@@ -522,29 +543,54 @@ class _StageBuilder:
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
 
-    def _cost_engine_segments(self, weights: list[int], scale: float, recompute: bool) -> None:
+    def _cost_engine_segments(self, work: Workload, weights: list[int], recompute: bool) -> None:
         """Forward and backward per module at the rank's measured pass rates (its thread count,
         slowed by the ranks sharing the host). ZeRO 2-3 backward also adds each gradient into a
         pooled bucket buffer (``GradBuckets`` transient mode): a zeroed buffer, then a read of
-        the gradient and a read-modify-write of the buffer, 16 bytes per element."""
+        the gradient and a read-modify-write of the buffer, 16 bytes per element. The forward's
+        other ops (its census: norms, activations, attention, ...) at their measured costs are
+        shared among the modules as their FLOPs are."""
+        attention = work.attention_flops_per_sample * self.stage_share(work)
+        scale = (self.stage_flops - attention) * self.mb / max(1, sum(weights)) / self.tp
         stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
+        other = self._other_ops(work)
         for seg in self.segments:
             modules: dict[str, list[int]] = {}
             for i in seg.params:
                 modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
             for members in modules.values():
+                share = sum(weights[i] for i in members) / max(1, sum(weights))
                 flops = sum(weights[i] for i in members) * scale
                 numel = sum(_numel(self.params[i][1]) for i in members)
-                fwd = costs.pass_seconds("forward", flops, self.threads, self.hw) * \
-                    self.slowdown * self.forward_factor
-                bwd = costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) * \
-                    self.slowdown * self.backward_factor + \
+                fwd = (costs.pass_seconds("forward", flops, self.threads, self.hw) +
+                       other["forward"] * share) * self.slowdown * self.forward_factor
+                bwd = (costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) +
+                       other["backward"] * share) * self.slowdown * self.backward_factor + \
                     numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
                 seg.forward_s += fwd
                 seg.backward_s += bwd + (fwd if recompute else 0.0)
         if self.segments:
             self.segments[0].forward_s += self.forward_extra_s
             self.segments[-1].backward_s += self.backward_extra_s
+
+    def stage_share(self, work: Workload) -> float:
+        """This stage's part of the model's forward FLOPs (1 without pipeline stages)."""
+        total = work.forward_flops_per_sample
+        return self.stage_flops / total if total > 0 else 1.0
+
+    def _other_ops(self, work: Workload) -> dict[str, float]:
+        """Seconds of this stage's share of the forward's census ops in one micro-batch, per
+        pass kind, at the rank's thread count (split evenly over tensor-parallel ranks)."""
+        if not (work.op_census or work.attention_calls) or self.engine is None:
+            return {"forward": 0.0, "backward": 0.0}
+        share = self.stage_share(work) / self.tp
+        census = [(cls, calls * share, elements * self.mb * share)
+                  for cls, calls, elements in work.op_census]
+        if work.attention_calls:
+            census.append(("attention", work.attention_calls * share,
+                           work.attention_flops_per_sample * self.mb * share))
+        return {kind: self.engine.op_seconds(self.threads, kind, census)
+                for kind in ("forward", "backward")}
 
     def _stage3_uses(self) -> _Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""

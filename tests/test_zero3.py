@@ -126,3 +126,4 @@ def test_run_directory_records_spans_and_plan(zero3_run: Any) -> None:
     micro, width = 4, 64  # the last engine: the memory part's bf16 stage 3 (width 64)
     expected = 2 * micro * (8 * width + 4 * width * width + width * 1)
     assert plan["forward_flops_per_micro_batch"] == expected
+    assert plan["forward_ops_per_micro_batch"]["matmul_flops"] == expected

@@ -271,23 +271,25 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _forward_counting_flops(self, args: Any, kwargs: Any, mb: int) -> Any:
-        """The first forward counts its FLOPs (torch.utils.flop_counter): the health figures'
-        MFU, and on rank 0 of a launched run the run directory's plan.json."""
-        from torch.utils.flop_counter import FlopCounterMode
-
+        """The first forward counts its FLOPs and its other ops (``flowtrain.profiling.census``,
+        FLOPs by torch.utils.flop_counter's formulas, attention taken whole): the health
+        figures' MFU, and on rank 0 of a launched run the run directory's plan.json."""
         from flowtrain.engine.spans import write_plan
+        from flowtrain.profiling.census import OpCensus
 
         self._plan_pending = False
-        counter = FlopCounterMode(display=False)
-        with counter, self.timer.span("forward", f"forward/mb{mb}"):
+        census = OpCensus()
+        with census, self.timer.span("forward", f"forward/mb{mb}"):
             out = self._run_module(args, kwargs)
-        self.health.forward_flops = float(counter.get_total_flops())
+        summary = census.summary()
+        self.health.forward_flops = summary["matmul_flops"] + summary["attention_flops"]
         if self._run_dir is None or self.global_rank != 0:
             return out
         try:
             write_plan(self._run_dir, config=self.config.to_dict(), world_size=self.world_size,
                        param_specs=self._param_specs(),
-                       forward_flops_per_micro_batch=self.health.forward_flops)
+                       forward_flops_per_micro_batch=self.health.forward_flops,
+                       forward_ops_per_micro_batch=summary)
         except OSError as exc:
             log.warning("could not write the run's plan.json", error=str(exc))
         return out

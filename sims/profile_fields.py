@@ -1,0 +1,108 @@
+"""The fields hardware profiles are made of, and their checks: every error names the field, the
+value seen and what is valid (``ProfileError``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+LINK_FIELDS = ("latency_s", "bandwidth")
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used: names the field, the value seen and what is valid."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One transfer path, costed as ``latency_s + bytes / bandwidth`` (bandwidth in bytes/s,
+    one direction)."""
+
+    latency_s: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        check_number("latency_s", self.latency_s, minimum=0.0)
+        check_number("bandwidth", self.bandwidth, minimum=0.0, strict=True)
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move ``nbytes`` over this link in one message."""
+        return self.latency_s + nbytes / self.bandwidth
+
+    def to_dict(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bandwidth": self.bandwidth}
+
+
+Curve = tuple[tuple[float, float], ...]  # (op FLOPs, FLOP/s) points, FLOPs increasing
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None,
+                  maximum: float | None = None, strict: bool = False) -> None:
+    """One numeric field: a finite number within bounds (``strict``: above ``minimum``)."""
+    if not is_number(value) or not math.isfinite(value):
+        raise ProfileError(f"field {name!r} must be a finite number, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise ProfileError(f"field {name!r} must be {bound}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ProfileError(f"field {name!r} must be <= {maximum:g}, got {value!r}")
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProfileError(f"field {name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ProfileError(f"field {name!r} must be >= {minimum}, got {value}")
+
+
+def check_curve(name: str, curve: Any, *, maximum: float | None) -> None:
+    """A non-empty tuple of (FLOPs, value) pairs with FLOPs strictly increasing and values
+    positive (at most ``maximum`` when given: an efficiency is a fraction of peak)."""
+    what = "fraction" if maximum == 1.0 else "FLOP/s"
+    if not isinstance(curve, tuple) or not curve:
+        raise ProfileError(f"field {name!r} must be a non-empty list of [FLOPs, {what}] "
+                           f"pairs, got {curve!r}")
+    previous = 0.0
+    for i, point in enumerate(curve):
+        if not isinstance(point, tuple) or len(point) != 2:
+            raise ProfileError(f"field '{name}[{i}]' must be a [FLOPs, {what}] pair, "
+                               f"got {point!r}")
+        check_number(f"{name}[{i}] FLOPs", point[0], minimum=previous, strict=True)
+        check_number(f"{name}[{i}] {what}", point[1], minimum=0.0, maximum=maximum,
+                      strict=True)
+        previous = point[0]
+
+
+def link_from(path: str, value: Any) -> Link:
+    if not isinstance(value, dict):
+        raise ProfileError(f"field {path!r} must be an object with latency_s and bandwidth, "
+                           f"got {value!r}")
+    for key in LINK_FIELDS:
+        if key not in value:
+            raise ProfileError(f"missing field '{path}.{key}'")
+    extra = sorted(set(value) - set(LINK_FIELDS))
+    if extra:
+        raise ProfileError(f"unknown field '{path}.{extra[0]}'; a link has latency_s and "
+                           "bandwidth")
+    try:
+        return Link(value["latency_s"], value["bandwidth"])
+    except ProfileError as exc:
+        raise ProfileError(str(exc).replace("field '", f"field '{path}.", 1)) from None
+
+
+def count_keys(path: str, d: Any) -> dict[int, Any]:
+    """A JSON object keyed by rank or thread counts, with the keys as ints."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"field {path!r} must be an object keyed by counts, got {d!r}")
+    out: dict[int, Any] = {}
+    for key, value in d.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ProfileError(f"field {path!r} keys must be counts, got {key!r}") from None
+    return out
