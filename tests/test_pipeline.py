@@ -195,3 +195,82 @@ def test_pipeline_checkpoint_resumes_on_another_stage_count(tmp_path: Path) -> N
     plain = nn.Sequential(*pw.layers())
     plain.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
     assert sorted(state) == sorted(f"layers.{k}" for k in plain.state_dict())
+
+
+# -- point-to-point streams: changing shapes, timeouts, a dead peer --------------------------
+
+
+def _p2p(case: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Runs tests/data/pipe_p2p_worker.py as two plain processes; each rank's JSON (or {})."""
+    import subprocess
+
+    worker = ec.DATA / "pipe_p2p_worker.py"
+    port = ec.free_port()
+    outs = [tmp_path / f"{case}.rank{r}.json" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(worker), case, str(r), str(port),
+                               str(outs[r])], cwd=ec.REPO, env=ec.child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            logs.append(proc.communicate()[0])
+    results = [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    for r, result in enumerate(results):
+        assert "crash" not in result, f"rank {r}:\n{result['crash']}\n{logs[r][-3000:]}"
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_p2p_streams_follow_changing_shapes(tmp_path: Path) -> None:
+    """Both directions at once; shapes repeat (the payload's receives are posted before the
+    header arrives), shrink, grow, change dtype and tensor count (placeholders fill the
+    receives posted in the old shapes)."""
+    for r, result in enumerate(_p2p("shapes", tmp_path)):
+        assert result == {"received": 10, "mismatches": []}, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_p2p_receive_times_out_naming_the_message(tmp_path: Path) -> None:
+    result = _p2p("timeout", tmp_path)[1]
+    assert result["error_type"] == "CollectiveTimeout"
+    assert result["error"].startswith("activations of micro-batch 3 from stage 0 (rank 0) did "
+                                      "not arrive within 1 s")
+    assert result["seconds"] < 10
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case,rank,message", [
+    ("dead_sender", 1, ("activations of micro-batch 1 from stage 0 (rank 0) could not be "
+                        "received")),
+    ("dead_receiver", 0, "activations of micro-batch 0 to stage 1 (rank 1) could not be sent")])
+def test_p2p_dead_peer_is_named_at_once(tmp_path: Path, case: str, rank: int,
+                                        message: str) -> None:
+    result = _p2p(case, tmp_path)[rank]
+    assert result["error_type"] == "PipelineChannelError", result
+    assert result["error"].startswith(message)
+    assert "may have died" in result["error"]
+    assert result["seconds"] < 20  # the peer's connection closed: no waiting for the timeout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_pipeline_follows_micro_batches_that_change_size(tmp_path: Path) -> None:
+    """Micro-batches of different sizes within a step and between steps, and evaluation
+    between training steps with other sizes: every stage-to-stage message after a change has
+    new shapes. Losses equal single-process training on the same micro-batches."""
+    out = tmp_path / "out"
+    ec.launch(2, ec.DATA / "pipe_shapes_worker.py", str(out), run_dir=tmp_path / "run")
+    for r in (0, 1):
+        data = json.loads(Path(f"{out}.rank{r}.json").read_text())
+        for schedule in ("1f1b", "gpipe"):
+            assert "error" not in data[schedule], f"rank {r} {schedule}:\n" \
+                                                  f"{data[schedule]['error']}"
+            assert data[schedule] == pytest.approx(data["reference"], rel=1e-5, abs=1e-6), \
+                (r, schedule)

@@ -165,8 +165,8 @@ class _Receiver:
             try:
                 out.append((dist.irecv(t, self.src, group=self.group, tag=tag), t))
             except RuntimeError as exc:
-                raise PipelineChannelError(f"{what} could not be received: {exc}; that stage "
-                                           f"may have died") from None
+                raise PipelineChannelError(f"{what} could not be received: that stage may "
+                                           f"have died ({exc})") from None
         return out
 
     def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str, deadline: float) -> None:
@@ -177,8 +177,8 @@ class _Receiver:
                 raise comm.CollectiveTimeout(f"{what} did not arrive within {self.timeout:g} s; "
                                              f"that stage may be stuck or dead") from None
             except RuntimeError as exc:
-                raise PipelineChannelError(f"{what} could not be received: {exc}; that stage "
-                                           f"may have died") from None
+                raise PipelineChannelError(f"{what} could not be received: that stage may "
+                                           f"have died ({exc})") from None
 
     def _receive(self, mb: int, what: str) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout
@@ -231,8 +231,8 @@ class _Sender:
             for t, tag in messages:
                 works.append((dist.isend(t, dst, group=self.group, tag=tag), t))
         except RuntimeError as exc:
-            self.failure = PipelineChannelError(f"{what} could not be sent: {exc}; that stage "
-                                                f"may have died")
+            self.failure = PipelineChannelError(f"{what} could not be sent: that stage may "
+                                                f"have died ({exc})")
             raise self.failure from None
         self.shapes[(dst, header_tag)] = shapes
         self._jobs.put((works, what, time.monotonic() + self.timeout))
@@ -262,8 +262,8 @@ class _Sender:
                     f"{what} was not taken within {self.timeout:g} s; that stage may be stuck "
                     f"or dead")
             except RuntimeError as exc:
-                self.failure = PipelineChannelError(f"{what} could not be sent: {exc}; that "
-                                                    f"stage may have died")
+                self.failure = PipelineChannelError(f"{what} could not be sent: that stage "
+                                                    f"may have died ({exc})")
 
 
 class PipeStage(Actor):
