@@ -179,20 +179,13 @@ def _stage_classes(timeline: Timeline, stage: int, own_start: bool) -> dict[str,
             c = _class_of(key)
             out[c] = out.get(c, 0.0) + finish - (max(previous, first) if own_start else previous)
         previous = finish
-    backward_end = {key.split("/")[1]: finish for key, (_, finish) in passes.items()
-                    if key.startswith("backward/")}
-    last_backward = max(backward_end.values(), default=0.0)
     for i, t in enumerate(tasks):
         if t.stage == stage and t.kind in ("reduce", "gather"):
             ready = max((end[d] for d in t.deps if tasks[d].kind not in ("reduce", "gather")),
                         default=0.0)
+            # the engine's reducer stamps a reduce's end from the collective's completion
+            # callback, and its start at launch: when its data was ready
             finish = end[i]
-            if t.kind == "reduce":
-                # The engine's reducer records a reduce as done when it drains its launched
-                # reduces: after the micro-batch's backward (ZeRO 2-3) or the step's last one.
-                micro_batch = t.name.split("/")[2] if t.name.count("/") >= 2 else None
-                finish = max(finish, backward_end.get(micro_batch, last_backward)
-                             if micro_batch else last_backward)
             out[t.kind] = out.get(t.kind, 0.0) + finish - min(ready, start[i])
     post = [i for i, t in enumerate(tasks[:timeline.planned]) if t.stage == stage and
             t.kind in _AFTER_STEP and "/mb" not in t.name]

@@ -175,3 +175,28 @@ def test_a_profile_without_op_costs_prices_the_census_at_nothing() -> None:
     cfg = _cfg(1)
     assert [t.duration for t in build_plan(census, cfg, Layout(1, 1), hw).tasks] == \
         [t.duration for t in build_plan(_work(), cfg, Layout(1, 1), hw).tasks]
+
+
+def test_a_collective_span_ends_when_its_collective_completed() -> None:
+    """The reducer and the ZeRO-3 fetcher stamp a collective's end from its handle's completion
+    callback (a shared-memory channel future, or a torch.distributed work's future), not when
+    they later drain or await it."""
+    import concurrent.futures
+    import time
+    from types import SimpleNamespace
+
+    from flowtrain.engine.timing import completion_stamp, stamped_end
+
+    channel_work: concurrent.futures.Future[None] = concurrent.futures.Future()
+    future: torch.futures.Future[None] = torch.futures.Future()
+    for work, done in ((channel_work, channel_work), (SimpleNamespace(get_future=lambda: future),
+                                                      future)):
+        stamp = completion_stamp(work)
+        before = time.perf_counter()
+        done.set_result(None)
+        after = time.perf_counter()
+        time.sleep(0.01)
+        assert before <= stamped_end(stamp) <= after
+    # a handle without a future (gloo's reduce-scatter): the time it is drained
+    stamp = completion_stamp(SimpleNamespace())
+    assert stamp == [] and stamped_end(stamp) >= after + 0.01

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.stages import BucketFull, BucketReduced, Stages
+from flowtrain.engine.timing import completion_stamp, stamped_end
 from flowtrain.runtime.actor import Actor, handler
 
 # torch >= 2.13 names it reduce_scatter_single; older releases only have reduce_scatter_tensor.
@@ -80,7 +81,7 @@ class BucketReducer(Actor):
         self.channel = channel  # a ShmChannel for ranks of one host, else torch.distributed
         self._next = 0
         self._ready: dict[int, torch.Tensor | None] = {}
-        self._inflight: list[tuple[int, Any, torch.Tensor, float]] = []
+        self._inflight: list[tuple[int, Any, torch.Tensor, float, Any, list[float]]] = []
         self._spans: list[tuple[str, float, float]] = []
         self._comm_buffers: dict[int, torch.Tensor] = {}
         self._step = 0
@@ -105,14 +106,14 @@ class BucketReducer(Actor):
         their transient buffers go back to the pool now instead of at the micro-batch's end
         (so a step holds a few buckets' buffers, not every bucket's)."""
         done = 0
-        for index, work, buffer, launched, source in self._inflight:
+        for index, work, buffer, launched, source, stamp in self._inflight:
             finished = work.done() if self.channel is not None else work.is_completed()
             if not finished:
                 break
             await self._await(index, work, buffer)
             self._finish(index, buffer)
             self.buckets.release(source)
-            self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
+            self._spans.append((f"reduce/bucket{index}", launched, stamped_end(stamp)))
             done += 1
         del self._inflight[:done]
 
@@ -146,12 +147,12 @@ class BucketReducer(Actor):
         while self._next < len(self.buckets.flat):
             await self._launch(self._next, self._ready.pop(self._next, None))
             self._next += 1
-        for index, work, buffer, launched, source in self._inflight:
+        for index, work, buffer, launched, source, stamp in self._inflight:
             await self._await(index, work, buffer)
             self._finish(index, buffer)
             if self.buckets.transient:
                 self.buckets.release(source)
-            self._spans.append((f"reduce/bucket{index}", launched, time.perf_counter()))
+            self._spans.append((f"reduce/bucket{index}", launched, stamped_end(stamp)))
             if not final:
                 continue
             if self.on_reduced is not None:
@@ -185,7 +186,7 @@ class BucketReducer(Actor):
             work = self.channel.all_reduce_async(buffer)
         else:
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self._inflight.append((index, work, buffer, launched, grad))
+        self._inflight.append((index, work, buffer, launched, grad, completion_stamp(work)))
 
     def _launch_scatter(self, index: int, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
         # into a scratch shard: the result is added to the accumulating gradient shard
@@ -212,3 +213,4 @@ class BucketReducer(Actor):
             grad.copy_(buffer)
         if post != 1.0:
             grad.mul_(post)
+

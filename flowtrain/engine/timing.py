@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -58,3 +59,29 @@ class StepTimer:
         keys = PHASES + ("step_s",)
         return {(k if k == "step_s" else f"{k}_s"): sum(s.get(k, 0.0) for s in steps) / len(steps)
                 for k in keys}
+
+
+def completion_stamp(work: Any) -> list[float]:
+    """A list that gets the time ``work`` completes from its completion callback: a
+    ``concurrent.futures.Future`` (the shared-memory channel) or a torch.distributed work
+    handle's future. A span then ends when the collective did, not when its owner next looked
+    at it (a reduce drained after the backward it overlapped, a prefetched gather awaited when
+    its module runs). Stays empty where the handle has no callback (gloo's reduce-scatter)."""
+    stamp: list[float] = []
+
+    def note(_: Any) -> None:
+        stamp.append(time.perf_counter())
+
+    try:
+        if hasattr(work, "add_done_callback"):
+            work.add_done_callback(note)
+        else:
+            work.get_future().add_done_callback(note)
+    except (RuntimeError, AttributeError):
+        pass
+    return stamp
+
+
+def stamped_end(stamp: list[float]) -> float:
+    """When a stamped collective finished: its completion callback's time, else now."""
+    return stamp[0] if stamp else time.perf_counter()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flowtrain import comm
+from flowtrain.engine.timing import completion_stamp, stamped_end
 from flowtrain.log import get_logger
 from flowtrain.runtime.actor import Actor, handler
 
@@ -51,13 +52,13 @@ class ParamFetcher(Actor):
         self.zero = zero
         self.group = group
         self.timeout = timeout
-        self._inflight: dict[int, tuple[Any, torch.Tensor, float]] = {}
+        self._inflight: dict[int, tuple[Any, torch.Tensor, float, list[float]]] = {}
         self.gathered_numel = 0  # elements gathered so far (for tests and the throughput log)
 
     def _start(self, b: int) -> None:
         if b not in self._inflight:
             work, full = self.zero.start_gather(b, self.group)
-            self._inflight[b] = (work, full, time.perf_counter())
+            self._inflight[b] = (work, full, time.perf_counter(), completion_stamp(work))
             self.gathered_numel += full.numel()
 
     @handler
@@ -66,16 +67,16 @@ class ParamFetcher(Actor):
             self._start(b)
         out, spans = [], []
         for b in msg.need:
-            work, full, launched = self._inflight.pop(b)
+            work, full, launched, stamp = self._inflight.pop(b)
             await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} "
                                   f"({full.numel()} x {full.dtype})", self.timeout)
-            spans.append((f"gather/bucket{b}", launched, time.perf_counter()))
+            spans.append((f"gather/bucket{b}", launched, stamped_end(stamp)))
             out.append(full)
         return Gathered(tuple(out), tuple(spans))
 
     @handler
     async def discard(self, msg: Discard) -> None:
-        for b, (work, full, _) in list(self._inflight.items()):
+        for b, (work, full, *_) in list(self._inflight.items()):
             await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} (prefetched, "
                                   f"unused)", self.timeout)
         self._inflight.clear()
