@@ -30,157 +30,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, plan_buckets, plan_units
 from sims import costs
 from sims.executor import SimTask
+from sims.stage3_plan import Stage3Uses, stage3_uses
+from sims.workload import (DTYPE_BYTES, PRECISION_DTYPE, Layout, ParamSpec, Workload, layer_of,
+                           module_units, split_stages, tp_shard)
+from sims.workload import numel as _numel
 
-ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
+__all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
+           "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan", "config_bucket_numel",
+           "layer_of", "module_units", "one_f_one_b", "pipeline_tasks", "split_stages",
+           "stage3_uses"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
 # DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
 PIPELINE_JOB_RANKS = 2
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks are: ``nodes`` x ``devices_per_node`` ranks, split into ``tp``-wide
-    tensor-parallel groups inside a node, ``pp`` pipeline stages and what is left as data
-    parallel. Ranks are numbered tensor-parallel fastest, then data parallel, then pipeline
-    (Megatron's order), which decides whether a group crosses nodes."""
-
-    nodes: int
-    devices_per_node: int
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "devices_per_node", "tp", "pp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
-        if self.devices_per_node % self.tp:
-            raise ValueError(f"tensor parallel stays inside a node: tp {self.tp} must divide the "
-                             f"{self.devices_per_node} devices per node (valid: "
-                             f"{', '.join(str(d) for d in _divisors(self.devices_per_node))})")
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"tp x pp = {self.tp * self.pp} must divide the world size "
-                             f"{self.world_size} ({self.nodes} nodes x {self.devices_per_node} "
-                             f"devices)")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-    @property
-    def dp_nodes(self) -> int:
-        """Nodes one data-parallel group spans (its ranks are ``tp`` apart)."""
-        block = self.dp * self.tp
-        return min(self.nodes, max(1, math.ceil(block / self.devices_per_node)))
-
-    def pipe_link_inter_node(self, stage: int) -> bool:
-        """Whether stage ``stage`` sends to stage ``stage + 1`` across nodes."""
-        block = self.dp * self.tp
-        return (stage * block) // self.devices_per_node != \
-            ((stage + 1) * block) // self.devices_per_node
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the planner needs of a model: its trainable parameters as the engine lists them,
-    forward FLOPs of one sample, and the shapes that size pipeline and TP messages (0 when
-    unknown, e.g. a model known only from a run's plan.json)."""
-
-    name: str
-    params: tuple[ParamSpec, ...]
-    forward_flops_per_sample: float
-    seq_len: int = 0
-    hidden: int = 0
-    layers: int = 0
-    activation_bytes_per_sample: float = 0.0
-    # one layer's input (the activations a pipeline stage sends on), when the shapes are unknown
-    layer_input_bytes_per_sample: float = 0.0
-    # A measured pipeline run's own split (its stage records): each stage's parameter indices,
-    # forward FLOPs and output bytes per sample. Empty: split by layer numbers and parameter
-    # count.
-    stage_params: tuple[tuple[int, ...], ...] = ()
-    stage_flops_per_sample: tuple[float, ...] = ()
-    stage_output_bytes_per_sample: tuple[float, ...] = ()
-    # A forward's ops besides its matmuls (flowtrain.profiling.census): (class, calls per
-    # forward, elements per sample) triples, and attention's calls and FLOPs per sample (part
-    # of forward_flops_per_sample, priced at attention's own rate on a calibrated CPU host).
-    op_census: tuple[tuple[str, float, float], ...] = ()
-    attention_calls: float = 0.0
-    attention_flops_per_sample: float = 0.0
-
-    @staticmethod
-    def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
-        """Workload fields from an ``OpCensus.summary()`` of a forward of ``samples``
-        samples (none: no fields)."""
-        if not summary:
-            return {}
-        ops = summary.get("ops", {})
-        return {"op_census": tuple((str(cls), float(calls), float(elements) / samples)
-                                   for cls, (calls, elements) in sorted(ops.items())),
-                "attention_calls": float(summary.get("attention_calls", 0)),
-                "attention_flops_per_sample": float(summary.get("attention_flops", 0.0))
-                / samples}
-
-    @classmethod
-    def from_model(cls, model: Any, precision: str) -> Workload:
-        """From a ``sims.models.ModelSpec``; parameters take the training precision's dtype (the
-        engine casts the model to fp16/bf16 for mixed precision)."""
-        dtype = PRECISION_DTYPE[precision]
-        elem = DTYPE_BYTES[dtype]
-        params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
-        return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
-                   model.hidden, model.layers, float(model.activation_bytes_per_sample),
-                   float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
-                   **cls.census_fields(getattr(model, "op_census", None), 1))
-
-    @classmethod
-    def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
-                 name: str = "run") -> Workload:
-        """From a run directory's ``plan.json`` (written by rank 0 of a launched run)."""
-        params = tuple((str(n), tuple(int(d) for d in s), str(dt), int(e))
-                       for n, s, dt, e in plan["param_specs"])
-        flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
-        return cls(name, params, flops, **cls.census_fields(
-            plan.get("forward_ops_per_micro_batch"), micro_batch_size))
-
-    @classmethod
-    def from_stages(cls, stages: Sequence[Mapping[str, Any]], micro_batch_size: int,
-                    name: str = "run") -> Workload:
-        """From a pipeline run's per-stage records (``stages/stage{s}.json``, in stage order):
-        the stages' parameters in order, each stage's own FLOPs and the bytes it sends on."""
-        params: list[ParamSpec] = []
-        split: list[tuple[int, ...]] = []
-        for record in stages:
-            first = len(params)
-            params += [(str(n), tuple(int(d) for d in shape), str(dt), int(e))
-                       for n, shape, dt, e in record["param_specs"]]
-            split.append(tuple(range(first, len(params))))
-        flops = tuple(float(r["forward_flops_per_micro_batch"]) / micro_batch_size
-                      for r in stages)
-        sent = tuple(float(r["output_bytes_per_micro_batch"]) / micro_batch_size
-                     for r in stages)
-        return cls(name, tuple(params), sum(flops), stage_params=tuple(split),
-                   stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent)
 
 
 @dataclass(frozen=True)
@@ -276,62 +147,6 @@ def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s
     return out.resolve()
 
 
-def layer_of(name: str) -> int | None:
-    """A parameter's layer number: the first all-digit part of its dotted name
-    ("h.3.attn.c_attn.weight" -> 3, "model.layers.12.mlp.up_proj.weight" -> 12)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    return None
-
-
-def split_stages(params: Sequence[ParamSpec], stages: int) -> list[list[int]]:
-    """Parameter indices of each pipeline stage: numbered layers split evenly in order, what
-    comes before the first layer (embeddings) on the first stage, what comes after the last
-    (final norm, head) on the last."""
-    if stages == 1:
-        return [list(range(len(params)))]
-    layers = sorted({n for n in (layer_of(p[0]) for p in params) if n is not None})
-    if len(layers) < stages:
-        raise ValueError(f"pp {stages} needs at least {stages} numbered layers to split the "
-                         f"model into stages; its parameter names show {len(layers)}")
-    stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
-    out: list[list[int]] = [[] for _ in range(stages)]
-    seen_layer = False
-    for i, p in enumerate(params):
-        n = layer_of(p[0])
-        if n is not None:
-            seen_layer = True
-            out[stage_of_layer[n]].append(i)
-        else:
-            out[stages - 1 if seen_layer else 0].append(i)
-    return out
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _tp_shard(spec: ParamSpec, tp: int) -> ParamSpec:
-    """A weight matrix split tp ways (along its first dimension); vectors stay whole."""
-    name, shape, dtype, elem = spec
-    if tp == 1 or len(shape) < 2:
-        return spec
-    return (name, (math.ceil(shape[0] / tp), *shape[1:]), dtype, elem)
-
-
-def module_units(params: Sequence[ParamSpec]) -> list[list[int]]:
-    """ZeRO-3's units from parameter names: the parameters of one module (the name without its
-    last part) in first-seen order, as the engine's ``module_units`` finds them on the module."""
-    units: dict[str, list[int]] = {}
-    for i, p in enumerate(params):
-        units.setdefault(p[0].rpartition(".")[0], []).append(i)
-    return list(units.values())
-
-
 def _segments(params: Sequence[ParamSpec], stage3: bool) -> list[_Segment]:
     """A stage's forward order cut into pieces: one per module for ZeRO-3 (each is gathered
     before it runs), otherwise one per layer plus the parts before and after the layers."""
@@ -360,61 +175,6 @@ def config_bucket_numel(zero: Any, elem_size: int) -> int:
     if "reduce_bucket_size" in zero.model_fields_set:
         return int(zero.reduce_bucket_size)
     return DEFAULT_BUCKET_BYTES // elem_size
-
-
-@dataclass(frozen=True)
-class _Stage3Uses:
-    """ZeRO-3's gathers over one micro-batch: at each use (forward units, then backward units
-    in reverse), the buckets whose all-gather starts there, and the uses that find their
-    bucket already gathered."""
-
-    launched: tuple[tuple[int, ...], ...]  # per use position: buckets launched there
-    gathered_for: tuple[tuple[int, ...], ...]  # per use position: buckets it waits for
-
-
-def stage3_uses(trace: Sequence[int], numel: Mapping[int, int], *, prefetch_numel: int,
-                max_live_numel: int, max_reuse_distance: int) -> _Stage3Uses:
-    """Replays the engine's ``Stage3Params`` decisions (prefetch window, keep-for-backward,
-    live limit) over one micro-batch's use order ``trace`` (one partitioned bucket per use)."""
-    live: set[int] = set()
-    requested: set[int] = set()
-    launched: list[tuple[int, ...]] = []
-    waits: list[tuple[int, ...]] = []
-    forward_uses = len(trace) // 2
-    for pos, b in enumerate(trace):
-        need = () if b in live else (b,)
-        out: list[int] = []
-        budget = prefetch_numel
-        in_use = sum(numel[u] for u in live) + sum(numel[u] for u in requested)
-        for u in trace[pos + 1:]:
-            if u in live or u in requested or u in out or u == b:
-                continue
-            if numel[u] > budget or in_use + numel[u] > max_live_numel:
-                break
-            out.append(u)
-            budget -= numel[u]
-            in_use += numel[u]
-        waits.append(() if b in live else (b,))
-        launched.append(tuple(u for u in need if u not in requested) + tuple(out))
-        requested.update(out)
-        requested.discard(b)
-        live.add(b)
-        if pos < forward_uses:
-            # after forward: released unless it comes back soon (its backward use)
-            distance, comes_back = 0, False
-            if sum(numel[u] for u in live) <= max_live_numel:
-                for u in trace[pos + 1:]:
-                    if u == b:
-                        comes_back = distance <= max_reuse_distance
-                        break
-                    distance += numel[u]
-                    if distance > max_reuse_distance:
-                        break
-            if not comes_back:
-                live.discard(b)
-        else:
-            live.discard(b)  # backward done: its gradients have landed
-    return _Stage3Uses(tuple(launched), tuple(waits))
 
 
 class _StageBuilder:
@@ -592,7 +352,7 @@ class _StageBuilder:
         return {kind: self.engine.op_seconds(self.threads, kind, census)
                 for kind in ("forward", "backward")}
 
-    def _stage3_uses(self) -> _Stage3Uses:
+    def _stage3_uses(self) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
         self.bucket_of_seg: list[int | None] = []
         for seg in self.segments:
@@ -850,7 +610,7 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
     else:
         split = split_stages(work.params, layout.pp)
     for s, indices in enumerate(split):
-        params = [_tp_shard(work.params[i], layout.tp) for i in indices]
+        params = [tp_shard(work.params[i], layout.tp) for i in indices]
         weights = [weights_all[i] for i in indices]
         if work.stage_flops_per_sample:
             flops = work.stage_flops_per_sample[s]

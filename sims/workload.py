@@ -1,0 +1,205 @@
+"""What the planner plans for: a model's parameters and FLOPs as the engine would train them
+(``Workload``, from a model description, a run's plan.json or a pipeline run's stage records),
+and where the ranks are (``Layout``), with the parameter-name helpers both use."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: ``nodes`` x ``devices_per_node`` ranks, split into ``tp``-wide
+    tensor-parallel groups inside a node, ``pp`` pipeline stages and what is left as data
+    parallel. Ranks are numbered tensor-parallel fastest, then data parallel, then pipeline
+    (Megatron's order), which decides whether a group crosses nodes."""
+
+    nodes: int
+    devices_per_node: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node", "tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.devices_per_node % self.tp:
+            raise ValueError(f"tensor parallel stays inside a node: tp {self.tp} must divide the "
+                             f"{self.devices_per_node} devices per node (valid: "
+                             f"{', '.join(str(d) for d in _divisors(self.devices_per_node))})")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(f"tp x pp = {self.tp * self.pp} must divide the world size "
+                             f"{self.world_size} ({self.nodes} nodes x {self.devices_per_node} "
+                             f"devices)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_nodes(self) -> int:
+        """Nodes one data-parallel group spans (its ranks are ``tp`` apart)."""
+        block = self.dp * self.tp
+        return min(self.nodes, max(1, math.ceil(block / self.devices_per_node)))
+
+    def pipe_link_inter_node(self, stage: int) -> bool:
+        """Whether stage ``stage`` sends to stage ``stage + 1`` across nodes."""
+        block = self.dp * self.tp
+        return (stage * block) // self.devices_per_node != \
+            ((stage + 1) * block) // self.devices_per_node
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the planner needs of a model: its trainable parameters as the engine lists them,
+    forward FLOPs of one sample, and the shapes that size pipeline and TP messages (0 when
+    unknown, e.g. a model known only from a run's plan.json)."""
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    forward_flops_per_sample: float
+    seq_len: int = 0
+    hidden: int = 0
+    layers: int = 0
+    activation_bytes_per_sample: float = 0.0
+    # one layer's input (the activations a pipeline stage sends on), when the shapes are unknown
+    layer_input_bytes_per_sample: float = 0.0
+    # A measured pipeline run's own split (its stage records): each stage's parameter indices,
+    # forward FLOPs and output bytes per sample. Empty: split by layer numbers and parameter
+    # count.
+    stage_params: tuple[tuple[int, ...], ...] = ()
+    stage_flops_per_sample: tuple[float, ...] = ()
+    stage_output_bytes_per_sample: tuple[float, ...] = ()
+    # A forward's ops besides its matmuls (flowtrain.profiling.census): (class, calls per
+    # forward, elements per sample) triples, and attention's calls and FLOPs per sample (part
+    # of forward_flops_per_sample, priced at attention's own rate on a calibrated CPU host).
+    op_census: tuple[tuple[str, float, float], ...] = ()
+    attention_calls: float = 0.0
+    attention_flops_per_sample: float = 0.0
+
+    @staticmethod
+    def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
+        """Workload fields from an ``OpCensus.summary()`` of a forward of ``samples``
+        samples (none: no fields)."""
+        if not summary:
+            return {}
+        ops = summary.get("ops", {})
+        return {"op_census": tuple((str(cls), float(calls), float(elements) / samples)
+                                   for cls, (calls, elements) in sorted(ops.items())),
+                "attention_calls": float(summary.get("attention_calls", 0)),
+                "attention_flops_per_sample": float(summary.get("attention_flops", 0.0))
+                / samples}
+
+    @classmethod
+    def from_model(cls, model: Any, precision: str) -> Workload:
+        """From a ``sims.models.ModelSpec``; parameters take the training precision's dtype (the
+        engine casts the model to fp16/bf16 for mixed precision)."""
+        dtype = PRECISION_DTYPE[precision]
+        elem = DTYPE_BYTES[dtype]
+        params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
+        return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
+                   model.hidden, model.layers, float(model.activation_bytes_per_sample),
+                   float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
+                   **cls.census_fields(getattr(model, "op_census", None), 1))
+
+    @classmethod
+    def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
+                 name: str = "run") -> Workload:
+        """From a run directory's ``plan.json`` (written by rank 0 of a launched run)."""
+        params = tuple((str(n), tuple(int(d) for d in s), str(dt), int(e))
+                       for n, s, dt, e in plan["param_specs"])
+        flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
+        return cls(name, params, flops, **cls.census_fields(
+            plan.get("forward_ops_per_micro_batch"), micro_batch_size))
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[Mapping[str, Any]], micro_batch_size: int,
+                    name: str = "run") -> Workload:
+        """From a pipeline run's per-stage records (``stages/stage{s}.json``, in stage order):
+        the stages' parameters in order, each stage's own FLOPs and the bytes it sends on."""
+        params: list[ParamSpec] = []
+        split: list[tuple[int, ...]] = []
+        for record in stages:
+            first = len(params)
+            params += [(str(n), tuple(int(d) for d in shape), str(dt), int(e))
+                       for n, shape, dt, e in record["param_specs"]]
+            split.append(tuple(range(first, len(params))))
+        flops = tuple(float(r["forward_flops_per_micro_batch"]) / micro_batch_size
+                      for r in stages)
+        sent = tuple(float(r["output_bytes_per_micro_batch"]) / micro_batch_size
+                     for r in stages)
+        return cls(name, tuple(params), sum(flops), stage_params=tuple(split),
+                   stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent)
+
+
+def layer_of(name: str) -> int | None:
+    """A parameter's layer number: the first all-digit part of its dotted name
+    ("h.3.attn.c_attn.weight" -> 3, "model.layers.12.mlp.up_proj.weight" -> 12)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def split_stages(params: Sequence[ParamSpec], stages: int) -> list[list[int]]:
+    """Parameter indices of each pipeline stage: numbered layers split evenly in order, what
+    comes before the first layer (embeddings) on the first stage, what comes after the last
+    (final norm, head) on the last."""
+    if stages == 1:
+        return [list(range(len(params)))]
+    layers = sorted({n for n in (layer_of(p[0]) for p in params) if n is not None})
+    if len(layers) < stages:
+        raise ValueError(f"pp {stages} needs at least {stages} numbered layers to split the "
+                         f"model into stages; its parameter names show {len(layers)}")
+    stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
+    out: list[list[int]] = [[] for _ in range(stages)]
+    seen_layer = False
+    for i, p in enumerate(params):
+        n = layer_of(p[0])
+        if n is not None:
+            seen_layer = True
+            out[stage_of_layer[n]].append(i)
+        else:
+            out[stages - 1 if seen_layer else 0].append(i)
+    return out
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def tp_shard(spec: ParamSpec, tp: int) -> ParamSpec:
+    """A weight matrix split tp ways (along its first dimension); vectors stay whole."""
+    name, shape, dtype, elem = spec
+    if tp == 1 or len(shape) < 2:
+        return spec
+    return (name, (math.ceil(shape[0] / tp), *shape[1:]), dtype, elem)
+
+
+def module_units(params: Sequence[ParamSpec]) -> list[list[int]]:
+    """ZeRO-3's units from parameter names: the parameters of one module (the name without its
+    last part) in first-seen order, as the engine's ``module_units`` finds them on the module."""
+    units: dict[str, list[int]] = {}
+    for i, p in enumerate(params):
+        units.setdefault(p[0].rpartition(".")[0], []).append(i)
+    return list(units.values())
