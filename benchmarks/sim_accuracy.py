@@ -178,7 +178,7 @@ def gloo_worker(out: str, trials: int) -> None:
 def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
     """Waits until the host's CPUs are less than ``busy_below`` busy over one second, at most
     ``limit_s`` seconds; returns the busy fraction last seen."""
-    from sims.calibrate_engine import host_busy_seconds
+    from sims.calibrate_jobs import host_busy_seconds
 
     cores = os.cpu_count() or 1
     deadline = time.monotonic() + limit_s
@@ -304,7 +304,7 @@ def main() -> int:
     if args.gloo_worker:
         gloo_worker(args.out, trials=5)
         return 0
-    from sims.calibrate_engine import ForeignLoad
+    from sims.calibrate_jobs import ForeignLoad
 
     configs = list(enumerate(CONFIGS, start=1))
     if args.only:

@@ -32,7 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from sims import calibrate_engine, calibrate_ops
+from sims import calibrate_engine, calibrate_jobs, calibrate_ops
 from sims.costs import ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, host_profile_path
 
@@ -69,7 +69,7 @@ class Settings:
     # every measured rank count, and a 2-stage pipeline)
     jobs: tuple[tuple[int, int], ...] | None = None
     job_runs: int = 2  # each job's runs; the least disturbed is kept
-    job_steps: int = calibrate_engine.JOB_STEPS  # steps of each size (the first left out)
+    job_steps: int = calibrate_jobs.JOB_STEPS  # steps of each size (the first left out)
 
 
 DEFAULT = Settings(
@@ -400,7 +400,7 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
 
     jobs = settings.jobs if settings.jobs is not None else \
         tuple((n, 1) for n in (1, *ranks)) + ((PIPELINE_JOB_RANKS, 2),)
-    engine["jobs"] = calibrate_engine.measure_jobs(jobs, settings.job_steps, timeout_s,
+    engine["jobs"] = calibrate_jobs.measure_jobs(jobs, settings.job_steps, timeout_s,
                                                    runs=settings.job_runs)
     return {"v": MEASUREMENTS_VERSION, "host": host_facts(), "threads_per_device": 1,
             "matmul": measure_matmul(settings), "memory": measure_memory(settings),
@@ -615,13 +615,13 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
 
 def _with_engine_factors(profile: HardwareProfile, m: dict[str, Any]) -> HardwareProfile:
     """The profile with its engine factors, fitted by predicting the launched calibration jobs
-    with the profile itself (``sims.calibrate_engine.fit_factors``)."""
+    with the profile itself (``sims.calibrate_jobs.fit_factors``)."""
     jobs = m.get("engine", {}).get("jobs")
     if profile.engine is None or not jobs:
         return profile
     import dataclasses
 
-    return dataclasses.replace(profile, engine=calibrate_engine.fit_factors(profile, jobs))
+    return dataclasses.replace(profile, engine=calibrate_jobs.fit_factors(profile, jobs))
 
 
 def write_profile(measurements: dict[str, Any], out: str | os.PathLike[str],

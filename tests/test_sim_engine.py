@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from flowtrain.config import load_config
-from sims import calibrate, calibrate_engine, costs
+from sims import calibrate, calibrate_engine, calibrate_jobs, costs
 from sims.compare import measured_classes, predicted_classes, read_run
 from sims.executor import SimTask, execute
 from sims.hardware import BUILTIN_PROFILES, EngineCosts, HardwareProfile, Link, ProfileError
@@ -381,9 +381,9 @@ def _size_from_run(run_dir: Path, ranks: int, pp: int) -> dict[str, Any]:
     size = {"ranks": ranks, "pp": pp, "plan": record.plan, "stages": list(record.stages),
             "measured": measured, "steps": steps}
     if pp > 1:
-        size["gap_per_op_s"] = calibrate_engine.gap_per_op(record.steps)
+        size["gap_per_op_s"] = calibrate_jobs.gap_per_op(record.steps)
     else:
-        size["micro_batch_gap_s"] = calibrate_engine.micro_batch_gap(record.steps)
+        size["micro_batch_gap_s"] = calibrate_jobs.micro_batch_gap(record.steps)
     return size
 
 
@@ -396,11 +396,11 @@ def test_overheads_read_off_a_jobs_spans_by_hand() -> None:
     step = [("forward/mb0", 0.0, 1.0), ("backward/mb0", 1.5, 3.0), ("forward/mb1", 3.1, 4.0),
             ("backward/mb1", 4.3, 6.0), ("optimizer/step", 6.5, 7.0)]
     # gaps between each forward and its backward: 0.5 and 0.3; the first step is left out
-    assert calibrate_engine.micro_batch_gap({0: [[], step, step, step]}) == pytest.approx(0.4)
+    assert calibrate_jobs.micro_batch_gap({0: [[], step, step, step]}) == pytest.approx(0.4)
     pipe = [("forward/mb0", 0.0, 1.0), ("send_act/mb0", 1.2, 1.3), ("recv_grad/mb0", 1.3, 2.0),
             ("backward/mb0", 2.4, 4.0), ("optimizer/step", 5.0, 6.0)]
     # from 0 to 4: spans cover 3.4, gaps 0.6 (1.0-1.2 and 2.0-2.4) over 4 spans
-    assert calibrate_engine.gap_per_op({0: [pipe, pipe]}) == pytest.approx(0.15)
+    assert calibrate_jobs.gap_per_op({0: [pipe, pipe]}) == pytest.approx(0.15)
 
 
 def _base_profile() -> HardwareProfile:
@@ -413,9 +413,9 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     assert base.engine is not None and base.engine.factors == {}
     # a data-parallel job (the recorded ZeRO-1 run) and the recorded pipeline run
     jobs = [_job(_size_from_run(RUN, 2, 1)), _job(_size_from_run(PIPELINE_RUN, 2, 2))]
-    fitted = dataclasses.replace(base, engine=calibrate_engine.fit_factors(base, jobs))
+    fitted = dataclasses.replace(base, engine=calibrate_jobs.fit_factors(base, jobs))
     size = jobs[0]["sizes"][0]
-    again = calibrate_engine.predict_job(fitted, size)
+    again = calibrate_jobs.predict_job(fitted, size)
     measured = size["measured"]
     assert again["forward"] == pytest.approx(measured["forward"], rel=0.02)
     assert again["backward"] == pytest.approx(measured["backward"], rel=0.02)
@@ -429,7 +429,7 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     pipeline = jobs[1]["sizes"][0]
     assert fitted.engine.pipeline_op_s == pipeline["gap_per_op_s"] > 0
     assert fitted.engine.pipeline_message_s > 0
-    assert calibrate_engine.predict_job(fitted, pipeline)["step"] == \
+    assert calibrate_jobs.predict_job(fitted, pipeline)["step"] == \
         pytest.approx(pipeline["measured"]["step"], rel=1e-3)
     # fitting through fit_profile gives the same profile, and it survives JSON
     sample = json.loads((DATA / "calibration_sample.json").read_text())
@@ -456,8 +456,8 @@ def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
     host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
                                                                 factors={2: truth}))
     for size in (small, large):
-        size["measured"] = calibrate_engine.predict_job(host, size)
-    fitted = calibrate_engine.fit_factors(base, [_job(small, large)]).factors[2]
+        size["measured"] = calibrate_jobs.predict_job(host, size)
+    fitted = calibrate_jobs.fit_factors(base, [_job(small, large)]).factors[2]
     assert fitted == pytest.approx(truth, rel=0.01)
 
 
@@ -468,7 +468,7 @@ def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
              "seconds": costs.collective_seconds(op, nbytes, 2, base) + extra}
             for (op, nbytes), extra in zip(model, (0.001, 0.002, 0.004))]
     job = {**_job(_size_from_run(RUN, 2, 1)), "gloo": gloo}
-    engine = calibrate_engine.fit_factors(base, [job])
+    engine = calibrate_jobs.fit_factors(base, [job])
     assert engine.factors[2]["gloo_s"] == pytest.approx(0.002)
     hw = dataclasses.replace(base, engine=engine)
     cfg = _cfg(2, flowtrain={"data_channel": "torch"})
