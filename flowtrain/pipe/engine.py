@@ -200,16 +200,22 @@ class _Receiver:
 
 
 class _Sender:
-    """A stage's outgoing messages: posted by the schedule (``send``); a long-lived thread
-    waits on them in order, each with a timeout, and holds their tensors until they are out."""
+    """A stage's outgoing messages. ``send`` (on the compute thread) only checks and queues
+    them: gloo writes a send's bytes into the socket inside isend when the peer's receive is
+    already posted (as the receiver threads see to), a few hundred microseconds for a few
+    hundred KiB, so a long-lived thread posts them, in order, and another waits on them, each
+    with a timeout, holding their tensors until they are out."""
 
     def __init__(self, group: Any, device: torch.device, timeout: float, name: str) -> None:
         self.group, self.device, self.timeout = group, device, timeout
         self.shapes: dict[tuple[int, int], Shapes] = {}  # (peer, header tag): last message's
         self.failure: BaseException | None = None
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._posts: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._post, name=name, daemon=True),
+                         threading.Thread(target=self._wait, name=f"{name}-wait", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def send(self, tensors: tuple[torch.Tensor, ...], dst: int, tags: tuple[int, int], mb: int,
              what: str) -> None:
@@ -226,34 +232,44 @@ class _Sender:
             messages += [(torch.empty(dims, dtype=dtype, device=self.device), data_tag)
                          for dtype, dims in last]
         messages += [(t, data_tag) for t in out]
-        works = []
-        try:
-            for t, tag in messages:
-                works.append((dist.isend(t, dst, group=self.group, tag=tag), t))
-        except RuntimeError as exc:
-            self.failure = PipelineChannelError(f"{what} could not be sent: that stage may "
-                                                f"have died ({exc})")
-            raise self.failure from None
         self.shapes[(dst, header_tag)] = shapes
-        self._jobs.put((works, what, time.monotonic() + self.timeout))
+        self._posts.put((messages, dst, what, time.monotonic() + self.timeout))
 
     def drain(self) -> Future[None]:
-        """A future done once every send posted so far is out (the first failure if not)."""
+        """A future done once every send queued so far is out (the first failure if not)."""
         future: Future[None] = Future()
-        self._jobs.put(future)
+        self._posts.put(future)
         return future
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._posts.put(None)
 
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _post(self) -> None:
+        while (job := self._posts.get()) is not None:
+            if isinstance(job, Future):
+                self._waits.put(job)
+                continue
+            if self.failure is not None:
+                continue
+            messages, dst, what, deadline = job
+            works = []
+            try:
+                for t, tag in messages:
+                    works.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+            except RuntimeError as exc:
+                self.failure = PipelineChannelError(f"{what} could not be sent: that stage "
+                                                    f"may have died ({exc})")
+            self._waits.put((works, what, deadline))
+        self._waits.put(None)
+
+    def _wait(self) -> None:
+        while (job := self._waits.get()) is not None:
             if isinstance(job, Future):
                 _settle(job, None, self.failure)
                 continue
-            works, what, deadline = job
             if self.failure is not None:
                 continue
+            works, what, deadline = job
             try:
                 for work, _ in works:
                     comm.wait_blocking(work, f"send of {what}", deadline - time.monotonic())
