@@ -6,8 +6,9 @@ comes from or is about; -1 for the launcher/coordinator side) and ``t`` (unix se
 
 - ``job`` (rank -1, once at start): ``job_id``, ``world_size``, ``run_dir``, ``started``,
   ``total_steps`` (or null), ``config_summary`` (launch mode, script, ranks per node, ...).
-- ``step`` (each rank, every optimizer step but at most ``flowtrain.telemetry_hz`` per second;
-  faster steps are sampled; the timings are the mean of up to 4 of the steps since the last one):
+- ``step`` (each rank, at most ``flowtrain.telemetry_hz`` per second, on the rank's timer: the
+  newest optimizer step since the last record, so faster steps are sampled; the timings are the
+  mean of the last (up to 4) steps since the last record):
   ``step``, ``loss`` (the step's mean micro-batch loss on this rank, or null), ``lr``,
   ``loss_scale``, ``skipped`` (skipped steps so far), ``grad_norm`` (or null when the engine did
   not compute it), ``step_s``, ``forward_s``, ``backward_s``, ``comm_s`` (exposed: the step
@@ -21,7 +22,8 @@ comes from or is about; -1 for the launcher/coordinator side) and ``t`` (unix se
   ``flowtrain.telemetry_spans_every``, at most one record a second): ``step``, ``spans``
   [[task name, start_s, end_s], ...] relative to the step's start (names as
   in ``spans/rank<R>.jsonl`` and the StepPlan), ``step_start`` (unix seconds of the step's
-  start, which lines the ranks up in ``flowtrain trace``).
+  start, which lines the ranks up in ``flowtrain trace``). Its ``t`` is when that step ended
+  (its spans were taken), not when the record went out.
 - ``event``: ``event``, ``message`` (one readable line), ``data`` (map). Names: ``rank_joined``,
   ``rank_finished``, ``rank_failed`` (``data.source`` "rank": it reported an exception; "exit":
   the launcher saw its process fail), ``rank_exited``, ``rank_stuck`` (missed heartbeats;

@@ -1,12 +1,13 @@
-"""The Telemetry actor every launched rank runs at the engine's ``after_step`` point: it turns
-StepDone and the step timer's spans into "step", "spans" and "event" records and publishes them,
-rate-limited, through the rank's control client without ever making training wait."""
+"""Telemetry of a training rank: ``TelemetryTap`` keeps each step's StepDone and spans on the
+training thread, and ``TelemetryActor``, on the rank's event loop and its own timer, turns them
+into "step", "spans" and "event" records at ``telemetry_hz`` and publishes them, never waiting."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,21 +18,22 @@ from flowtrain.telemetry.schema import SCHEMA_VERSION, event_record, topic_of
 
 log = get_logger("flowtrain.telemetry")
 
-MEMORY_REFRESH_S = 2.0  # sizes change slowly, and reading them costs ~100 us
+MEMORY_REFRESH_S = 2.0  # the RSS is read at most every 2 s (~50 us a read)
+MODEL_STATES_REFRESH_S = 10.0  # model-state sizes (a walk over the optimizer state, ~0.5 ms)
 SPANS_MIN_GAP_S = 1.0  # a "spans" record at most once a second per rank (each is ~0.5 KB)
 WINDOW_TIMINGS = 4  # a "step" record averages the timings of the window's last 4 steps
 FLUSH_ASK_TIMEOUT = 0.5  # seconds the control client's goodbye waits for held records
-HELD_CHECK_S = 0.5  # how often a held step is looked at when no further step comes
 COMM_PREFIXES = ("reduce/", "gather/")  # spans of collectives, launch to completion
 WAIT_PREFIX = "comm/"  # spans where the step waited for collectives (exposed communication)
 
 Publish = Callable[[str, dict[str, Any]], bool]
+Snapshot = tuple[float, list[tuple[str, float, float]]]  # (step start, spans), perf_counter times
 
 
 @dataclass(frozen=True)
 class FlushTelemetry:
-    """Publish the step record the rate limit is holding back (at the end of training, or
-    when steps stopped coming)."""
+    """Publish what the tap holds now, whatever the rate (asked before the rank says goodbye,
+    so the last steps are not lost)."""
 
 
 PHASE_KEYS = ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s")
@@ -39,13 +41,81 @@ PHASE_KEYS = ("forward_s", "backward_s", "comm_s", "optimizer_s", "step_s")
 
 @dataclass
 class _Window:
-    """The steps since the last published "step" record: how many, and the spans of those read
-    consistently (see _snapshot), kept as references and turned into timings only when the
-    record is built, so a step that is not published costs next to nothing."""
+    """The steps since the last published "step" record: how many, the newest one's StepDone,
+    the spans of the last few (references; turned into timings only when the record is built),
+    the skipped steps with the loss scale before each, and a step whose spans go out."""
 
     steps: int = 0
-    snapshots: deque[tuple[float, list[tuple[str, float, float]]]] = field(
-        default_factory=lambda: deque(maxlen=WINDOW_TIMINGS))
+    last: StepDone | None = None
+    snapshots: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=WINDOW_TIMINGS))
+    skips: list[tuple[StepDone, float | None]] = field(default_factory=list)
+    # (step, its start, its spans, when they were taken): perf_counter times
+    spans: tuple[int, float, list[tuple[str, float, float]], float] | None = None
+
+
+class TelemetryTap:
+    """The engine's ``after_step`` stage for telemetry. ``send_from_thread(StepDone)`` runs on
+    the training thread right after the step's timer closed, so ``engine.timer.last_step`` is
+    that step's (no race with the next step). It only keeps references, under a lock the actor
+    takes once per record: about a microsecond, no message, no syscall.
+
+    Why not a message per step to the actor: a send from the training thread wakes the event
+    loop's thread at the step boundary, where training runs Python and holds the GIL, so the
+    hand-off and the record building stall the next step (benchmarks/telemetry_overhead.py
+    ``--noop`` shows what a message per step costs). Woken by its own timer, the actor mostly
+    runs while training is inside a torch kernel that released the GIL, on another core."""
+
+    def __init__(self, engine: Any, *, spans_every: int) -> None:
+        if spans_every < 1:
+            raise ValueError(f"telemetry spans_every must be at least 1 step, got {spans_every}")
+        self.engine = engine
+        self.spans_every = spans_every
+        self.ref: ActorRef[Any] | None = None  # the actor's, set by attach()
+        self.spans_due = True  # the first step's spans go out, then every spans_every
+        self._spans_at = float("-inf")  # perf_counter time the last spans were taken
+        self._scale: float | None = None  # the loss scale after the previous step
+        self._lock = threading.Lock()
+        self._window = _Window()
+
+    @property
+    def name(self) -> str:
+        """The actor's name: the engine stops its stages by name (``destroy``)."""
+        assert self.ref is not None, "TelemetryTap used before attach() gave it its actor"
+        return self.ref.name
+
+    def send_from_thread(self, msg: StepDone, *, timeout: float | None = None) -> None:
+        snapshot = self.engine.timer.last_step
+        with self._lock:
+            w = self._window
+            w.steps += 1
+            w.last = msg
+            w.snapshots.append(snapshot)
+            if msg.skipped:
+                w.skips.append((msg, self._scale))
+            if self.spans_due or msg.step % self.spans_every == 0:
+                self._spans(w, msg.step, snapshot)
+        self._scale = msg.loss_scale
+
+    def _spans(self, w: _Window, step: int, snapshot: Snapshot) -> None:
+        """This step's spans go out if the last ones were taken at least SPANS_MIN_GAP_S ago;
+        else the next step is asked again."""
+        now = time.perf_counter()
+        if now - self._spans_at >= SPANS_MIN_GAP_S:
+            self._spans_at = now
+            w.spans = (step, snapshot[0], snapshot[1], now)
+            self.spans_due = False
+        else:
+            self.spans_due = True
+
+    @property
+    def holding(self) -> bool:
+        return self._window.steps > 0
+
+    def take(self) -> _Window | None:
+        """The steps gathered since the last call (on the actor's loop), or None."""
+        with self._lock:
+            w, self._window = self._window, _Window()
+        return w if w.steps else None
 
 
 def step_timings(spans: list[tuple[str, float, float]], start: float) -> dict[str, Any]:
@@ -83,36 +153,30 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 class TelemetryActor(Actor):
-    """Publishes one rank's telemetry. ``publish(topic, record)`` must not wait (it returns False
-    when the record was dropped); the actor runs on the rank's event loop, where it is called."""
+    """Publishes one rank's telemetry from what ``tap`` gathered. ``publish(topic, record)``
+    must not wait (it returns False when the record was dropped); the actor runs on the rank's
+    event loop, where it is called."""
 
-    mailbox_size = 4096  # StepDone messages queue here if the loop is briefly busy
+    mailbox_size = 16  # only FlushTelemetry comes here (steps reach the tap)
 
     def __init__(self, engine: Any, publish: Publish, *, rank: int, hz: float = 10.0,
                  spans_every: int = 10) -> None:
         if not hz > 0:
             raise ValueError(f"telemetry hz must be > 0 records per second, got {hz!r}")
-        if spans_every < 1:
-            raise ValueError(f"telemetry spans_every must be at least 1 step, got {spans_every}")
+        self.tap = TelemetryTap(engine, spans_every=spans_every)
         self.engine = engine
         self.publish_fn = publish
         self.rank = rank
         self.min_gap = 1.0 / hz
-        self.spans_every = spans_every
         self.published = 0
         self.dropped = 0
-        self._window = _Window()
-        self._held: StepDone | None = None  # the newest step not yet published
-        self._last_sent = float("-inf")  # monotonic time of the last "step" record
         self._stopping = False
         self._skipped = 0
-        self._last_scale: float | None = None
-        self._spans_due = True  # the first step's spans go out, then every spans_every
-        self._spans_sent = float("-inf")
-        self._last_timings: dict[str, Any] | None = None
         self._memory: dict[str, int] = {}
-        self._rss = 0
-        self._memory_at = float("-inf")
+        self._mem_record: dict[str, Any] = {}
+        self._memory_at = float("-inf")  # monotonic time of the last RSS read
+        self._states_at = float("-inf")  # ... of the last model-state breakdown
+        self._unit_health: dict[str, float | None] | None = None
         self._process: Any = None
         self._clock = 0.0  # time.time() - time.perf_counter(): spans are perf_counter times
 
@@ -127,38 +191,24 @@ class TelemetryActor(Actor):
         if self.rank == 0:
             self._publish(event_record("engine_started", "the training engine is ready",
                                        rank=self.rank, data=_engine_summary(self.engine)))
-        self.runtime.start_soon(self._watch_held)
+        self.runtime.start_soon(self._publish_due)
 
     async def on_stop(self) -> None:
         self._stopping = True
         self._flush()
 
-    async def _watch_held(self) -> None:
-        """When steps come faster than the rate, the newest waits for the next one; if none
-        comes (the run ended, or paused to evaluate), it goes out from here. One wake-up every
-        HELD_CHECK_S instead of a timer per record keeps the per-step path short."""
+    async def _publish_due(self) -> None:
+        """Every ``1 / hz`` seconds: publishes what the tap gathered, if anything. On its own
+        timer, not woken by the training thread (see the module's docstring)."""
         import anyio
 
+        next_at = time.monotonic()
         while not self._stopping:
-            await anyio.sleep(max(HELD_CHECK_S, self.min_gap))
-            if self._held is not None and time.monotonic() - self._last_sent >= self.min_gap:
-                try:
-                    await self.ref.send(FlushTelemetry(), timeout=1.0)
-                except Exception:  # noqa: BLE001 - the actor stopped meanwhile
-                    return
-
-    @handler
-    async def step_done(self, msg: StepDone) -> None:
-        self._window.steps += 1
-        now = time.monotonic()
-        self._snapshot(msg.step, now)
-        if msg.skipped:
-            self._skipped += 1
-            self._publish(self._skip_event(msg))
-        self._last_scale = msg.loss_scale
-        self._held = msg
-        if now - self._last_sent >= self.min_gap:
-            self._flush()
+            now = time.monotonic()
+            next_at = max(next_at + self.min_gap, now)  # a late wake-up does not bunch up
+            await anyio.sleep(next_at - now)
+            if self.tap.holding:
+                self._flush()
 
     @handler
     async def flush(self, msg: FlushTelemetry) -> None:
@@ -166,49 +216,30 @@ class TelemetryActor(Actor):
 
     # -- building records ------------------------------------------------------------------------
 
-    def _snapshot(self, step: int, now: float) -> None:
-        """Keeps this step's spans when they can be read consistently. The handler runs on the
-        loop thread while training goes on: ``timer.last_step`` belongs to step ``step`` only if
-        the engine has not counted another step by the time it was read (the engine counts a
-        step before it closes the step's timer)."""
-        start, spans = self.engine.timer.last_step
-        if self.engine.global_steps != step:
+    def _flush(self) -> None:
+        w = self.tap.take()
+        if w is None:
             return
-        self._window.snapshots.append((start, spans))
-        if step % self.spans_every == 0:
-            self._spans_due = True
-        if self._spans_due and now - self._spans_sent >= SPANS_MIN_GAP_S:
-            self._spans_sent = now
-            sent = self._publish({
-                "v": SCHEMA_VERSION, "kind": "spans", "rank": self.rank, "t": time.time(),
+        for msg, before in w.skips:
+            self._skipped += 1
+            self._publish(self._skip_event(msg, before))
+        if w.spans is not None:
+            step, start, spans, taken = w.spans
+            sent = self._publish({  # t: when the step ended and its spans were taken
+                "v": SCHEMA_VERSION, "kind": "spans", "rank": self.rank, "t": taken + self._clock,
                 "step": step, "step_start": start + self._clock,
                 "spans": [[name, round(a - start, 7), round(b - start, 7)]
                           for name, a, b in spans]})
-            self._spans_due = not sent
-
-    def _flush(self) -> None:
-        msg = self._held
-        if msg is None:
-            return
-        self._held = None
-        record = self._step_record(msg, self._window)
-        self._window = _Window()
-        self._last_sent = time.monotonic()
-        self._publish(record)
+            if not sent:
+                self.tap.spans_due = True
+        assert w.last is not None
+        self._publish(self._step_record(w.last, w))
 
     def _step_record(self, msg: StepDone, w: _Window) -> dict[str, Any]:
-        timings = [step_timings(spans, start) for start, spans in w.snapshots]
-        if timings:
-            phases = {k: sum(t[k] for t in timings) / len(timings) for k in PHASE_KEYS}
-            overlaps = [t["overlap"] for t in timings if t["overlap"] is not None]
-            overlap = sum(overlaps) / len(overlaps) if overlaps else None
-            self._last_timings = dict(phases, overlap=overlap)
-        elif self._last_timings is not None:  # no step of this window read consistently
-            phases = {k: self._last_timings[k] for k in PHASE_KEYS}
-            overlap = self._last_timings["overlap"]
-        else:
-            phases = dict.fromkeys(PHASE_KEYS, 0.0)
-            overlap = None
+        timings = [step_timings(spans, start) for start, spans in w.snapshots]  # 1 to 4
+        phases = {k: sum(t[k] for t in timings) / len(timings) for k in PHASE_KEYS}
+        overlaps = [t["overlap"] for t in timings if t["overlap"] is not None]
+        overlap = sum(overlaps) / len(overlaps) if overlaps else None
         step_s = phases["step_s"]
         batch = getattr(self.engine.config, "train_batch_size", None)
         return {
@@ -224,16 +255,24 @@ class TelemetryActor(Actor):
         }
 
     def _health(self, step_s: float, comm_s: float) -> dict[str, Any]:
-        """MFU and memory-bandwidth utilization (None without a known peak)."""
-        health = getattr(self.engine, "health", None)
-        if health is None:
+        """MFU and memory-bandwidth utilization (None without a known peak). Both are a fixed
+        amount of work over the step time, so the engine's figures for a 1 s step are taken
+        once (counting the step's bytes walks every parameter) and scaled."""
+        unit = self._unit_health
+        if unit is None:
+            health = getattr(self.engine, "health", None)
+            if health is None:
+                return {"mfu": None, "mbu": None}
+            figures = health.figures(1.0, 0.0)
+            unit = {"mfu": figures["mfu"], "mbu": figures["mbu"]}
+            if health.forward_flops is not None:  # counted at the first forward: final
+                self._unit_health = unit
+        if step_s <= 0:
             return {"mfu": None, "mbu": None}
-        figures = health.figures(step_s, comm_s)
-        return {"mfu": figures["mfu"], "mbu": figures["mbu"]}
+        return {k: None if v is None else v / step_s for k, v in unit.items()}
 
-    def _skip_event(self, msg: StepDone) -> dict[str, Any]:
+    def _skip_event(self, msg: StepDone, before: float | None) -> dict[str, Any]:
         fp16 = getattr(self.engine, "precision", None) == "fp16"
-        before = self._last_scale
         change = f"; loss scale {before:g} -> {msg.loss_scale:g}" if before is not None else \
             f"; loss scale now {msg.loss_scale:g}"
         reason = "overflow" if fp16 else "unknown"
@@ -246,30 +285,36 @@ class TelemetryActor(Actor):
                                   "previous_loss_scale": before, "skipped": self._skipped})
 
     def _mem(self) -> dict[str, Any]:
+        """The "mem" map: model states re-read every MODEL_STATES_REFRESH_S (they change only
+        when the optimizer creates its state), the process's RSS (and the device's allocation)
+        every MEMORY_REFRESH_S; a copy of the last map in between."""
         now = time.monotonic()
-        if now - self._memory_at >= MEMORY_REFRESH_S:
+        if now - self._memory_at < MEMORY_REFRESH_S:
+            return dict(self._mem_record)
+        self._memory_at = now
+        if now - self._states_at >= MODEL_STATES_REFRESH_S:
             try:
                 self._memory = self.engine.memory_breakdown()
-                self._memory_at = now
+                self._states_at = now
             except RuntimeError:
                 # The training thread changed the optimizer's state dict while it was walked
                 # (its first step creates it); the next record tries again.
-                pass
-            self._rss = int(self._process.memory_info().rss) if self._process is not None \
-                else int(self._memory.get("process_rss", 0))
+                self._memory_at = float("-inf")
         m = self._memory
-        rss = self._rss
+        rss = int(self._process.memory_info().rss) if self._process is not None \
+            else int(m.get("process_rss", 0))
         device = getattr(self.engine, "device", None)
         allocated = None
         if device is not None and device.type == "cuda":
             import torch
 
             allocated = int(torch.cuda.memory_allocated(device))
-        return {"model_states": int(m.get("model_states", 0)),
-                "parameters": int(m.get("parameters", 0)),
-                "gradients": int(m.get("gradients", 0)),
-                "optimizer_state": int(m.get("optimizer_state", 0)),
-                "process_rss": rss, "device_allocated": allocated}
+        self._mem_record = {"model_states": int(m.get("model_states", 0)),
+                            "parameters": int(m.get("parameters", 0)),
+                            "gradients": int(m.get("gradients", 0)),
+                            "optimizer_state": int(m.get("optimizer_state", 0)),
+                            "process_rss": rss, "device_allocated": allocated}
+        return dict(self._mem_record)
 
     def _publish(self, record: dict[str, Any]) -> bool:
         # Not validated here: the coordinator validates every record it gets (in the launcher),
@@ -301,7 +346,9 @@ def _engine_summary(engine: Any) -> dict[str, Any]:
 
 
 def attach(engine: Any, *, force: bool = False) -> ActorRef[Any] | None:
-    """Wires a TelemetryActor into ``engine`` at ``after_step`` and returns its reference.
+    """Wires telemetry into ``engine``: a TelemetryActor on the rank's loop, and its tap at
+    ``after_step`` (``ref._actor.tap`` is the stage the engine calls). Returns the actor's
+    reference.
 
     Does nothing (returns None) when the config switches telemetry off, or when no flowtrain
     launcher hosts the job (a plain ``python train.py`` or torchrun: nobody would record or
@@ -319,6 +366,10 @@ def attach(engine: Any, *, force: bool = False) -> ActorRef[Any] | None:
     actor = TelemetryActor(engine, control.publish_nowait, rank=rank.env.rank,
                            hz=section.telemetry_hz, spans_every=section.telemetry_spans_every)
     ref = engine.add_stage(actor, at="after_step")
+    actor.tap.ref = ref
+    # The engine calls the tap at after_step in the actor's place (no message per step).
+    points = engine.stages["after_step"]
+    points[points.index(ref)] = actor.tap
 
     async def flush_before_goodbye() -> None:
         try:
@@ -328,4 +379,3 @@ def attach(engine: Any, *, force: bool = False) -> ActorRef[Any] | None:
 
     control.before_close.append(flush_before_goodbye)
     return ref
-
