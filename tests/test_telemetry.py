@@ -324,6 +324,42 @@ async def test_coordinator_stamps_publishes_records_rejects_bad_ones_and_reports
     assert stuck["message"].startswith("rank 0: no heartbeat for ")
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_job_ended_is_published_live_and_recorded_last(tmp_path: Path) -> None:
+    from flowtrain.telemetry.launcher import JobTelemetry
+
+    job = JobTelemetry(tmp_path, job_id="j", world_size=1, total_steps=None, config_summary={},
+                       started=5.0)
+    coordinator = Coordinator(world_size=1, secret=SECRET, on_telemetry=job.on_record,
+                              job_record=job.job_record)
+    async with anyio.create_task_group() as tg:
+        await tg.start(coordinator.serve)
+        job.advertise(coordinator, SECRET)
+        assert T.live_endpoint(tmp_path) is not None
+        subscriber = T.Subscriber(coordinator.pub_endpoint, SECRET, ["telemetry.event"])
+        with anyio.fail_after(10):  # PUB drops what precedes the subscription: send until seen
+            while await subscriber.arecv(0.1) is None:
+                coordinator.publish_record(T.event_record("rank_joined", "rank 0 joined",
+                                                          rank=0))
+        job.close(status="failed", exit_code=1, message="rank 0: no heartbeat")
+        job.close(status="succeeded", exit_code=0, message=None)  # once only
+        with anyio.fail_after(10):
+            live = await subscriber.arecv(5.0)
+            while live is not None and live["event"] != "job_ended":
+                live = await subscriber.arecv(5.0)
+        subscriber.close()
+        tg.cancel_scope.cancel()
+    assert live is not None, "job_ended did not arrive live"
+    assert live["rank"] == -1 and live["data"] == {
+        "status": "failed", "exit_code": 1, "root_cause": "rank 0: no heartbeat"}
+    records, damage = T.load_records(tmp_path / T.TELEMETRY_FILE)
+    assert damage is None and records[0] == job.job_record
+    assert records[-1] == live  # recorded once, last, as published
+    assert [r.get("event") for r in records].count("job_ended") == 1
+    assert T.live_endpoint(tmp_path) is None  # the job no longer advertises a live endpoint
+
+
 # -- a real launch ------------------------------------------------------------------------------
 
 
@@ -415,6 +451,8 @@ def test_recording_holds_what_was_published_live(live_run: LiveRun) -> None:
         assert live == [r for r in recorded if r["kind"] == kind], kind
     live_events = [r for r in live_run.live if r["kind"] == "event"]
     assert live_events and all(r in recorded for r in live_events)
+    # the job's end is published before the coordinator stops: a live monitor sees it
+    assert live_run.live[-1] == recorded[-1]
     events = [(r["event"], r["rank"]) for r in recorded if r["kind"] == "event"]
     for expected in (("rank_joined", 0), ("rank_joined", 1), ("engine_started", 0),
                      ("rank_finished", 0), ("rank_finished", 1)):

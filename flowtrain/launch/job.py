@@ -175,12 +175,22 @@ def run_launch(cfg: LaunchConfig) -> int:
     telemetry = _job_telemetry(cfg, rd, started) if hosting else None
     log.info("job starting", console=True, job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,
              nproc_per_node=cfg.nproc_per_node, run_dir=str(rd.path))
+    ended: list[Outcome] = []
+
+    def end_telemetry() -> None:
+        # On the launcher's loop while the coordinator still serves: job_ended goes out live.
+        assert telemetry is not None
+        ended.append(collect_outcome(supervisor, rd, started=started,
+                                     join_timeout=cfg.join_timeout))
+        _close_telemetry(telemetry, ended[0])
+
     supervisor = Supervisor(grace_period=cfg.grace_period,
                             make_coordinator=make_coordinator if hosting else None,
                             build_children=build_children, endpoint_for=endpoint_for,
                             watch_stdin=cfg.from_parent,
                             progress=telemetry.progress if telemetry else None,
-                            on_exit=_exit_reporter(telemetry) if telemetry else None)
+                            on_exit=_exit_reporter(telemetry) if telemetry else None,
+                            on_end=end_telemetry if telemetry else None)
     supervisor.run()
     if supervisor.start_error:
         record.update(end_time=time.time(), status="failed", exit_code=2, root_cause=None)
@@ -189,14 +199,14 @@ def run_launch(cfg: LaunchConfig) -> int:
             telemetry.close(status="failed", exit_code=2, message=supervisor.start_error)
         raise LaunchInputError(supervisor.start_error + "; is another job using that port? "
                                "pick another --master-port")
-    outcome = collect_outcome(supervisor, rd, started=started, join_timeout=cfg.join_timeout)
+    outcome = ended[0] if ended else collect_outcome(supervisor, rd, started=started,
+                                                     join_timeout=cfg.join_timeout)
     record.update(end_time=time.time(), status=outcome.status, exit_code=outcome.exit_code,
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
                   ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records])
     rd.write_job(record)
     if telemetry is not None:
-        telemetry.close(status=outcome.status, exit_code=outcome.exit_code,
-                        message=outcome.root_cause.failure.message if outcome.root_cause else None)
+        _close_telemetry(telemetry, outcome)  # unless end_telemetry did
     log.info("job ended", console=True, status=outcome.status, exit_code=outcome.exit_code,
              root_cause=record["root_cause"])
     if cfg.trace and not joins_remote:
@@ -222,6 +232,11 @@ def _job_telemetry(cfg: LaunchConfig, rd: RunDir, started: float) -> Any:
     return JobTelemetry(rd.path, job_id=cfg.job_id, world_size=cfg.world_size,
                         total_steps=cfg.total_steps, config_summary=summary, started=started,
                         progress=progress)
+
+
+def _close_telemetry(telemetry: Any, outcome: Outcome) -> None:
+    telemetry.close(status=outcome.status, exit_code=outcome.exit_code,
+                    message=outcome.root_cause.failure.message if outcome.root_cause else None)
 
 
 def _exit_reporter(telemetry: Any) -> Any:

@@ -72,11 +72,15 @@ class Supervisor:
                  build_children: Callable[[str | None], list[Child]],
                  endpoint_for: Callable[[Any], str | None], watch_stdin: bool = False,
                  progress: Any = None,
-                 on_exit: Callable[[Child, bool], None] | None = None) -> None:
+                 on_exit: Callable[[Child, bool], None] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
         self.grace_period = grace_period
         # flowtrain.telemetry.launcher.ProgressLine: rank output is written inside its hold()
         self.progress = progress
         self.on_exit = on_exit  # told of every child's exit and whether it is a failure
+        # Called on the loop once every child has exited and its output is read, while the
+        # coordinator still serves: the job's outcome is known and can still be published.
+        self.on_end = on_end
         self.make_coordinator = make_coordinator
         self.build_children = build_children
         self.endpoint_for = endpoint_for
@@ -140,7 +144,20 @@ class Supervisor:
                     self._on_exit(child, 127, time.time())
             async with receive:
                 await self._supervise(receive, tg)
+            if self.on_end is not None:
+                await anyio.to_thread.run_sync(self._join_output)
+                try:
+                    self.on_end()
+                except Exception:  # telemetry must not keep the launcher from ending
+                    log.exception("on_end callback raised")
             tg.cancel_scope.cancel()
+
+    def _join_output(self) -> None:
+        """Waits (bounded) until the children's output is read to its end, where a node
+        launcher's result line comes."""
+        for child in self.children:
+            for t in child.threads:
+                t.join(timeout=2.0)
 
     # ------------------------------------------------------------------ processes
 

@@ -166,11 +166,14 @@ class JobTelemetry:
         self.recorder = TelemetryRecorder(self.run_dir / TELEMETRY_FILE)
         self.progress = progress
         self.coordinator: Any = None
+        self.closed = False
         self.job_record = job_record(job_id=job_id, world_size=world_size,
                                      run_dir=str(self.run_dir), started=started,
                                      total_steps=total_steps, config_summary=config_summary)
 
     def on_record(self, record: dict[str, Any]) -> None:
+        if self.closed:
+            return  # job_ended was the last record
         self.recorder.append(record)
         if self.progress is None:
             return
@@ -200,10 +203,19 @@ class JobTelemetry:
             self.on_record(record)
 
     def close(self, *, status: str, exit_code: int, message: str | None) -> None:
-        """Records ``job_ended``, writes the rest of the file, ends the progress line."""
+        """Publishes and records ``job_ended`` (live subscribers see the job end when the
+        coordinator still serves: the launcher calls this before it stops the coordinator),
+        writes the rest of the file, ends the progress line. Once; later calls do nothing."""
+        if self.closed:
+            return
         text = f"job {status} (exit code {exit_code})" + (f": {message}" if message else "")
-        self.recorder.append(event_record("job_ended", text, data={
-            "status": status, "exit_code": exit_code, "root_cause": message}))
+        record = event_record("job_ended", text, data={
+            "status": status, "exit_code": exit_code, "root_cause": message})
+        if self.coordinator is not None:
+            self.coordinator.publish_record(record)  # also reaches on_record, hence the file
+        else:
+            self.recorder.append(record)
+        self.closed = True
         self.recorder.close()
         (self.run_dir / LIVE_FILE).unlink(missing_ok=True)
         if self.progress is not None:
