@@ -209,6 +209,36 @@ def test_state_stuck_event_marks_the_rank_until_it_steps_again() -> None:
     assert state.ranks[1].status(T0 + 2, False) != "stuck"
 
 
+def test_state_a_stuck_rank_that_finishes_shows_finished_and_never_goes_stale() -> None:
+    state = RunState()
+    for second in range(4):
+        for rank in (0, 1, 2):
+            state.apply(_record("heartbeat", rank, T0 + second, status="busy",
+                                busy_actor=None, pending_collective=None))
+    state.apply(_record("event", -1, T0 + 5, event="rank_stuck", message="rank 1: silent",
+                        data={"rank": 1}))
+    state.apply(_record("event", -1, T0 + 5, event="rank_stuck", message="rank 2: silent",
+                        data={"rank": 2}))
+    assert [state.ranks[r].status(T0 + 7, False) for r in (0, 1, 2)] == \
+        ["stale", "stuck", "stuck"]  # rank 0: silent for 4 s at a 1 s rhythm
+    state.apply(_record("event", 0, T0 + 6, event="rank_finished", message="", data={}))
+    state.apply(_record("event", 1, T0 + 6, event="rank_finished", message="", data={}))
+    state.apply(_record("event", 2, T0 + 6, event="rank_exited",
+                        message="rank 2 terminated by the launcher (SIGKILL)",
+                        data={"exit_code": -9, "source": "exit", "failure": False}))
+    later = T0 + 600  # long past three usual intervals: finished ranks are silent on purpose
+    assert [state.ranks[r].status(later, False) for r in (0, 1, 2)] == \
+        ["finished", "finished", "stuck"]  # rank 2 was killed while stuck: the culprit
+    cells = [dict(zip(("text", "style"), row_cells(state.ranks[r], later, False)[-1]))
+             for r in (0, 1)]
+    assert cells == [{"text": "finished", "style": ""},
+                     {"text": "finished (was stuck)", "style": ""}]
+    assert {spec for _, spec in row_cells(state.ranks[1], later, False)} == {""}  # not dimmed
+    state.apply(_record("event", 3, T0 + 7, event="rank_exited", message="rank 3 exited",
+                        data={"exit_code": 0, "source": "exit", "failure": False}))
+    assert state.ranks[3].status(later, False) == "exited"
+
+
 def test_state_history_averages_loss_and_throughput_over_complete_steps() -> None:
     state = RunState()
     for record in synthetic_records():
@@ -295,8 +325,9 @@ async def test_replay_of_a_recorded_run_shows_ranks_stuck_rank_events_and_health
             assert shown["step"] == str(expected["step"])
             assert shown["loss"] == f"{expected['loss']:.4f}"
             assert shown["scale"] == f"{expected['loss_scale']:g}"
-        assert row(app, 1)["status"] == "STUCK"
-        assert row(app, 0)["status"] == "ended"  # the job ended; rank 0 was not stuck
+        # rank 1 was declared stuck, then said goodbye in the teardown (rank_finished)
+        assert row(app, 1)["status"] == "finished (was stuck)"
+        assert row(app, 0)["status"] == "finished"
         header = app.query_one(JobHeader).text.plain
         job = records[0]
         assert f"step {last_step(records, 0)['step']}/{job['total_steps']}" in header
@@ -313,6 +344,25 @@ async def test_replay_of_a_recorded_run_shows_ranks_stuck_rank_events_and_health
         stuck_line = log[events.index(stuck[0])]
         assert stuck_line.split(" | ")[1] == "rank 1" and "no heartbeat" in stuck_line
         assert any("step 1 skipped" in line for line in log)
+
+
+async def test_replay_shows_a_stuck_rank_finished_once_it_says_goodbye(tmp_path: Path) -> None:
+    records = synthetic_records()
+    stuck_at = records[-1]["t"]
+    path = tmp_path / "telemetry.msgpack"
+    write_recording(path, records)
+    app = MonitorApp(replay(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        assert row(app, 1)["status"] == "STUCK"
+    finished = _record("event", -1, stuck_at + 1, event="rank_finished",
+                       message="rank 1 finished", data={"rank": 1})
+    write_recording(path, [*records, finished])
+    app = MonitorApp(replay(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        assert row(app, 1)["status"] == "finished (was stuck)"
+        assert row(app, 0)["status"] == "busy (reducer)"  # rank 0 has not finished
 
 
 async def test_pause_stops_the_replay_and_resume_goes_on(recording: Path) -> None:
@@ -451,6 +501,38 @@ async def test_live_monitor_shows_what_the_coordinator_publishes() -> None:
             await wait_for(pilot, lambda: row(app, 1).get("status") == "STUCK")
             assert row(app, 0)["step"] == row(app, 1)["step"] == str(LAST_STEP)
             assert "live from tcp://" in app.query_one(JobHeader).text.plain
+        tasks.cancel_scope.cancel()
+
+
+async def test_live_monitor_shows_the_job_end_the_launcher_publishes(tmp_path: Path) -> None:
+    from flowtrain.telemetry.launcher import JobTelemetry
+
+    secret = b"s" * 32
+    job = JobTelemetry(tmp_path, job_id="20300115-080000-test", world_size=2, total_steps=None,
+                       config_summary={}, started=time.time())
+    coordinator = Coordinator(world_size=2, secret=secret, on_telemetry=job.on_record)
+    shift = time.time() - (T0 + 12.0)
+    steps = [dict(r, t=r["t"] + shift) for r in synthetic_records() if r["kind"] == "step"]
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(coordinator.serve)
+        job.advertise(coordinator, secret)
+        app = MonitorApp(LiveSource(coordinator.pub_endpoint, secret), refresh_s=0.05)
+        async with app.run_test(size=SIZE) as pilot:
+            while app.state.job.world_size is None:  # until the subscription is through
+                coordinator.publish_record(job.job_record)
+                await pilot.pause(0.05)
+            for record in steps:
+                coordinator.publish_record(record)
+            coordinator.publish_record(dict(steps[0], rank=0, step=LAST_STEP + 1,
+                                            t=time.time()))
+            await wait_for(pilot, lambda: row(app, 0).get("step") == str(LAST_STEP + 1))
+            assert "job ended" not in app.query_one(JobHeader).text.plain
+            job.close(status="succeeded", exit_code=0, message=None)
+            await wait_for(pilot, lambda: "job ended" in app.query_one(JobHeader).text.plain)
+            app.state.now += 600  # long after: the ranks must not turn stale
+            app.redraw(force=True)
+            await pilot.pause()
+            assert row(app, 0)["status"] == row(app, 1)["status"] == "ended"
         tasks.cancel_scope.cancel()
 
 

@@ -39,6 +39,8 @@ def row_cells(rank: RankState, now: float, ended: bool) -> Cells:
     status_text = status
     if status == "stuck":
         status_text = "STUCK"
+    elif status == "finished" and rank.stuck_reason:
+        status_text = "finished (was stuck)"
     elif status == "stale" and hb.get("pending_collective"):
         status_text = f"stale (in {hb['pending_collective']})"
     elif status in ("busy", "idle", "ok") and hb.get("busy_actor"):

@@ -73,9 +73,10 @@ class RankState:
     last_seen: float | None = None
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     stuck: bool = False
-    stuck_reason: str = ""
+    stuck_reason: str = ""  # kept after the rank moves or finishes: it was stuck once
     failed: bool = False
-    finished: bool = False
+    finished: bool = False  # said goodbye to the coordinator (rank_finished)
+    exited: bool = False  # its process ended without a failure (rank_exited)
 
     def heard(self, t: float) -> None:
         if self.last_seen is not None:
@@ -95,12 +96,18 @@ class RankState:
         return None if self.last_seen is None else max(0.0, now - self.last_seen)
 
     def status(self, now: float, ended: bool) -> str:
-        """``failed``, ``stuck``, ``stale``, ``ended``, or the heartbeat's own status."""
+        """``failed``, ``finished``, ``stuck``, ``exited``, ``ended`` (the job ended), ``stale``,
+        or the heartbeat's own status. A rank that finished or exited is silent on purpose:
+        never stale; one killed while stuck stays stuck."""
         if self.failed:
             return "failed"
+        if self.finished:
+            return "finished"
         if self.stuck:
             return "stuck"
-        if ended or self.finished:
+        if self.exited:
+            return "exited"
+        if ended:
             return "ended"
         age = self.age(now)
         if age is not None and age > STALE_FACTOR * self.usual_interval():
@@ -225,15 +232,19 @@ class RunState:
         subject = subject if isinstance(subject, int) else rank
         self.events.append(EventEntry(t, subject, name, str(record.get("message", "")), data))
         self.events_total += 1
-        if subject >= 0 and name in ("rank_stuck", "rank_failed", "rank_finished"):
+        if subject >= 0 and name in ("rank_stuck", "rank_failed", "rank_finished",
+                                     "rank_exited"):
             target = self.rank(subject)
             if name == "rank_stuck":
                 target.stuck = True
                 target.stuck_reason = str(record.get("message", ""))
             elif name == "rank_failed":
                 target.failed = True
-            else:
+            elif name == "rank_finished":
                 target.finished = True
+                target.stuck = False  # it answered after all: no longer stuck
+            else:
+                target.exited = True
         if name == "job_ended":
             self.ended = True
 
