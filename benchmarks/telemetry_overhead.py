@@ -217,7 +217,8 @@ def main() -> None:
           f"({result['tap_s'] / off:.3%}); records dropped {result['dropped']}")
     ok = wall <= 1 + args.budget and cpu <= 1 + args.budget
     print(f"verdict: telemetry overhead {'WITHIN' if ok else 'OVER'} the {args.budget:.0%} "
-          f"budget: {wall - 1:+.2%} wall, {cpu - 1:+.2%} CPU per step (median paired ratios)")
+          f"budget: {wall - 1:+.2%} wall, {cpu - 1:+.2%} CPU per step (median paired ratios; "
+          f"90% intervals up to {wall_hi - 1:+.2%} wall, {cpu_hi - 1:+.2%} CPU)")
 
 
 def relaunch() -> int:
