@@ -59,10 +59,10 @@ class EngineCosts:
     step spends outside its passes, reduces and optimizer (``step_s``: the reducer's flush,
     the step's bookkeeping), and how much longer a gloo collective takes beside a live engine
     than between bare ranks (``gloo_s``). ``pipeline_op_s``: what a
-    pipeline stage spends getting each instruction going, outside any span (handing it between
-    its actor, its compute thread and gloo's threads), and ``pipeline_message_s`` what
-    delivering each activation or gradient message takes beyond the calibrated send (header
-    and tensor each completed through the event loop), both from a launched pipeline job.
+    pipeline stage spends between its instructions, outside any span (the engine's bookkeeping
+    around each pass), and ``pipeline_message_s`` what delivering each activation or gradient
+    message takes beyond the calibrated send (the hand-offs to and from the stage's sender and
+    receiver threads), both from a launched pipeline job.
     ``op_costs[threads][class][kind]``: a forward's ops besides its matmuls (norms,
     activations, residual adds, softmax, embedding lookups, views; ``OP_COST_CLASSES``), each
     class's forward and backward as ``latency_s`` per call plus elements over ``bandwidth``

@@ -225,7 +225,8 @@ class _Sender:
         header_tag, data_tag = tags
         out = [t.contiguous() for t in tensors]
         shapes = _shapes(out)
-        messages = [(_encode(mb, shapes), header_tag)]
+        # on the stage's device, like every tensor it sends (NCCL moves device memory only)
+        messages = [(_encode(mb, shapes).to(self.device), header_tag)]
         last = self.shapes.get((dst, header_tag))
         if last is not None and last != shapes:
             # fill the receives the peer posted in the old shapes, then the new tensors
