@@ -14,7 +14,9 @@ round over all configs, then another) and the run with the shortest step is kept
 work only ever lengthens steps (on a VM its neighbours do too, unseen), as calibration keeps its
 least disturbed runs. Each row reports how many cores other processes kept busy during the kept
 run ("others", from /proc/stat less this job's own CPU time) and how much longer the slowest
-run of the config was ("spread").
+run of the config was ("spread"), and how slow the host computed just before the kept run
+against its profile ("host": a calibration Linear pass timed then, over the profile's time; the
+host's speed drifts over minutes, and the profile holds its calibration's).
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
 layer numbers, as the simulator's planner expects, trained as a plain module or as a
@@ -190,6 +192,31 @@ def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
             return busy
 
 
+def host_speed(cluster: str) -> float:
+    """How slow this host computes now against its profile: one calibration Linear pass
+    (forward and backward, one thread) timed for half a second, over the profile's time for
+    it. A shared host's speed drifts by tens of percent over minutes (its VM neighbours), and
+    the profile holds the speed of the calibration's moment; 1.15 means 15 % slower now."""
+    import torch
+
+    from sims.calibrate_engine import CONCURRENCY_SHAPE, time_pass
+    from sims.costs import pass_seconds
+    from sims.hardware import get_profile
+
+    hw = get_profile(cluster)
+    if hw.engine is None:
+        return float("nan")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timed = time_pass(CONCURRENCY_SHAPE, 0.5)
+    finally:
+        torch.set_num_threads(previous)
+    flops = timed["flops"]
+    return (timed["forward_s"] + timed["backward_s"]) / (
+        pass_seconds("forward", flops, 1, hw) + pass_seconds("backward", 2 * flops, 1, hw))
+
+
 @contextlib.contextmanager
 def host_lock(path: Path | None) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` while the block runs (nothing when None): other jobs
@@ -321,13 +348,14 @@ def main() -> int:
         print(f"{len(configs)} configs, {args.steps} steps each, {args.repeat} run(s) of each "
               f"(the least disturbed kept), predicted with {args.cluster} ({os.cpu_count()} "
               f"CPUs here; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
-        # (rows, others' cores) of each run of each config
-        runs: dict[int, list[tuple[dict[str, Any], float]]] = {}
+        # (rows, others' cores, host speed) of each run of each config
+        runs: dict[int, list[tuple[dict[str, Any], float, float]]] = {}
         for repeat in range(args.repeat):
             for number, cfg in configs:
                 try:
                     with host_lock(args.lock):
                         wait_for_quiet(args.quiet_wait)
+                        speed = host_speed(args.cluster)
                         with ForeignLoad() as others:
                             run_dir = launch(cfg, workdir, args, repeat)
                     rows = compare(run_dir, args.cluster)
@@ -335,23 +363,24 @@ def main() -> int:
                     print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
                           flush=True)
                     continue
-                runs.setdefault(number, []).append((rows, others.cores))
+                runs.setdefault(number, []).append((rows, others.cores, speed))
                 print(f"  ... {number:>2} {cfg.name:<30} run {repeat + 1}: measured "
                       f"{rows['step']['measured_s'] * 1e3:8.2f} ms", file=sys.stderr, flush=True)
         print(f"  {'#':>2} {'config':<30} {'ranks':>5} {'predicted':>10} {'measured':>10} "
-              f"{'error':>8} {'others':>7} {'spread':>7}")
+              f"{'error':>8} {'others':>7} {'spread':>7} {'host':>6}")
         for number, cfg in configs:
             if number not in runs:
                 continue
             # Other work only ever lengthens a step: the run with the shortest is the least
             # disturbed; "spread" is how much longer the longest was.
-            measured = [r["step"]["measured_s"] for r, _ in runs[number]]
-            rows, others = min(runs[number], key=lambda run: run[0]["step"]["measured_s"])
+            measured = [r["step"]["measured_s"] for r, _, _ in runs[number]]
+            rows, others, speed = min(runs[number],
+                                      key=lambda run: run[0]["step"]["measured_s"])
             step = rows["step"]
             print(f"  {number:>2} {cfg.name:<30} {cfg.ranks:>5} {step['predicted_s'] * 1e3:8.2f}ms "
                   f"{step['measured_s'] * 1e3:8.2f}ms {step['error_pct']:+7.1f}% "
-                  f"{others:6.2f} {100 * (max(measured) / min(measured) - 1):6.1f}%",
-                  flush=True)
+                  f"{others:6.2f} {100 * (max(measured) / min(measured) - 1):6.1f}% "
+                  f"{speed:6.2f}", flush=True)
             for c, row in rows.items():
                 if row["error_pct"] is not None:
                     errors[c].append(abs(row["error_pct"]))
