@@ -43,7 +43,6 @@ QUICK_OPTIMIZER_SETS = ((128, 1 << 12), (4, 1 << 20))
 # elements of the three float32 tensors the memory-bound concurrency test streams (far past
 # the caches)
 STREAM_NUMEL = 1 << 23
-HEADER_NUMEL = 64  # int64 slots of a pipeline message header (flowtrain.pipe.engine.HEADER)
 
 
 ROUNDS = 3  # each measurement is taken in this many separate windows
@@ -232,48 +231,55 @@ def channel_call(channel: Any, op: str, ranks: int, nbytes: int,
 
 def time_p2p(rank: int, group: Any, sizes: Sequence[int], trials: int, trial_seconds: float,
              timeout_s: float) -> list[dict[str, Any]]:
-    """Ranks 0 and 1 (``group``) send each other a pipeline message (an int64 header, then the
-    float32 tensor) back and forth as the pipeline engine does; one way is half the round
-    trip."""
+    """Ranks 0 and 1 (``group``) send each other a pipeline message (its header and one
+    float32 tensor) back and forth through the pipeline engine's own streams
+    (``flowtrain.pipe.engine``'s sender thread, and a receiver thread with every receive
+    queued ahead, as a stage's schedule queues them); one way is half the round trip."""
+    import itertools
+
+    from flowtrain.pipe import engine as pipe
     from sims.calibrate import _agreed_repeats
 
     peer = 1 - rank
-    records = []
-    for nbytes in sizes:
-        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-        tensor = torch.ones(nbytes // 4)
+    out_tags, in_tags = ((pipe.TAG_ACT, pipe.TAG_ACT_DATA),
+                         (pipe.TAG_GRAD, pipe.TAG_GRAD_DATA))[::1 if rank == 0 else -1]
+    cpu = torch.device("cpu")
+    sender = pipe._Sender(None, cpu, timeout_s, "calibrate-p2p-send")
+    receiver = pipe._Receiver(None, peer, in_tags, cpu, timeout_s, "calibrate-p2p-recv")
+    numbers = itertools.count()  # message numbers, the same sequence on both ranks
+    what = "calibration pipeline message"
 
-        def send(header: torch.Tensor = header, tensor: torch.Tensor = tensor) -> None:
-            for work in (dist.isend(header, peer), dist.isend(tensor, peer)):
-                if not work.wait(timeout=_delta(timeout_s)):
-                    raise TimeoutError("p2p send did not finish")
-
-        def recv(header: torch.Tensor = header, tensor: torch.Tensor = tensor) -> None:
-            for buffer in (header, tensor):
-                if not dist.irecv(buffer, peer).wait(timeout=_delta(timeout_s)):
-                    raise TimeoutError("p2p receive did not finish")
-
-        def round_trip() -> None:
+    def round_trips(count: int, tensor: torch.Tensor) -> None:
+        ks = [next(numbers) for _ in range(count)]
+        arrivals = [receiver.expect(1, k, what) for k in ks]
+        for k, arrived in zip(ks, arrivals):
             if rank == 0:
-                send()
-                recv()
+                sender.send((tensor,), peer, out_tags, k, what)
+                arrived.result(timeout=timeout_s)
             else:
-                recv()
-                send()
+                arrived.result(timeout=timeout_s)
+                sender.send((tensor,), peer, out_tags, k, what)
+        sender.drain().result(timeout=timeout_s)
 
-        start = time.perf_counter()
-        round_trip()
-        # both ranks must run the same number of round trips: the larger proposal wins
-        count = _agreed_repeats(time.perf_counter() - start, trial_seconds, group, cap=64)
-        times = []
-        for _ in range(trials):
-            dist.barrier(group=group)
+    records = []
+    try:
+        for nbytes in sizes:
+            tensor = torch.ones(nbytes // 4)
             start = time.perf_counter()
-            for _ in range(count):
-                round_trip()
-            times.append((time.perf_counter() - start) / count / 2)
-        # each trial averages many round trips: the least disturbed one, as for collectives
-        records.append({"bytes": nbytes, "seconds": min(times), "trials": times})
+            round_trips(1, tensor)
+            # both ranks must run the same number of round trips: the larger proposal wins
+            count = _agreed_repeats(time.perf_counter() - start, trial_seconds, group, cap=64)
+            times = []
+            for _ in range(trials):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                round_trips(count, tensor)
+                times.append((time.perf_counter() - start) / count / 2)
+            # each trial averages many round trips: the least disturbed one, as for collectives
+            records.append({"bytes": nbytes, "seconds": min(times), "trials": times})
+    finally:
+        receiver.close()
+        sender.close()
     return records
 
 

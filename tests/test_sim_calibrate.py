@@ -257,6 +257,15 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     assert all(size["steps"] == 2 and size["measured"]["step"] > 0 for size in job["sizes"])
     assert profile.engine is not None and set(profile.engine.factors) == {2}
     assert "engine job on 2 ranks" in printed
+    # a pipeline message each way through the engine's own sender and receiver threads
+    assert [r["bytes"] for r in engine["p2p"]] == list(tiny.p2p_bytes)
+    assert all(r["seconds"] > 0 for r in engine["p2p"])
+    # every class of the forward's other ops, at each rank thread count
+    from sims.engine_costs import OP_COST_CLASSES
+
+    assert {(r["threads"], r["class"]) for r in engine["ops"]} == {
+        (t, c) for t in {max(1, cores // n) for n in (1, 2)} for c in OP_COST_CLASSES}
+    assert set(profile.engine.op_costs[1]) == set(OP_COST_CLASSES)
 
 
 @pytest.mark.multiprocess
