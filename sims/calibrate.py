@@ -63,6 +63,7 @@ class Settings:
     # the engine's own pieces (sims.calibrate_engine)
     pass_shapes: tuple[tuple[int, int, int], ...] = calibrate_engine.PASS_SHAPES
     optimizer_sets: tuple[tuple[int, int], ...] = calibrate_engine.OPTIMIZER_SETS
+    weight_shapes: tuple[tuple[int, int, int], ...] = calibrate_engine.WEIGHT_SHAPES
     p2p_bytes: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
     concurrency_window_s: float = 0.5
     # (ranks, pipeline stages) of the launched calibration jobs (None: data parallel on 1 and
@@ -393,6 +394,9 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
                                                              settings.seconds_per_point)
     engine["passes"] = calibrate_engine.measure_passes(
         [max(1, cores // n) for n in (1, *ranks)], settings.pass_shapes,
+        settings.seconds_per_point)
+    engine["weight_passes"] = calibrate_engine.measure_passes(
+        [max(1, cores // n) for n in (1, *ranks)], settings.weight_shapes,
         settings.seconds_per_point)
     engine["ops"] = calibrate_ops.measure_ops([max(1, cores // n) for n in (1, *ranks)],
                                               settings.seconds_per_point)

@@ -35,6 +35,9 @@ from sims.hardware import PASS_KINDS, EngineCosts, Link
 PASS_SHAPES = ((8, 16, 16), (16, 48, 48), (32, 96, 192), (48, 192, 384), (96, 384, 512),
                (160, 640, 768), (320, 768, 1024))
 QUICK_PASS_SHAPES = ((8, 16, 16), (32, 96, 192), (96, 384, 512), (160, 640, 768))
+# Shapes of equal FLOPs (2^25) and weights of 0.25-4 MiB: how a layer's time grows with its
+# weights when its FLOPs do not (fewer rows per weight)
+WEIGHT_SHAPES = ((256, 256, 256), (64, 256, 1024), (32, 512, 1024), (16, 1024, 1024))
 # The op every rank runs at once in the concurrency test (about 1.5 ms per pass on one core).
 CONCURRENCY_SHAPE = (96, 384, 512)
 # (tensors, elements each) the optimizer kernel steps per call: call-bound to DRAM-bound
@@ -418,10 +421,40 @@ def fit_engine(m: dict[str, Any]) -> tuple[EngineCosts, list[str]]:
         memory_slowdown[int(r["ranks"])] = max(1.0, float(r["memory_slowdown"]))
     interference = m.get("channel_interference", {}).get("fraction", 1.0)
     op_costs = fit_op_costs(m["ops"]) if m.get("ops") else {}
+    weight_cost = fit_weight_cost(m.get("weight_passes", []))
+    threads = min(int(r["threads"]) for r in m["passes"])
+    pass_weights = tuple(sorted({(float(r["flops"]), 4.0 * r["in"] * r["out"])
+                                 for r in m["passes"]
+                                 if int(r["threads"]) == threads and "in" in r and "out" in r}))
+    if not weight_cost or len(pass_weights) < 2:
+        weight_cost, pass_weights = {}, ()
     return EngineCosts(pass_rates=rates, optimizer=optimizer, slowdown=slowdown,
                        memory_slowdown=memory_slowdown, channel=channel,
                        channel_interference=float(interference), p2p=p2p,
-                       op_costs=op_costs), skipped
+                       op_costs=op_costs, weight_cost=weight_cost,
+                       pass_weights=pass_weights), skipped
+
+
+def fit_weight_cost(records: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per thread count and pass kind, the seconds per byte of weights that equal-FLOP layers
+    (WEIGHT_SHAPES) add: the least-squares slope of time over weight bytes, at least 0."""
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        grouped.setdefault(int(r["threads"]), []).append(r)
+    out: dict[int, dict[str, float]] = {}
+    for threads, rows in sorted(grouped.items()):
+        if len({r["in"] * r["out"] for r in rows}) < 2:
+            continue
+        x = [4.0 * r["in"] * r["out"] for r in rows]
+        mean_x = statistics.fmean(x)
+        var = sum((v - mean_x) ** 2 for v in x)
+        out[threads] = {}
+        for kind in PASS_KINDS:
+            y = [r[f"{kind}_s"] for r in rows]
+            mean_y = statistics.fmean(y)
+            slope = sum((a - mean_x) * (b - mean_y) for a, b in zip(x, y)) / var
+            out[threads][kind] = max(0.0, slope)
+    return out
 
 
 def fit_calls_and_bytes(records: Sequence[dict[str, Any]]) -> Link:

@@ -68,20 +68,27 @@ def rank_threads(ranks_per_node: int, hw: HardwareProfile) -> int:
     return max(1, hw.devices_per_node // ranks_per_node)
 
 
-def pass_seconds(kind: str, flops: float, threads: int, hw: HardwareProfile) -> float:
+def pass_seconds(kind: str, flops: float, threads: int, hw: HardwareProfile,
+                 weight_bytes: float | None = None) -> float:
     """One module's forward or backward on a calibrated CPU host (``hw.engine``): its FLOPs at
     the measured rate of an ``nn.Linear`` of that size with ``threads`` threads. Below the
     smallest measured op the time stays that op's: a module call costs at least its Python and
-    autograd overhead, however few FLOPs it does."""
+    autograd overhead, however few FLOPs it does. With ``weight_bytes`` (the module's
+    weights), corrected by the calibrated cost of weights beyond the curve's own shapes'."""
     if hw.engine is None:
         raise ValueError(f"hardware profile {hw.name!r} has no engine costs (a CPU host "
                          "calibrated by `flowtrain calibrate` has them)")
     _check_size("flops", flops)
     curve = hw.engine.threads_curve(threads, kind)
     smallest, rate = curve[0]
-    if flops <= smallest:
-        return smallest / rate
-    return flops / curve_at(curve, flops)
+    base = smallest / rate if flops <= smallest else flops / curve_at(curve, flops)
+    if weight_bytes is None:
+        return base
+    # a layer with more weights than the curve's shapes had at these FLOPs (fewer rows) runs
+    # slower, one with less faster; never below half the curve's time
+    forward_flops = flops if kind == "forward" else flops / 2
+    extra = hw.engine.weight_seconds(threads, kind, forward_flops, weight_bytes)
+    return max(0.5 * base, base + extra)
 
 
 def compute_slowdown(ranks_per_node: int, hw: HardwareProfile, memory: bool = False) -> float:

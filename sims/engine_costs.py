@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ from sims.profile_fields import (
 PASS_KINDS = ("forward", "backward")
 _ENGINE_REQUIRED = ("pass_rates", "optimizer")
 _ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference", "p2p",
-                    "factors", "pipeline_op_s", "pipeline_message_s", "op_costs")
+                    "factors", "pipeline_op_s", "pipeline_message_s", "op_costs", "weight_cost",
+                    "pass_weights")
 # Classes of a forward's other ops (flowtrain.profiling.census.OP_CLASSES) and attention, each
 # priced per call and per element (attention: per FLOP).
 OP_COST_CLASSES = ("view", "elementwise", "activation", "norm", "softmax", "embedding",
@@ -66,7 +68,11 @@ class EngineCosts:
     ``op_costs[threads][class][kind]``: a forward's ops besides its matmuls (norms,
     activations, residual adds, softmax, embedding lookups, views; ``OP_COST_CLASSES``), each
     class's forward and backward as ``latency_s`` per call plus elements over ``bandwidth``
-    (elements/s; attention: FLOPs over FLOP/s), timed op by op at that many threads."""
+    (elements/s; attention: FLOPs over FLOP/s), timed op by op at that many threads.
+    ``weight_cost[threads][kind]``: seconds per byte of a Linear's weights beyond what the
+    pass curve's own shapes had at that many FLOPs (``pass_weights``: (forward FLOPs, weight
+    bytes) of the measured pass shapes): layers of equal FLOPs run slower the larger their
+    weights (fewer rows: the weights are streamed from memory for less work)."""
 
     pass_rates: dict[int, dict[str, Curve]]
     optimizer: Link
@@ -79,6 +85,8 @@ class EngineCosts:
     pipeline_op_s: float = 0.0
     pipeline_message_s: float = 0.0
     op_costs: dict[int, dict[str, dict[str, Link]]] = field(default_factory=dict)
+    weight_cost: dict[int, dict[str, float]] = field(default_factory=dict)
+    pass_weights: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.pass_rates, dict):  # hand-written curves may use lists
@@ -113,11 +121,36 @@ class EngineCosts:
             out["pipeline_op_s"] = self.pipeline_op_s
         if self.pipeline_message_s:
             out["pipeline_message_s"] = self.pipeline_message_s
+        if self.weight_cost:
+            out["weight_cost"] = {str(t): dict(k) for t, k in sorted(self.weight_cost.items())}
+        if self.pass_weights:
+            out["pass_weights"] = [[f, b] for f, b in self.pass_weights]
         if self.op_costs:
             out["op_costs"] = {str(t): {c: {k: link.to_dict() for k, link in kinds.items()}
                                         for c, kinds in classes.items()}
                                for t, classes in sorted(self.op_costs.items())}
         return out
+
+    def weight_seconds(self, threads: int, kind: str, forward_flops: float,
+                       weight_bytes: float) -> float:
+        """What a Linear of ``weight_bytes`` of weights and ``forward_flops`` takes beyond the
+        pass curve's time (negative: less), at the most measured threads up to ``threads``."""
+        if not self.weight_cost or not self.pass_weights:
+            return 0.0
+        known = sorted(self.weight_cost)
+        below = [t for t in known if t <= threads]
+        per_byte = self.weight_cost[below[-1] if below else known[0]].get(kind, 0.0)
+        points = self.pass_weights
+        if forward_flops <= points[0][0]:
+            reference = points[0][1]
+        elif forward_flops >= points[-1][0]:
+            reference = points[-1][1]
+        else:  # log-linear between the measured shapes
+            i = next(i for i, (f, _) in enumerate(points) if f >= forward_flops)
+            (f0, b0), (f1, b1) = points[i - 1], points[i]
+            t = (math.log(forward_flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            reference = math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+        return per_byte * (weight_bytes - reference)
 
     def op_seconds(self, threads: int, kind: str, census: Any) -> float:
         """Seconds of ``kind`` (forward or backward) for a census of ops: ``(class, calls,
@@ -194,6 +227,15 @@ def validate_engine(e: EngineCosts) -> None:
         for kind, value in by_kind.items():
             check_number(f"engine.factors.{ranks}.{kind}", value, minimum=0.0,
                          strict=not kind.endswith("_s"))
+    for threads, by_kind in e.weight_cost.items():
+        check_int("engine.weight_cost thread count", threads, 1)
+        if not isinstance(by_kind, dict) or not set(by_kind) <= set(PASS_KINDS):
+            raise ProfileError(f"field 'engine.weight_cost.{threads}' maps "
+                               f"{' and '.join(PASS_KINDS)} to seconds per byte, got {by_kind!r}")
+        for kind, value in by_kind.items():
+            check_number(f"engine.weight_cost.{threads}.{kind}", value, minimum=0.0)
+    if e.pass_weights:
+        check_curve("engine.pass_weights", e.pass_weights, maximum=None)
     for threads, classes in e.op_costs.items():
         check_int("engine.op_costs thread count", threads, 1)
         for cls, kinds in classes.items():
@@ -256,4 +298,7 @@ def engine_from(d: Any) -> EngineCosts:
         factors=count_keys("engine.factors", d.get("factors", {})),
         pipeline_op_s=d.get("pipeline_op_s", 0.0),
         pipeline_message_s=d.get("pipeline_message_s", 0.0),
-        op_costs=_op_costs_from(d.get("op_costs", {})))
+        op_costs=_op_costs_from(d.get("op_costs", {})),
+        weight_cost=count_keys("engine.weight_cost", d.get("weight_cost", {})),
+        pass_weights=tuple(tuple(p) if isinstance(p, list) else p
+                           for p in d.get("pass_weights", ())))

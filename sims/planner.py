@@ -322,9 +322,12 @@ class _StageBuilder:
                 share = sum(weights[i] for i in members) / max(1, sum(weights))
                 flops = sum(weights[i] for i in members) * scale
                 numel = sum(_numel(self.params[i][1]) for i in members)
-                fwd = (costs.pass_seconds("forward", flops, self.threads, self.hw) +
+                weight_bytes = 4.0 * numel  # the engine's costs are float32's
+                fwd = (costs.pass_seconds("forward", flops, self.threads, self.hw,
+                                          weight_bytes) +
                        other["forward"] * share) * self.slowdown * self.forward_factor
-                bwd = (costs.pass_seconds("backward", 2 * flops, self.threads, self.hw) +
+                bwd = (costs.pass_seconds("backward", 2 * flops, self.threads, self.hw,
+                                          weight_bytes) +
                        other["backward"] * share) * self.slowdown * self.backward_factor + \
                     numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
                 seg.forward_s += fwd

@@ -200,3 +200,28 @@ def test_a_collective_span_ends_when_its_collective_completed() -> None:
     # a handle without a future (gloo's reduce-scatter): the time it is drained
     stamp = completion_stamp(SimpleNamespace())
     assert stamp == [] and stamped_end(stamp) >= after + 0.01
+
+
+def test_weight_cost_fit_and_its_correction_of_a_linear_pass() -> None:
+    """Equal-FLOP layers whose time grows 2e-11 s (forward) per byte of weights: the fit
+    recovers the slope; a layer's pass is the curve's time plus the slope times its weights
+    beyond the curve's own shapes' (log-interpolated by FLOPs), never below half the curve's."""
+    from sims import calibrate_engine, costs
+
+    records = [{"threads": 1, "rows": r, "in": i, "out": o, "flops": 2.0 * r * i * o,
+                "forward_s": 1e-3 + 2e-11 * 4 * i * o, "backward_s": 2e-3 + 5e-11 * 4 * i * o}
+               for r, i, o in calibrate_engine.WEIGHT_SHAPES]
+    fitted = calibrate_engine.fit_weight_cost(records)
+    assert fitted[1]["forward"] == pytest.approx(2e-11)
+    assert fitted[1]["backward"] == pytest.approx(5e-11)
+    hw = cpu_profile(weight_cost={1: {"forward": 2e-11, "backward": 5e-11}},
+                     pass_weights=((1e4, 1e4), (1e6, 1e6)))
+    base = costs.pass_seconds("forward", 1e5, 1, hw)
+    # at 1e5 FLOPs the curve's shapes had 1e5 bytes of weights (log-linear between points)
+    assert costs.pass_seconds("forward", 1e5, 1, hw, 1e5) == pytest.approx(base)
+    assert costs.pass_seconds("forward", 1e5, 1, hw, 3e5) == pytest.approx(base + 2e-11 * 2e5)
+    back = costs.pass_seconds("backward", 2e5, 1, hw)
+    assert costs.pass_seconds("backward", 2e5, 1, hw, 3e5) == pytest.approx(back + 5e-11 * 2e5)
+    assert costs.pass_seconds("forward", 1e5, 1, hw, 0.0) >= 0.5 * base
+    with pytest.raises(ProfileError, match="engine.weight_cost.1.forward"):
+        cpu_profile(weight_cost={1: {"forward": -1.0}}, pass_weights=((1e4, 1e4), (1e6, 1e6)))
