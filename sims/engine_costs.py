@@ -8,16 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sims.profile_fields import (
-    Curve,
-    Link,
-    ProfileError,
-    check_curve,
-    check_int,
-    check_number,
-    count_keys,
-    link_from,
-)
+from sims.profile_fields import (Curve, Link, ProfileError, check_curve, check_fields, check_int,
+                                 check_number, count_keys, link_from)
 
 PASS_KINDS = ("forward", "backward")
 _ENGINE_REQUIRED = ("pass_rates", "optimizer")
@@ -268,13 +260,7 @@ def _op_costs_from(d: Any) -> dict[int, dict[str, dict[str, Link]]]:
 def engine_from(d: Any) -> EngineCosts:
     if not isinstance(d, dict):
         raise ProfileError(f"field 'engine' must be an object, got {d!r}")
-    for key in _ENGINE_REQUIRED:
-        if key not in d:
-            raise ProfileError(f"missing field 'engine.{key}'")
-    unknown = sorted(set(d) - set(_ENGINE_REQUIRED) - set(_ENGINE_OPTIONAL))
-    if unknown:
-        raise ProfileError(f"unknown field 'engine.{unknown[0]}'; valid fields: "
-                           f"{', '.join(_ENGINE_REQUIRED + _ENGINE_OPTIONAL)}")
+    check_fields(d, _ENGINE_REQUIRED, _ENGINE_OPTIONAL, prefix="engine.")
     rates: dict[int, dict[str, Curve]] = {}
     for threads, kinds in count_keys("engine.pass_rates", d["pass_rates"]).items():
         if not isinstance(kinds, dict):

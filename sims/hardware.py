@@ -13,16 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from sims.engine_costs import ENGINE_FACTOR_KINDS, PASS_KINDS, EngineCosts, engine_from
-from sims.profile_fields import (
-    Curve,
-    Link,
-    ProfileError,
-    check_curve,
-    check_int,
-    check_number,
-    count_keys,
-    link_from,
-)
+from sims.profile_fields import (Curve, Link, ProfileError, check_curve, check_fields, check_int,
+                                 check_number, count_keys, link_from)
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -199,13 +191,7 @@ def _check_efficiency(curve: Any) -> None:
 def _from_dict(d: Any) -> HardwareProfile:
     if not isinstance(d, dict):
         raise ProfileError(f"a hardware profile must be a JSON object, got {type(d).__name__}")
-    for key in _REQUIRED:
-        if key not in d:
-            raise ProfileError(f"missing field {key!r} (required: {', '.join(_REQUIRED)})")
-    unknown = sorted(set(d) - set(_REQUIRED) - set(_OPTIONAL))
-    if unknown:
-        raise ProfileError(f"unknown field {unknown[0]!r}; valid fields: "
-                           f"{', '.join(_REQUIRED + _OPTIONAL)}")
+    check_fields(d, _REQUIRED, _OPTIONAL)
     if d.get("v", PROFILE_VERSION) != PROFILE_VERSION:
         raise ProfileError(f"field 'v' must be {PROFILE_VERSION}, got {d['v']!r}")
     for key in ("peak_flops", "sources"):

@@ -78,6 +78,20 @@ def check_curve(name: str, curve: Any, *, maximum: float | None) -> None:
         previous = point[0]
 
 
+def check_fields(d: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...],
+                 prefix: str = "") -> None:
+    """Every required key of an object is there and no key is unknown; ``prefix`` (e.g.
+    "engine.") names the object's place in the profile."""
+    for key in required:
+        if key not in d:
+            raise ProfileError(f"missing field '{prefix}{key}' (required: "
+                               f"{', '.join(required)})")
+    unknown = sorted(set(d) - set(required) - set(optional))
+    if unknown:
+        raise ProfileError(f"unknown field '{prefix}{unknown[0]}'; valid fields: "
+                           f"{', '.join(required + optional)}")
+
+
 def link_from(path: str, value: Any) -> Link:
     if not isinstance(value, dict):
         raise ProfileError(f"field {path!r} must be an object with latency_s and bandwidth, "
