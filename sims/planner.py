@@ -224,6 +224,11 @@ class _StageBuilder:
             if self.engine is not None and self.pp == 1 else 0.0
         self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
             if self.engine is not None and self.dp > 1 else 0.0
+        # calibration timed a data-parallel group's collectives with only its ranks on the
+        # host; where more ranks share it (pipeline stages, tensor-parallel groups), the
+        # collective's copying and summing wait for cores as compute does
+        self.comm_crowding = self.slowdown / costs.compute_slowdown(self.dp, hw) \
+            if self.engine is not None and 1 < self.dp < ranks_here else 1.0
         # a pipeline stage's hand-offs per instruction, and per message delivered, as the
         # 2-rank pipeline job measured them: thread hand-offs that wait for a core, so with more
         # ranks sharing the host they take as much longer as its compute does
@@ -377,9 +382,11 @@ class _StageBuilder:
 
     def _collective(self, op: str, nbytes: float) -> float:
         """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
-        what such a call took beside a live engine over the bare ranks' figure."""
+        what such a call took beside a live engine over the bare ranks' figure, and slowed
+        as compute is where more ranks than the group's share the host."""
         return costs.collective_seconds(op, nbytes, self.dp, self.hw,
-                                        nodes=self.layout.dp_nodes) + self.gloo_s
+                                        nodes=self.layout.dp_nodes) * self.comm_crowding + \
+            self.gloo_s
 
     def _shard(self, numel: int) -> int:
         return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel

@@ -234,6 +234,26 @@ def test_zero2_backward_also_adds_each_gradient_into_a_pooled_bucket() -> None:
         pytest.approx(56 * 16 / 20e9 * 1.5)
 
 
+def test_a_data_parallel_collective_slows_where_more_ranks_share_the_host() -> None:
+    """pp 2 x dp 2 on the 2-core test host: each stage's data-parallel all-reduce (gloo, 2
+    ranks) runs with 4 ranks on the host, slower by the 4-rank over the 2-rank compute
+    slowdown (2.0 / 1.1), plus the beside-the-engine time; dp over every rank is unchanged."""
+    hw = cpu_profile(factors={4: {"gloo_s": 1e-4}})
+    work = Workload("two layers", (("l.0.weight", (64, 64), "float32", 4),
+                                   ("l.1.weight", (64, 64), "float32", 4)), 1e5)
+    plan = build_plan(work, _cfg(2, gradient_accumulation_steps=2), Layout(1, 4, pp=2), hw)
+    [reduce] = [t for t in plan.tasks if t.kind == "reduce" and t.stage == 0]
+    nbytes = 64 * 64 * 4
+    # then the 1/dp multiply over the bucket: 2 x bytes, memory bound (3x slower with 4 ranks)
+    scale = 2 * nbytes / 20e9 * 3.0
+    assert reduce.duration == pytest.approx(
+        costs.collective_seconds("all_reduce", nbytes, 2, hw) * 2.0 / 1.1 + 1e-4 + scale)
+    flat = build_plan(work, _cfg(4, flowtrain={"data_channel": "torch"}), Layout(1, 4), hw)
+    [reduce] = [t for t in flat.tasks if t.kind == "reduce"][:1]
+    assert reduce.duration == pytest.approx(
+        costs.collective_seconds("all_reduce", 2 * nbytes, 4, hw) + 1e-4 + 2 * scale)
+
+
 def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
     hw = cpu_profile(pipeline_op_s=1e-3, factors={})
     work = Workload.from_stages(json.loads(json.dumps([
