@@ -232,23 +232,31 @@ def test_module_and_no_python(tmp_path: Path) -> None:
 def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
     from flowtrain.launch.args import free_port
 
-    port = free_port()
     env = _env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
-    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(tmp_path / "run"),
-         *common, "--node-rank", "1", str(JOB), "ok", str(outdir)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run = launch(tmp_path, [*common, "--node-rank", "0", str(JOB), "ok", str(outdir)], env=env,
-                     check_leftovers=False)
-        out1, _ = node1.communicate(timeout=30)
-        assert not _kill_leftovers(tmp_path / "run"), "a launcher left rank processes behind"
-        assert run.returncode == 0 and node1.returncode == 0, run.text + out1
-        assert "[rank1]: rank 1 all-reduced 3.0" in out1
-        assert json.loads((outdir / "rank1.json").read_text())["env"]["GROUP_RANK"] == "1"
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.communicate(timeout=10)
-        _kill_leftovers(tmp_path / "run")
+    for attempt in range(3):
+        # a free port can be taken again before node 0 binds it (the launcher then says so
+        # and exits): try another, as a user would
+        port = free_port()
+        common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(tmp_path / "run"),
+             *common, "--node-rank", "1", str(JOB), "ok", str(outdir)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            run = launch(tmp_path, [*common, "--node-rank", "0", str(JOB), "ok", str(outdir)],
+                         env=env, check_leftovers=False)
+            if run.returncode != 0 and "pick another --master-port" in run.text and attempt < 2:
+                continue
+            # node 0 failing leaves node 1 waiting for it: say why now, not after a timeout
+            assert run.returncode == 0, run.text
+            out1, _ = node1.communicate(timeout=30)
+            assert not _kill_leftovers(tmp_path / "run"), "a launcher left rank processes behind"
+            assert node1.returncode == 0, run.text + out1
+            assert "[rank1]: rank 1 all-reduced 3.0" in out1
+            assert json.loads((outdir / "rank1.json").read_text())["env"]["GROUP_RANK"] == "1"
+            return
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+                node1.communicate(timeout=10)
+            _kill_leftovers(tmp_path / "run")
