@@ -211,21 +211,12 @@ def validate_engine(e: EngineCosts) -> None:
         raise ProfileError(f"field 'engine.p2p' must be a Link, got {e.p2p!r}")
     check_number("engine.pipeline_op_s", e.pipeline_op_s, minimum=0.0)
     check_number("engine.pipeline_message_s", e.pipeline_message_s, minimum=0.0)
-    for ranks, by_kind in e.factors.items():
-        check_int("engine.factors rank count", ranks, 1)
-        if not isinstance(by_kind, dict) or not set(by_kind) <= set(ENGINE_FACTOR_KINDS):
-            raise ProfileError(f"field 'engine.factors.{ranks}' maps some of "
-                               f"{', '.join(ENGINE_FACTOR_KINDS)} to numbers, got {by_kind!r}")
-        for kind, value in by_kind.items():
-            check_number(f"engine.factors.{ranks}.{kind}", value, minimum=0.0,
-                         strict=not kind.endswith("_s"))
-    for threads, by_kind in e.weight_cost.items():
-        check_int("engine.weight_cost thread count", threads, 1)
-        if not isinstance(by_kind, dict) or not set(by_kind) <= set(PASS_KINDS):
-            raise ProfileError(f"field 'engine.weight_cost.{threads}' maps "
-                               f"{' and '.join(PASS_KINDS)} to seconds per byte, got {by_kind!r}")
-        for kind, value in by_kind.items():
-            check_number(f"engine.weight_cost.{threads}.{kind}", value, minimum=0.0)
+    _check_count_table("factors", e.factors, "rank", ENGINE_FACTOR_KINDS,
+                       f"some of {', '.join(ENGINE_FACTOR_KINDS)} to numbers",
+                       strict=lambda kind: not kind.endswith("_s"))
+    _check_count_table("weight_cost", e.weight_cost, "thread", PASS_KINDS,
+                       f"{' and '.join(PASS_KINDS)} to seconds per byte",
+                       strict=lambda kind: False)
     if e.pass_weights:
         check_curve("engine.pass_weights", e.pass_weights, maximum=None)
     for threads, classes in e.op_costs.items():
@@ -255,6 +246,18 @@ def _op_costs_from(d: Any) -> dict[int, dict[str, dict[str, Link]]]:
             out[threads][cls] = {k: link_from(f"engine.op_costs.{threads}.{cls}.{k}", v)
                                  for k, v in kinds.items()}
     return out
+
+
+def _check_count_table(name: str, table: dict[int, Any], count: str, kinds: tuple[str, ...],
+                       what: str, strict: Any) -> None:
+    """``engine.<name>``: rank or thread counts mapping some of ``kinds`` to numbers >= 0
+    (> 0 where ``strict(kind)``)."""
+    for n, by_kind in table.items():
+        check_int(f"engine.{name} {count} count", n, 1)
+        if not isinstance(by_kind, dict) or not set(by_kind) <= set(kinds):
+            raise ProfileError(f"field 'engine.{name}.{n}' maps {what}, got {by_kind!r}")
+        for kind, value in by_kind.items():
+            check_number(f"engine.{name}.{n}.{kind}", value, minimum=0.0, strict=strict(kind))
 
 
 def engine_from(d: Any) -> EngineCosts:
