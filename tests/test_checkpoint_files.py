@@ -85,3 +85,33 @@ def test_checkpoint_of_the_old_layout_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="older flowtrain") as info:
         ckpt.resolve(tmp_path, "old")
     assert str(tmp_path / "old") in str(info.value)
+
+
+def test_checkpoint_barrier_spans_the_whole_job_not_the_data_parallel_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline of 2 stages has a data-parallel group of 1; its stages still write into one
+    staging directory, so rank 0 must wait for the other stage before publishing it (CI once
+    saw stage 1's file land after stage 0 had renamed the directory)."""
+    import torch.distributed as dist
+
+    from flowtrain.engine.surface import EngineSurface
+    from flowtrain.runtime import rank as rank_mod
+
+    waited: list[str] = []
+
+    class FakeRank:
+        def barrier(self, name: str) -> None:
+            waited.append(name)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(rank_mod, "current_rank", lambda: FakeRank())
+
+    class OneStage(EngineSurface):
+        world_size = 1  # the data-parallel group
+
+    OneStage()._barrier("ckpt-x-written")
+    assert waited == ["ckpt-x-written"]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    OneStage()._barrier("ckpt-y-written")
+    assert waited == ["ckpt-x-written"]

@@ -13,6 +13,13 @@ import torch
 from flowtrain.engine.engine_state import load_engine, save_engine
 
 
+def job_world_size() -> int:
+    """How many ranks the whole job has (every data, pipeline and tensor-parallel rank)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class EngineSurface:
     """Mixed into FlowtrainEngine (which provides the attributes used here)."""
 
@@ -134,7 +141,10 @@ class EngineSurface:
                            load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def _barrier(self, name: str) -> None:
-        if self.world_size > 1:
+        """Waits for every rank of the job, not only this rank's data-parallel group: with
+        pipeline or tensor parallelism ``world_size`` is the group's size (1 when there is no
+        data parallelism) while every stage still writes into the same checkpoint."""
+        if job_world_size() > 1:
             from flowtrain.runtime.rank import current_rank
 
             current_rank().barrier(name)
