@@ -1,29 +1,41 @@
-"""Reading a checkpoint's tensors (see ``dcp_state``) into an engine of any world size and ZeRO
-stage: DCP fetches, by overlap, exactly the pieces each rank holds now; and the whole fp32 state
-dict, for ``custom_load_fn`` and ``flowtrain checkpoint consolidate``."""
+"""Reading a checkpoint's tensors (see ``dcp_state``) into an engine of any world size, ZeRO stage
+and tensor-parallel size: DCP fetches, by overlap, exactly the blocks each rank holds now; and
+the whole fp32 state dict, for ``custom_load_fn`` and ``flowtrain checkpoint consolidate``.
+
+A rank asks for its blocks through a load planner (``_BlockReader``), not as a ShardedTensor:
+the blocks ranks read may overlap (every tensor-parallel rank reads a replicated parameter
+whole), which a ShardedTensor's description, a tiling of the tensor, cannot say. So a load
+needs no collective of its own beyond DCP's."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from flowtrain.engine.dcp_state import (
+    Block,
     Holdings,
     Piece,
+    _shape,
     aliases,
-    as_dcp_tensor,
     flat_view,
-    gather_layout,
     holdings,
+    place,
+    placed,
     quiet,
+    split_of,
     stored,
+    whole_shape,
 )
 from flowtrain.log import get_logger
 
@@ -32,6 +44,32 @@ log = get_logger("flowtrain.checkpoint")
 _DTYPES = {str(t).removeprefix("torch."): t for t in
            (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
             torch.int32, torch.uint8, torch.int8, torch.bool)}
+
+
+class _BlockReader(DefaultLoadPlanner):
+    """DCP's default load planner for the plain tensors of the state dict, plus ``blocks``:
+    key -> [(offsets in the stored tensor, a view to fill)], read by overlap with what the
+    checkpoint's ranks wrote."""
+
+    def __init__(self, blocks: dict[str, list[Block]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.blocks = blocks
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for key, blocks in self.blocks.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape)
+                      for o, t in blocks]
+            items += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], chunks)
+        return LoadPlan(items, plan.storage_data, plan.planner_data)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        blocks = self.blocks.get(index.fqn)
+        if blocks is not None:
+            return blocks[index.index][1]
+        return super().lookup_tensor(index)
 
 
 def load(engine: Any, directory: Path, description: dict[str, Any], *, params: bool = True,
@@ -45,45 +83,41 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
     saved = description.get("optimizer") if optimizer else None
     if saved is not None:
         _prepare_optimizer(engine.optimizer, held, saved)
-    layout = gather_layout(held)[0] if engine.zero is not None else None  # collective: every rank
-    targets: dict[str, Any] = {}
-    whole_to_pieces: list[tuple[torch.Tensor, list[tuple[Piece, torch.Tensor]]]] = []
+    plain: dict[str, Any] = {}
+    blocks: dict[str, list[Block]] = {}
     by_param: dict[int, list[Piece]] = {}
     for p in held.pieces:
         by_param.setdefault(p.param, []).append(p)
     for i, pieces in by_param.items():
-        name, numel = held.names[i], math.prod(held.shapes[i])
-        everyone = layout.get(name) if layout is not None else None
+        name = held.names[i]
         flats = {p.holder: flat_view(held.stepped[p.holder], f"parameter {name!r}") for p in pieces}
-        if params and f"param/{name}" in on_disk:
-            targets[f"param/{name}"] = as_dcp_tensor(
-                numel, [(p.offset, flats[p.holder].narrow(0, p.start, p.length))
-                        for p in pieces], everyone)
-        elif params and f"module/{name}" in on_disk:  # frozen when saved, trainable now
-            shape, dtype = on_disk[f"module/{name}"]
-            whole = targets[f"module/{name}"] = torch.empty(shape, dtype=dtype)
-            whole_to_pieces.append((whole, [(p, flats[p.holder]) for p in pieces]))
+        # a parameter frozen when saved and trainable now is read from its module entry
+        source = next((k for k in (f"param/{name}", f"module/{name}") if k in on_disk), None)
+        if params and source is not None:
+            blocks[source] = place(held, i, pieces, flats, on_disk[source][0])
         for key in (saved["keys"].get(name, {}) if saved is not None else ()):
             if f"optim/{name}/{key}" not in on_disk:
                 continue
             values = {h: flat_view(engine.optimizer.state[held.stepped[h]][key],
                                f"optimizer state {key!r} of {name!r}") for h in flats}
-            targets[f"optim/{name}/{key}"] = as_dcp_tensor(
-                numel, [(p.offset, values[p.holder].narrow(0, p.start, p.length))
-                        for p in pieces], everyone)
+            blocks[f"optim/{name}/{key}"] = place(held, i, pieces, values,
+                                                  on_disk[f"optim/{name}/{key}"][0])
     if module:
         for key, tensor in _module_entries(engine, held).items():
-            if f"module/{key}" in on_disk:
-                targets[f"module/{key}"] = tensor.detach()
-            elif f"param/{key}" in on_disk:  # trainable when saved, frozen now
-                targets[f"param/{key}"] = flat_view(tensor, f"module entry {key!r}")
+            # a parameter trainable when saved and frozen now is read from its param entry
+            source = next((k for k in (f"module/{key}", f"param/{key}") if k in on_disk), None)
+            if source is None:
+                continue
+            split = split_of(tensor, key)
+            if split is None and on_disk[source][0] == tuple(tensor.shape):
+                plain[source] = tensor.detach()
+            else:
+                blocks[source] = placed(flat_view(tensor, f"module entry {key!r}"),
+                                        tuple(tensor.shape), split, 0, tensor.numel(),
+                                        on_disk[source][0])
     with quiet():
-        dcp.load(targets, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    with torch.no_grad():
-        for whole, pieces in whole_to_pieces:
-            for p, flat in pieces:
-                flat.narrow(0, p.start, p.length).copy_(
-                    whole.reshape(-1).narrow(0, p.offset, p.length))
+        dcp.load(plain, checkpoint_id=str(directory), planner=_BlockReader(blocks),
+                 no_dist=not dist.is_initialized())
     if params:
         sync_model(engine)
 
@@ -93,7 +127,7 @@ def load_through(engine: Any, custom_load_fn: Any, directory: Path,
     """``custom_load_fn(src=<the whole fp32 state dict>, dst=<the module>)`` writes the module
     (under ZeRO stage 3 while every parameter is gathered), then the fp32 masters are taken
     from the module's parameters, in their dtype, as DeepSpeed does. Every rank calls it."""
-    src = full_state_dict(directory, description)
+    src = _this_slice(engine, full_state_dict(directory, description))
     gathered = getattr(engine, "gathered_parameters", None)
     with gathered() if gathered is not None else contextlib.nullcontext():
         custom_load_fn(src=src, dst=engine.module)
@@ -107,6 +141,19 @@ def load_through(engine: Any, custom_load_fn: Any, directory: Path,
                 flat_view(held.stepped[p.holder], "a master").narrow(0, p.start, p.length).copy_(
                     value)
     sync_model(engine)
+
+
+def _this_slice(engine: Any, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole state dict with each tensor-parallel entry cut to this rank's slice, so
+    ``custom_load_fn`` sees what the module holds."""
+    out = dict(src)
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        split = split_of(tensor, key)
+        if split is None or key not in src:
+            continue
+        out[key] = torch.cat([src[key].narrow(split.dim, start, length)
+                              for start, length in split.ranges], dim=split.dim)
+    return out
 
 
 def sync_model(engine: Any) -> None:
@@ -133,10 +180,6 @@ def _module_entries(engine: Any, held: Holdings) -> dict[str, torch.Tensor]:
     return {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in skip}
 
 
-def _shape(shape: Any) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
 def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
                 on_disk: dict[str, tuple[tuple[int, ...], torch.dtype]], *, strict: bool,
                 params: bool, module: bool) -> None:
@@ -148,13 +191,22 @@ def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
     for key in description["module_keys"]:
         saved_shapes[key] = on_disk[f"module/{key}"][0]
     entries = _module_entries(engine, held)
-    wanted = {n: s for n, s in zip(held.names, held.shapes)} if params else {}
+    # the unsplit shapes (a tensor-parallel rank holds a slice), and what this rank holds
+    wanted = {n: held.whole(i) for i, n in enumerate(held.names)} if params else {}
+    local = {n: held.shapes[i] for i, n in enumerate(held.names)
+             if held.splits[i] is not None} if params else {}
     if module:
-        wanted.update({k: tuple(v.shape) for k, v in entries.items()})
+        for k, v in entries.items():
+            wanted[k] = whole_shape(tuple(v.shape), split_of(v, k))
+            if wanted[k] != tuple(v.shape):
+                local[k] = tuple(v.shape)
     missing = [k for k in wanted if k not in saved_shapes and
                k not in description.get("excluded_frozen", ())]
     mismatched = [f"size mismatch for {k}: the checkpoint has shape {_shape(saved_shapes[k])}, "
-                  f"the model {_shape(s)}" for k, s in wanted.items()
+                  f"the model {_shape(s)}"
+                  + (f" (unsplit; this tensor-parallel rank holds {_shape(local[k])} of it)"
+                     if k in local else "")
+                  for k, s in wanted.items()
                   if k in saved_shapes and tuple(saved_shapes[k]) != tuple(s)]
     mine = set(held.names) | set(entries) | set(aliases(engine, held.names))
     if getattr(engine, "model_parallel", False):  # other stages hold the rest of the model

@@ -4,7 +4,14 @@ A column-parallel linear holds a slice of the output features; a row-parallel li
 the input features, and sums the partial products over the tensor-parallel group. An attention
 block (qkv column-parallel, output projection row-parallel) or an MLP (up column, down row)
 then needs one all-reduce in forward and one in backward. Parameters split across the group
-carry ``param.tensor_parallel = True``; the rest are replicated."""
+carry ``param.tensor_parallel = True``; the rest are replicated.
+
+A split parameter also says where its slice lies in the whole (unsplit) parameter, which
+checkpoints need: ``param.tp_split_dim`` (the dimension split: 0 for a column-parallel weight
+and bias and a vocab-parallel embedding, 1 for a row-parallel weight), ``param.tp_full_size``
+(the whole parameter's size along it) and ``param.tp_ranges`` (``((start, length), ...)``: the
+whole parameter's indices along that dimension this rank holds, in the order it holds them;
+one range, except for a fused qkv projection, whose slice is a block of each of q, k and v)."""
 
 from __future__ import annotations
 
@@ -115,9 +122,30 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
-def _mark(param: nn.Parameter) -> nn.Parameter:
+def _mark(param: nn.Parameter, dim: int, full: int,
+          ranges: tuple[tuple[int, int], ...]) -> nn.Parameter:
+    """Marks ``param`` as this rank's slice of a whole parameter of size ``full`` along
+    ``dim``: the whole's indices ``ranges`` ((start, length), ...) along it, in order."""
+    if sum(length for _, length in ranges) != param.shape[dim]:
+        raise ValueError(f"tensor-parallel ranges {ranges} do not add up to the slice's size "
+                         f"{param.shape[dim]} along dimension {dim}")
     param.tensor_parallel = True  # type: ignore[attr-defined]
+    param.tp_split_dim = dim  # type: ignore[attr-defined]
+    param.tp_full_size = full  # type: ignore[attr-defined]
+    param.tp_ranges = tuple((int(a), int(n)) for a, n in ranges)  # type: ignore[attr-defined]
     return param
+
+
+def _ranges(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Whole-parameter indices, in the slice's order, as runs of consecutive ones:
+    ((start, length), ...)."""
+    out: list[list[int]] = []
+    for i in indices.tolist():
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1])
+    return tuple((a, n) for a, n in out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -134,8 +162,11 @@ class ColumnParallelLinear(nn.Module):
         self.local_out = _divide(out_features, self.tp, "out_features")
         self.gather_output = gather_output
         kw = {"device": device, "dtype": dtype}
-        self.weight = _mark(nn.Parameter(torch.empty(self.local_out, in_features, **kw)))
-        self.bias = _mark(nn.Parameter(torch.zeros(self.local_out, **kw))) if bias else None
+        rows = ((_rank(group) * self.local_out, self.local_out),)
+        self.weight = _mark(nn.Parameter(torch.empty(self.local_out, in_features, **kw)), 0,
+                            out_features, rows)
+        self.bias = _mark(nn.Parameter(torch.zeros(self.local_out, **kw)), 0, out_features,
+                          rows) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
@@ -154,6 +185,9 @@ class ColumnParallelLinear(nn.Module):
             out.weight.copy_(linear.weight[rows])
             if linear.bias is not None:
                 out.bias.copy_(linear.bias[rows])
+        for param in (out.weight, out.bias):
+            if param is not None:
+                _mark(param, 0, linear.out_features, _ranges(rows))
         del tp
         return out
 
@@ -177,7 +211,8 @@ class RowParallelLinear(nn.Module):
         self.local_in = _divide(in_features, self.tp, "in_features")
         self.input_is_parallel = input_is_parallel
         kw = {"device": device, "dtype": dtype}
-        self.weight = _mark(nn.Parameter(torch.empty(out_features, self.local_in, **kw)))
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, self.local_in, **kw)), 1,
+                            in_features, ((_rank(group) * self.local_in, self.local_in),))
         self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
@@ -213,7 +248,8 @@ class VocabParallelEmbedding(nn.Module):
         self.local = _divide(num_embeddings, self.tp, "num_embeddings (vocabulary size)")
         self.start = _rank(group) * self.local
         self.weight = _mark(nn.Parameter(torch.empty(self.local, embedding_dim, device=device,
-                                                     dtype=dtype)))
+                                                     dtype=dtype)), 0, num_embeddings,
+                            ((self.start, self.local),))
         nn.init.normal_(self.weight)
 
     @classmethod
