@@ -14,9 +14,12 @@ round over all configs, then another) and the run with the shortest step is kept
 work only ever lengthens steps (on a VM its neighbours do too, unseen), as calibration keeps its
 least disturbed runs. Each row reports how many cores other processes kept busy during the kept
 run ("others", from /proc/stat less this job's own CPU time) and how much longer the slowest
-run of the config was ("spread"), and how slow the host computed just before the kept run
-against its profile ("host": a calibration Linear pass timed then, over the profile's time; the
-host's speed drifts over minutes, and the profile holds its calibration's).
+run of the config was ("spread"), and how slow the host computed around the kept run against
+its profile ("host": ``sims.probe.host_speed``, a calibration Linear pass timed just before and
+just after the run, over the profile's time, geometric mean; the host's speed drifts over
+minutes, and the profile holds its calibration's). "at host" is the step's error when the
+prediction is given that speed (``simulate --compare --host-speed``): what is left is the cost
+model's own error, and the difference from "error" is the host's drift since calibration.
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
 layer numbers, as the simulator's planner expects, trained as a plain module or as a
@@ -193,28 +196,13 @@ def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
 
 
 def host_speed(cluster: str) -> float:
-    """How slow this host computes now against its profile: one calibration Linear pass
-    (forward and backward, one thread) timed for half a second, over the profile's time for
-    it. A shared host's speed drifts by tens of percent over minutes (its VM neighbours), and
-    the profile holds the speed of the calibration's moment; 1.15 means 15 % slower now."""
-    import torch
-
-    from sims.calibrate_engine import CONCURRENCY_SHAPE, time_pass
-    from sims.costs import pass_seconds
+    """How slow this host computes now against its profile (``sims.probe.host_speed``): 1.15
+    means 15 % slower than at calibration; nan for a profile without engine costs."""
     from sims.hardware import get_profile
+    from sims.probe import host_speed as probe
 
     hw = get_profile(cluster)
-    if hw.engine is None:
-        return float("nan")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        timed = time_pass(CONCURRENCY_SHAPE, 0.5)
-    finally:
-        torch.set_num_threads(previous)
-    flops = timed["flops"]
-    return (timed["forward_s"] + timed["backward_s"]) / (
-        pass_seconds("forward", flops, 1, hw) + pass_seconds("backward", 2 * flops, 1, hw))
+    return probe(hw) if hw.engine is not None else float("nan")
 
 
 @contextlib.contextmanager
@@ -257,8 +245,9 @@ def launch(cfg: Config, workdir: Path, args: argparse.Namespace, run: int = 0) -
     return run_dir
 
 
-def compare(run_dir: Path, cluster: str) -> dict[str, Any]:
-    """``flowtrain simulate --compare run_dir --json``, through the command's own code."""
+def compare(run_dir: Path, cluster: str, speed: float | None = None) -> dict[str, Any]:
+    """``flowtrain simulate --compare run_dir --json [--host-speed SPEED]``, through the
+    command's own code."""
     import contextlib
     import io
 
@@ -266,7 +255,8 @@ def compare(run_dir: Path, cluster: str) -> dict[str, Any]:
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    ns = parser.parse_args(["--compare", str(run_dir), "--cluster", cluster, "--json"])
+    extra = ["--host-speed", repr(speed)] if speed is not None and speed == speed else []
+    ns = parser.parse_args(["--compare", str(run_dir), "--cluster", cluster, "--json", *extra])
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         run(ns)
@@ -348,49 +338,60 @@ def main() -> int:
         print(f"{len(configs)} configs, {args.steps} steps each, {args.repeat} run(s) of each "
               f"(the least disturbed kept), predicted with {args.cluster} ({os.cpu_count()} "
               f"CPUs here; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
-        # (rows, others' cores, host speed) of each run of each config
-        runs: dict[int, list[tuple[dict[str, Any], float, float]]] = {}
+        # (rows, rows at the host's speed, others' cores, host speed) of each run of each config
+        runs: dict[int, list[tuple[dict[str, Any], dict[str, Any], float, float]]] = {}
+        at_speed: dict[str, list[float]] = {c: [] for c in CLASSES}
         for repeat in range(args.repeat):
             for number, cfg in configs:
                 try:
                     with host_lock(args.lock):
                         wait_for_quiet(args.quiet_wait)
-                        speed = host_speed(args.cluster)
+                        before = host_speed(args.cluster)
                         with ForeignLoad() as others:
                             run_dir = launch(cfg, workdir, args, repeat)
+                        after = host_speed(args.cluster)
+                    # the host's speed over the run: the probes on either side of it
+                    speed = (before * after) ** 0.5
                     rows = compare(run_dir, args.cluster)
+                    rows_at_speed = compare(run_dir, args.cluster, speed)
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                     print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
                           flush=True)
                     continue
-                runs.setdefault(number, []).append((rows, others.cores, speed))
+                runs.setdefault(number, []).append((rows, rows_at_speed, others.cores, speed))
                 print(f"  ... {number:>2} {cfg.name:<30} run {repeat + 1}: measured "
                       f"{rows['step']['measured_s'] * 1e3:8.2f} ms", file=sys.stderr, flush=True)
         print(f"  {'#':>2} {'config':<30} {'ranks':>5} {'predicted':>10} {'measured':>10} "
-              f"{'error':>8} {'others':>7} {'spread':>7} {'host':>6}")
+              f"{'error':>8} {'others':>7} {'spread':>7} {'host':>6} {'at host':>8}")
         for number, cfg in configs:
             if number not in runs:
                 continue
             # Other work only ever lengthens a step: the run with the shortest is the least
             # disturbed; "spread" is how much longer the longest was.
-            measured = [r["step"]["measured_s"] for r, _, _ in runs[number]]
-            rows, others, speed = min(runs[number],
-                                      key=lambda run: run[0]["step"]["measured_s"])
+            measured = [r["step"]["measured_s"] for r, *_ in runs[number]]
+            rows, rows_at, others, speed = min(runs[number],
+                                               key=lambda run: run[0]["step"]["measured_s"])
             step = rows["step"]
             print(f"  {number:>2} {cfg.name:<30} {cfg.ranks:>5} {step['predicted_s'] * 1e3:8.2f}ms "
                   f"{step['measured_s'] * 1e3:8.2f}ms {step['error_pct']:+7.1f}% "
                   f"{others:6.2f} {100 * (max(measured) / min(measured) - 1):6.1f}% "
-                  f"{speed:6.2f}", flush=True)
+                  f"{speed:6.2f} {rows_at['step']['error_pct']:+7.1f}%", flush=True)
             for c, row in rows.items():
                 if row["error_pct"] is not None:
                     errors[c].append(abs(row["error_pct"]))
+                if rows_at[c]["error_pct"] is not None:
+                    at_speed[c].append(abs(rows_at[c]["error_pct"]))
         if errors["step"]:
             print(f"step time: MAPE {statistics.fmean(errors['step']):.1f} %, worst "
                   f"{max(errors['step']):.1f} % over {len(errors['step'])} configs")
-        print("MAPE per task class:")
+            print(f"  at the host's speed over each run (--host-speed): MAPE "
+                  f"{statistics.fmean(at_speed['step']):.1f} %, worst "
+                  f"{max(at_speed['step']):.1f} %")
+        print("MAPE per task class (as calibrated / at the host's speed):")
         for c in CLASSES:
             if errors[c]:
-                print(f"  {c:<10} {statistics.fmean(errors[c]):6.1f} %  ({len(errors[c])} runs)")
+                print(f"  {c:<10} {statistics.fmean(errors[c]):6.1f} % "
+                      f"{statistics.fmean(at_speed[c]):6.1f} %  ({len(errors[c])} runs)")
         if not args.no_gloo:
             try:
                 with host_lock(args.lock):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import difflib
 import itertools
 import json
@@ -55,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="predict a launched run (runs/<id>: plan.json, spans/) and print "
                         "predicted vs measured per task class")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,
+                   help="a calibrated CPU host's speed now against its profile, every task "
+                        "scaled by it: a factor (1.2: 20%% slower than at calibration) or auto "
+                        "(time the calibration's probe pass now, half a second)")
 
 
 @dataclass
@@ -109,6 +114,27 @@ def _profile(name: str) -> Any:
         return get_profile(name)
     except ValueError as exc:
         raise SimulateError(f"--cluster: {exc}") from None
+
+
+def _host_speed(ns: argparse.Namespace, hw: Any) -> float:
+    """--host-speed as a factor: 1.0 without it, the probe's figure for auto."""
+    from sims.probe import check_speed, host_speed
+
+    text = getattr(ns, "host_speed", None)
+    if text is None:
+        return 1.0
+    if str(text).strip().lower() == "auto":
+        try:
+            return host_speed(hw)
+        except ValueError as exc:
+            raise SimulateError(f"--host-speed auto: {exc}") from None
+    try:
+        return check_speed(float(text), "--host-speed")
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("--host-speed") else \
+            f"--host-speed: auto or a positive factor (1.2: the host is 20 % slower than " \
+            f"its profile), got {text!r}"
+        raise SimulateError(message) from None
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -167,9 +193,11 @@ def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> 
 # -- one prediction ----------------------------------------------------------------------------
 
 def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
-            workload: Any = None) -> Prediction:
+            workload: Any = None, host_speed: float = 1.0) -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
-    estimated from it) or None with ``workload`` given (a measured run: no memory figure)."""
+    estimated from it) or None with ``workload`` given (a measured run: no memory figure).
+    ``host_speed`` scales every task's duration (the host computes that much slower now than
+    its profile says; on a CPU host comm is CPU work too), so the step scales by it."""
     from sims.executor import execute, step_figures
     from sims.planner import Workload, build_plan
 
@@ -179,10 +207,17 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         plan = build_plan(work, cfg, layout, hw)
     except ValueError as exc:
         raise SimulateError(str(exc)) from None
-    timeline = execute(plan.tasks, interference=plan.interference)
+    tasks = plan.tasks
+    if host_speed != 1.0:
+        tasks = [dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks]
+    timeline = execute(tasks, interference=plan.interference)
     figures = step_figures(timeline)
     elapsed = time.perf_counter() - started
     notes = list(plan.notes)
+    if host_speed != 1.0:
+        notes.append(f"every task scaled by the host speed {host_speed:.3f} (the host "
+                     f"computes {abs(host_speed - 1) * 100:.1f} % "
+                     f"{'slower' if host_speed > 1 else 'faster'} than its profile says)")
     peak = None
     if model is not None:
         from sims.memory import memory_per_rank
@@ -220,7 +255,7 @@ def _layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
 
 def _predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
                     layout_over: dict[str, int], source: str,
-                    models: dict[tuple[Any, ...], Any]) -> Prediction:
+                    models: dict[tuple[Any, ...], Any], host_speed: float = 1.0) -> Prediction:
     config_tp, config_pp = _config_parallel(raw)
     tp = layout_over.get("tp", ns.tp if ns.tp is not None else config_tp)
     pp = layout_over.get("pp", ns.pp if ns.pp is not None else config_pp)
@@ -232,7 +267,7 @@ def _predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluste
     if key not in models:  # a traced model is traced once per micro-batch size and precision
         models[key] = _model(ns.model, ns.seq_len, cfg.train_micro_batch_size_per_gpu,
                              cfg.precision)
-    return predict(models[key], cfg, layout, hw, cluster=cluster)
+    return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed)
 
 
 # -- sweeps ------------------------------------------------------------------------------------
@@ -370,7 +405,8 @@ class _Progress:
 
 
 def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
-              sweeps: list[tuple[str, list[Any]]]) -> list[tuple[dict[str, Any], Any]]:
+              sweeps: list[tuple[str, list[Any]]], host_speed: float = 1.0,
+              ) -> list[tuple[dict[str, Any], Any]]:
     """Every combination: (its values, a Prediction or the one-line reason it cannot run),
     best throughput first, failures last."""
     combos = list(itertools.product(*[values for _, values in sweeps]))
@@ -389,7 +425,7 @@ def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str
                     config = _with_value(config, key, value)
             try:
                 result: Any = _predict_config(ns, config, hw, cluster, layout_over, "config",
-                                              models)
+                                              models, host_speed)
             except SimulateError as exc:
                 if str(exc).startswith("--model"):
                     raise
@@ -489,9 +525,10 @@ def run(ns: argparse.Namespace) -> int:
     sweeps = parse_sweeps(ns.sweep)
     cluster = ns.cluster or DEFAULT_CLUSTER
     hw = _profile(cluster)
+    speed = _host_speed(ns, hw)
     raw = _read_config(ns.config)
     if sweeps:
-        results = run_sweep(ns, raw, hw, cluster, sweeps)
+        results = run_sweep(ns, raw, hw, cluster, sweeps, speed)
         best = next((r for _, r in results if isinstance(r, Prediction)), None)
         if ns.json:
             print(json.dumps({"sweep": [{"values": v, **(r.to_dict() if isinstance(
@@ -502,7 +539,8 @@ def run(ns: argparse.Namespace) -> int:
         if best is not None and ns.trace:
             _write_trace(best, ns.trace, ns.json)
         return 0 if best is not None else 1
-    prediction = _predict_config(ns, raw, hw, cluster, {}, f"config file {ns.config}", {})
+    prediction = _predict_config(ns, raw, hw, cluster, {}, f"config file {ns.config}", {},
+                                 speed)
     if ns.json:
         print(json.dumps(prediction.to_dict(), indent=1))
     else:
@@ -533,6 +571,7 @@ def _run_compare(ns: argparse.Namespace) -> int:
         raise SimulateError(str(exc)) from None
     cluster = ns.cluster or "this-host"
     hw = _profile(cluster)
+    speed = _host_speed(ns, hw)
     world = int(record.plan["world_size"])
     if world % ns.nodes:
         raise SimulateError(f"--nodes {ns.nodes} does not divide the run's world size {world}")
@@ -545,7 +584,8 @@ def _run_compare(ns: argparse.Namespace) -> int:
     micro_batch = cfg.train_micro_batch_size_per_gpu
     work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
         if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
-    prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work)
+    prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work,
+                         host_speed=speed)
     empty = [name for name, shape, _, _ in work.params if 0 in shape]
     if empty:
         prediction.notes.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 import os
 import statistics
 from pathlib import Path
@@ -294,3 +295,30 @@ def test_collective_sizes_must_split_evenly() -> None:
     bad = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10, 1000))
     with pytest.raises(ValueError, match=r"multiples of 4 B x 4 ranks.*got 1000"):
         calibrate.measure_collectives(bad, (2, 4), timeout_s=5)
+
+
+def test_host_speed_probe_holds_the_pass_against_the_profile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's pass timed at exactly the profile's rate reads 1.0; 30 % longer reads 1.3;
+    a profile without engine costs has nothing to hold it against."""
+    import sims.calibrate_engine as ce
+    from sims.costs import pass_seconds
+    from sims.probe import host_speed
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_sim_engine import cpu_profile
+
+    hw = cpu_profile()
+    b, k, n = ce.CONCURRENCY_SHAPE
+    flops = 2.0 * b * k * n
+    expected = {"flops": flops, "forward_s": pass_seconds("forward", flops, 1, hw),
+                "backward_s": pass_seconds("backward", 2 * flops, 1, hw)}
+    slower = [1.0]
+    monkeypatch.setattr(ce, "time_pass", lambda shape, seconds: {
+        **expected, "forward_s": expected["forward_s"] * slower[0],
+        "backward_s": expected["backward_s"] * slower[0]})
+    assert host_speed(hw) == pytest.approx(1.0)
+    slower[0] = 1.3
+    assert host_speed(hw) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="'h100-x8' has no engine costs"):
+        host_speed(get_profile("h100-x8"))

@@ -247,3 +247,41 @@ def test_calibrate_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
         main(["calibrate", "--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_host_speed_scales_every_task(capsys: pytest.CaptureFixture[str], config: Path,
+                                      tmp_path: Path) -> None:
+    """--host-speed F: every predicted task takes F times as long, so the step, the time per
+    resource and the exposed communication scale by F and throughput by 1/F; --compare's
+    predicted classes too."""
+    args = ["--model", "gpt2", "--config", str(config), "--cluster", "h100-x8", "--json"]
+    _, out, _ = _run(capsys, *args)
+    base = json.loads(out)
+    _, out, _ = _run(capsys, *args, "--host-speed", "1.25")
+    slow = json.loads(out)
+    assert slow["step_time_s"] == pytest.approx(1.25 * base["step_time_s"])
+    assert slow["samples_per_s"] == pytest.approx(base["samples_per_s"] / 1.25)
+    assert slow["exposed_comm_s"] == pytest.approx(1.25 * base["exposed_comm_s"])
+    for resource, seconds in base["resource_s"].items():
+        assert slow["resource_s"][resource] == pytest.approx(1.25 * seconds)
+    assert any("host speed 1.250" in n and "25.0 % slower" in n for n in slow["notes"])
+
+    profile = _cpu_profile(tmp_path)
+    compare = ["--compare", str(RUN), "--cluster", str(profile), "--json"]
+    _, out, _ = _run(capsys, *compare)
+    rows = {r["class"]: r for r in json.loads(out)["classes"]}
+    _, out, _ = _run(capsys, *compare, "--host-speed", "0.8")
+    fast = {r["class"]: r for r in json.loads(out)["classes"]}
+    for c, row in rows.items():
+        assert fast[c]["predicted_s"] == pytest.approx(0.8 * row["predicted_s"]), c
+        assert fast[c]["measured_s"] == row["measured_s"]
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("0", "a positive factor"), ("-1", "a positive factor"), ("nan", "a positive factor"),
+    ("fast", "auto or a positive factor"), ("auto", "'h100-x8' has no engine costs")])
+def test_bad_host_speed_is_one_line(capsys: pytest.CaptureFixture[str], config: Path,
+                                    value: str, needle: str) -> None:
+    line = _one_error(capsys, "--model", "gpt2", "--config", str(config), "--cluster",
+                      "h100-x8", "--host-speed", value)
+    assert "--host-speed" in line and needle in line and (value in line or value == "auto"), line
