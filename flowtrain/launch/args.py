@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowtrain import env as fenv
+from flowtrain.launch.affinity import parse_core_list, split
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback, apply_filters, read_hostfile
 from flowtrain.launch.rundir import new_job_id
 
@@ -47,6 +48,9 @@ class LaunchConfig:
     argv: list[str] = field(default_factory=list)
     total_steps: int | None = None  # for the progress line's ETA and the telemetry job record
     trace: bool = False  # write runs/<id>/trace.json (flowtrain trace) when the job ends
+    bind_cores: bool = False  # --bind-cores-to-rank (or --bind-core-list)
+    bind_core_list: str | None = None  # as typed; checked on the node whose ranks it binds
+    core_shares: list[list[int]] | None = None  # each local rank's cores, when bound here
 
     @property
     def mode(self) -> str:
@@ -101,6 +105,15 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true",
                    help="write a Chrome/Perfetto trace of the measured task spans to "
                    "<run dir>/trace.json when the job ends (as 'flowtrain trace' does)")
+    p.add_argument("--bind-cores-to-rank", "--bind_cores_to_rank", dest="bind_cores_to_rank",
+                   action="store_true",
+                   help="pin each local rank to its own share of the cores this launcher may "
+                   "use (or of --bind-core-list) and set its OMP_NUM_THREADS (torch's threads) "
+                   "to that share's size; when the cores do not divide evenly the first ranks "
+                   "get one core more")
+    p.add_argument("--bind-core-list", "--bind_core_list", dest="bind_core_list", default=None,
+                   metavar="CORES", help="the cores to share out, e.g. '0,2-5,8' (implies "
+                   "--bind-cores-to-rank; default: every core this launcher may use)")
     p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
                    help="run the target as an executable instead of with python (no heartbeats)")
     p.add_argument("-m", "--module", action="store_true",
@@ -251,6 +264,10 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
             is not None else parse_total_steps(os.environ.get(TOTAL_STEPS_ENV), TOTAL_STEPS_ENV)
     except ValueError as exc:
         raise LaunchInputError(str(exc)) from None
+    bind = bool(ns.bind_cores_to_rank or ns.bind_core_list is not None)
+    core_list = None if ns.bind_core_list is None else parse_core_list(ns.bind_core_list)
+    # a hostfile launch binds on each host, where its node launcher checks the list
+    shares = split(nproc, core_list, text=ns.bind_core_list) if bind and not hosts else None
     if offset + nproc > world:
         raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of {world}")
     return LaunchConfig(
@@ -261,4 +278,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         join_timeout=join_timeout, grace_period=grace, ssh_command=ssh_command, hosts=hosts,
         control_endpoint=ns.control_endpoint, world_size=world, rank_offset=offset,
         from_parent=ns.from_parent, argv=list(argv), total_steps=total_steps, trace=ns.trace,
+        bind_cores=bind, bind_core_list=ns.bind_core_list, core_shares=shares,
     )

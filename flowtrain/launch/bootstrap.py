@@ -17,6 +17,7 @@ from typing import Any
 
 from flowtrain import env as fenv
 from flowtrain.errors import RankAborted, RankFailure, write_error_file
+from flowtrain.launch.affinity import pin_from_env
 
 ABORTED_EXIT = 143  # 128 + SIGTERM, what a process killed by SIGTERM would report to a shell
 
@@ -122,10 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m flowtrain.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
         return 2
     rank = int(os.environ.get(fenv.RANK, "0") or 0)
+    pin_error = None
+    try:
+        # first, before this process starts threads: those started later inherit the mask
+        pin_from_env()
+    except (OSError, ValueError) as exc:
+        pin_error = exc
     _install_sigterm_handler()
     shutdown = None
     try:
         try:
+            if pin_error is not None:
+                raise pin_error
             start_rank, shutdown = _runtime()
             start_rank()
             _run_target(args)

@@ -15,6 +15,7 @@ from typing import Any
 
 from flowtrain import env as fenv
 from flowtrain.control.coordinator import tcp_endpoint
+from flowtrain.launch.affinity import CORES_ENV, format_cores
 from flowtrain.launch.args import LaunchConfig
 from flowtrain.launch.envfile import load_env_files, remote_exports
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback
@@ -63,6 +64,12 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
         fenv.HEARTBEAT_MISSES: str(cfg.heartbeat_misses), fenv.CONSOLE: console,
         fenv.LAUNCHED: "1", "PYTHONUNBUFFERED": "1",
     })
+    if cfg.core_shares is not None:
+        cores = cfg.core_shares[local_rank]
+        env[CORES_ENV] = ",".join(str(c) for c in cores)
+        env["OMP_NUM_THREADS"] = str(len(cores))  # torch sizes its thread pool by it
+    else:
+        env.pop(CORES_ENV, None)
     if endpoint:
         env[fenv.CONTROL_ENDPOINT] = endpoint
         env[fenv.JOB_SECRET] = secret.hex()
@@ -75,6 +82,8 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
 def _rank_argv(cfg: LaunchConfig) -> list[str]:
     if cfg.no_python:
         target = str(Path(cfg.target).absolute()) if Path(cfg.target).is_file() else cfg.target
+        if cfg.core_shares is not None:  # pins itself, then execs the target
+            return [sys.executable, "-m", "flowtrain.launch.affinity", target, *cfg.target_args]
         return [target, *cfg.target_args]
     head = [sys.executable, "-m", "flowtrain.launch.bootstrap"]
     return head + (["-m"] if cfg.is_module else []) + [cfg.target, *cfg.target_args]
@@ -99,7 +108,16 @@ def run_launch(cfg: LaunchConfig) -> int:
     file_vars = load_env_files(Path.cwd(), os.environ.get("HOME"))
     base_env = dict(os.environ)
     base_env.update(file_vars)
-    if "OMP_NUM_THREADS" not in base_env and mode != "hostfile":
+    if cfg.core_shares is not None:
+        shares = {f"rank {cfg.rank_offset + lr}": format_cores(cores)
+                  for lr, cores in enumerate(cfg.core_shares)}
+        log.info("binding each rank to its own cores; OMP_NUM_THREADS is each share's size",
+                 console=True, cores=shares)
+        given = base_env.get("OMP_NUM_THREADS")
+        if given is not None and any(str(len(c)) != given for c in cfg.core_shares):
+            log.warning("OMP_NUM_THREADS is set; --bind-cores-to-rank replaces it for each rank "
+                        "with the size of its share of the cores", OMP_NUM_THREADS=given)
+    elif "OMP_NUM_THREADS" not in base_env and mode != "hostfile":
         threads = max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)
         base_env["OMP_NUM_THREADS"] = str(threads)
         log.info("OMP_NUM_THREADS was not set; setting it for every rank to avoid "
@@ -171,6 +189,9 @@ def run_launch(cfg: LaunchConfig) -> int:
         "master_port": cfg.master_port, "run_dir": str(rd.path), "start_time": started,
         "end_time": None, "status": "running", "exit_code": None, "root_cause": None, "ranks": [],
     }
+    if cfg.core_shares is not None:
+        record["cores"] = {str(cfg.rank_offset + lr): cores
+                           for lr, cores in enumerate(cfg.core_shares)}
     rd.write_job(record)
     telemetry = _job_telemetry(cfg, rd, started) if hosting else None
     log.info("job starting", console=True, job_id=cfg.job_id, mode=mode, world_size=cfg.world_size,

@@ -34,6 +34,10 @@ def node_command(cfg: LaunchConfig, *, node: int, host: str, slots: list[int], r
         "--heartbeat-misses", str(cfg.heartbeat_misses),
         "--join-timeout", str(cfg.join_timeout), "--grace-period", str(cfg.grace_period),
     ]
+    if cfg.bind_cores:  # each host checks the list against its own cores and splits them
+        launch.append("--bind-cores-to-rank")
+        if cfg.bind_core_list is not None:
+            launch += ["--bind-core-list", cfg.bind_core_list]
     if cfg.no_python:
         launch.append("--no-python")
     if cfg.is_module:
