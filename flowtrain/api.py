@@ -117,10 +117,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         engine = PipelineEngine(model, optimizer, cfg, training_data=training_data,
                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
     else:
-        if grid is not None and cfg.zero_optimization.stage:
+        if grid is not None and cfg.zero_optimization.stage >= 2:
             raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with "
-                             f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO with tensor "
-                             f"parallelism is not supported yet; use stage 0")
+                             f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO stages 2 and 3 "
+                             f"with tensor parallelism are not supported yet; use stage 0 or 1")
         engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
                                  collate_fn=collate_fn, bucket_numel=bucket_numel, grid=grid)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).

@@ -73,7 +73,8 @@ def build_zero(engine: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]
                          world_size=engine.world_size, rank=engine.dp_rank,
                          group=engine.dp_group, reduce_scatter=zcfg.reduce_scatter,
                          offload_optimizer=offload_optimizer, offload_param=offload_param,
-                         norm_over_world=engine.model_parallel)
+                         norm_over_world=engine.model_parallel,
+                         tp=engine.grid.shape.tp if engine.grid is not None else 1)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
         return zero, None

@@ -42,7 +42,8 @@ class ZeroOptimizer:
     def __init__(self, params: Sequence[torch.nn.Parameter], buckets: GradBuckets, *,
                  stage: int, world_size: int, rank: int, group: Any = None,
                  reduce_scatter: bool = True, offload_optimizer: Any = None,
-                 offload_param: Any = None, norm_over_world: bool = False) -> None:
+                 offload_param: Any = None, norm_over_world: bool = False,
+                 tp: int = 1) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer implements stages 1, 2 and 3, got {stage}")
         self.params = list(params)
@@ -60,6 +61,10 @@ class ZeroOptimizer:
         self.scattered = stage >= 2 and world_size > 1 and (reduce_scatter or stage == 3)
         self.partitioned = [stage == 3 and world_size > 1 and b.partitioned for b in self.plan]
         self.shards: list[Shard] = [shard_of(b.numel, world_size, rank) for b in self.plan]
+        # tensor parallel (``tp`` ranks): a parameter not split over the group is held alike by
+        # all of them, so its share of the norm summed over the world counts 1/tp
+        self.tp = tp
+        self._replicated = self._replicated_runs() if tp > 1 else []
         param_device = self.device if offload_param is None else offload_param.device
         self.param_device = param_device
         self.flat_params, self.model_shards = self._lay_out_params(param_device)
@@ -90,6 +95,25 @@ class ZeroOptimizer:
         self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
         self.fused_copy = False
         self.optimizer: torch.optim.Optimizer | None = None
+
+    def _replicated_runs(self) -> list[tuple[int, int, int]]:
+        """(bucket, start, length) runs of this rank's shards that hold parameters replicated
+        over the tensor-parallel group (adjacent ones merged)."""
+        runs: list[tuple[int, int, int]] = []
+        for b, bucket in enumerate(self.plan):
+            s = self.shards[b]
+            for slot in bucket.slots:
+                if getattr(self.params[slot.index], "tensor_parallel", False):
+                    continue
+                lo = max(slot.offset, s.start)
+                hi = min(slot.offset + slot.numel, s.start + s.numel)
+                if hi <= lo:
+                    continue
+                if runs and runs[-1][0] == b and runs[-1][1] + runs[-1][2] == lo - s.start:
+                    runs[-1] = (b, runs[-1][1], runs[-1][2] + hi - lo)
+                else:
+                    runs.append((b, lo - s.start, hi - lo))
+        return runs
 
     def _lay_out_params(self, param_device: torch.device,
                         ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
@@ -191,6 +215,10 @@ class ZeroOptimizer:
             norms = torch._foreach_norm(sources, 2.0, dtype=torch.float32) if sources else []
             sumsq = torch.stack(norms).double().square().sum() if norms else \
                 torch.zeros((), dtype=torch.float64, device=self.device)
+            if self._replicated:
+                views = [sources[b].narrow(0, start, n) for b, start, n in self._replicated]
+                rep = torch.stack(torch._foreach_norm(views, 2.0, dtype=torch.float32))
+                sumsq = sumsq - rep.double().square().sum() * (1.0 - 1.0 / self.tp)
             if self.norm_over_world:
                 dist.all_reduce(sumsq)
             elif self.world_size > 1:
