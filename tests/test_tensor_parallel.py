@@ -221,6 +221,22 @@ def test_checkpoint_describes_whole_parameters(layouts: dict[str, Any]) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_frozen_split_weight_and_custom_load_fn(layouts: dict[str, Any]) -> None:
+    """A frozen tensor-parallel weight is saved whole (each tp rank its slice) and comes
+    back; custom_load_fn gets this rank's slices of the whole state dict."""
+    saved = _case(layouts, "four", "save_frozen")[0]["tensors"]["at_save"]
+    loaded = _case(layouts, "four", "frozen_custom_load")[0]["tensors"]["loaded"]
+    fresh = tw.make_model().state_dict()[tw.FROZEN]
+    assert not torch.equal(saved[tw.FROZEN], fresh)  # the saver moved it
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
+    state = consolidate(layouts["ckpt"], tag="tp2_frozen")
+    assert torch.equal(state[tw.FROZEN], saved[tw.FROZEN])
+    tw.make_model().load_state_dict(state)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase", ["four", "one_load"])
 def test_other_shapes_are_refused_by_name(layouts: dict[str, Any], phase: str) -> None:
     for got in _case(layouts, phase, "refused"):

@@ -185,9 +185,10 @@ class ColumnParallelLinear(nn.Module):
             out.weight.copy_(linear.weight[rows])
             if linear.bias is not None:
                 out.bias.copy_(linear.bias[rows])
-        for param in (out.weight, out.bias):
+        for param, like in ((out.weight, linear.weight), (out.bias, linear.bias)):
             if param is not None:
                 _mark(param, 0, linear.out_features, _ranges(rows))
+                param.requires_grad_(like.requires_grad)  # a frozen layer stays frozen
         del tp
         return out
 
@@ -226,6 +227,9 @@ class RowParallelLinear(nn.Module):
             out.weight.copy_(linear.weight[:, rank * size:(rank + 1) * size])
             if linear.bias is not None:
                 out.bias.copy_(linear.bias)
+        out.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            out.bias.requires_grad_(linear.bias.requires_grad)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +262,7 @@ class VocabParallelEmbedding(nn.Module):
                   device=emb.weight.device, dtype=emb.weight.dtype)
         with torch.no_grad():
             out.weight.copy_(emb.weight[out.start:out.start + out.local])
+        out.weight.requires_grad_(emb.weight.requires_grad)
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ torch in this process. Three phases share one checkpoint directory:
 - ``one_save`` (1 process, tp 1): saves ``tp1`` at step HALF;
 - ``four`` (tp 2 x dp 2): stage 0 and stage 1 runs save ``tp2_s0`` and ``tp2_s1``; resumes from
   ``tp2_s0`` (same tp, stage 0 -> 1) and from ``tp1`` (tp 1 -> 2); a model of other shapes
-  refuses the checkpoint;
+  refuses the checkpoint; a model with a frozen split weight saves ``tp2_frozen`` and loads it
+  back through custom_load_fn;
 - ``one_load`` (1 process, tp 1): resumes from ``tp2_s1``; a model of other shapes refuses it.
 The one-process phases run inside the test process (no launch). Launched ranks write
 ``<out>.rank<R>.json``, and rank 0 ``<out>.pt`` (the whole parameters each saving run held).
@@ -110,20 +111,36 @@ def whole_params(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+FROZEN = "blocks.0.mlp.up.weight"  # a column-parallel weight: split over the tp group
+
+
+def custom_load(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    dst.load_state_dict(src)  # strict: src holds this rank's slices
+
+
 def train(tp: int, stage: int, ckpt: str, *, save: str | None = None, load: str | None = None,
-          ) -> dict[str, Any]:
-    """Steps 1..STEPS, or HALF+1..STEPS after loading ``load``; ``save`` at step HALF."""
-    engine, _, _, _ = flowtrain.initialize(model=make_model(), config=config(tp, stage))
+          frozen: bool = False, custom: bool = False, stop: int = STEPS) -> dict[str, Any]:
+    """Steps 1..stop, or HALF+1..stop after loading ``load``; ``save`` at step HALF.
+    ``frozen``: FROZEN does not train (the saving run moves it first, so a load that skips it
+    shows); ``custom``: the load goes through custom_load_fn."""
+    model = make_model()
+    if frozen:
+        model.get_parameter(FROZEN).requires_grad_(False)
+    engine, _, _, _ = flowtrain.initialize(model=model, config=config(tp, stage))
+    if frozen and save is not None:
+        with torch.no_grad():
+            engine.module.get_parameter(FROZEN).add_(1.0)
     result: dict[str, Any] = {"dp_rank": engine.dp_rank, "dp": engine.world_size,
                               "tp": tp, "losses": {}, "tensors": {}}
     first = 0
     if load is not None:
-        path, _ = engine.load_checkpoint(ckpt, tag=load)
+        path, _ = engine.load_checkpoint(ckpt, tag=load,
+                                         custom_load_fn=custom_load if custom else None)
         assert path is not None
         first = engine.global_steps
         result["loaded_step"] = first
         result["tensors"]["loaded"] = whole_params(engine)
-    for step in range(first, STEPS):
+    for step in range(first, stop):
         x, y = my_batch(engine, step)
         _, loss = engine(x, y)
         engine.backward(loss)
@@ -157,6 +174,9 @@ PHASES: dict[str, dict[str, Any]] = {
         "tp2_s0->s1": lambda c: train(2, 1, c, load="tp2_s0"),
         "tp1->tp2_s0": lambda c: train(2, 0, c, load="tp1"),
         "refused": lambda c: refused(2, c, "tp2_s0"),
+        "save_frozen": lambda c: train(2, 0, c, save="tp2_frozen", frozen=True, stop=HALF),
+        "frozen_custom_load": lambda c: train(2, 1, c, load="tp2_frozen", frozen=True,
+                                              custom=True, stop=HALF),
     },
     "one_load": {
         "tp2_s1->tp1": lambda c: train(1, 0, c, load="tp2_s1"),
