@@ -32,12 +32,25 @@ the passes adds (with equal stages, 1F1B on 2 stages has no slack: a slow pass o
 delays both). "profile" predicts the whole run from the calibrated profile alone
 (``flowtrain simulate --compare``).
 
+--bind launches with `flowtrain launch --bind-cores-to-rank`, each rank on its own core (torch
+threads 1 either way). On this 2-core VM it did not help: in launches alternating bound and
+unbound (m = 8, four each) the bubble was 0.164 bound against 0.158 unbound (medians; replay
+0.153 against 0.146), the two stages' passes were within a millisecond of each other either way,
+and in a compute-only probe (both processes running the passes, no pipeline) a pass's thread CPU
+time varied as much as its wall time (backward p10-p90 from 31-39 to 31-48 ms, bound or not):
+the jitter comes from under the VM (its vCPUs share the physical host), not from the ranks being
+preempted or moved between cores inside it. The measured-minus-replay part (about 0.01) is the
+per-micro-batch Python around the passes on the critical path, about 0.4-0.5 ms a micro-batch:
+handing a send to the sender thread (about 0.18 ms), the engine's bookkeeping before and after
+a backward (about 0.08 + 0.10 ms) and a forward (about 0.06 ms); each is 5-10x its cost when
+run twice in a row, as it runs cold, right after a 20-45 ms pass.
+
 The breakdown shows where each stage's step went: compute, waiting in recv for the
 neighbour's activations or gradients, handing sends to the sender thread, the gaps between
 spans, and the head and tail outside its own window.
 
     python benchmarks/pipeline_bubble.py [--small] [--repeat 3] [--steps 12] [--width 1024]
-        [--layers 16] [--micro 64] [--input-dim 64] [--micro-batches 4,8] [--keep DIR]
+        [--layers 16] [--micro 64] [--input-dim 64] [--micro-batches 4,8] [--bind] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -113,7 +126,7 @@ def _step_bubble(stage_spans: list[list[tuple[str, float, float]]]) -> float:
 
 
 def measure(m: int, steps: int, width: int, layers: int, micro: int, in_dim: int,
-            keep: Path | None, name: str) -> tuple[dict[str, Any], Path]:
+            keep: Path | None, name: str, bind: bool = False) -> tuple[dict[str, Any], Path]:
     """Launches the 2-stage job and reads its run directory's spans."""
     from sims.compare import read_run
 
@@ -122,8 +135,8 @@ def measure(m: int, steps: int, width: int, layers: int, micro: int, in_dim: int
     script.write_text(WORKER)
     run_dir = (keep or Path(tmp)) / name
     cmd = [str(REPO / ".venv/bin/flowtrain"), "launch", "--nproc-per-node", "2",
-           "--run-dir", str(run_dir), str(script), str(m), str(steps), str(width), str(layers),
-           str(micro), str(in_dim)]
+           *(["--bind-cores-to-rank"] if bind else []), "--run-dir", str(run_dir), str(script),
+           str(m), str(steps), str(width), str(layers), str(micro), str(in_dim)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True,
                    env={**os.environ, "FLOWTRAIN_CONSOLE_LEVEL": "ERROR"})
     run = read_run(run_dir)
@@ -365,6 +378,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="launches per m; the run with the median bubble is reported")
     ap.add_argument("--cluster", default="this-host", help="profile for the send cost")
+    ap.add_argument("--bind", action="store_true",
+                    help="launch with --bind-cores-to-rank: each rank pinned to its own share "
+                         "of the cores (one core each on a 2-core host); default: the ranks "
+                         "share every core (binding did not lower the bubble here)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
     args.width = args.width or (512 if args.small else 1024)
@@ -377,14 +394,16 @@ def main() -> int:
     print(f"2 stages, {proj}{args.layers} x Linear({args.width})+GELU, micro-batch "
           f"{args.micro} rows ({sent / 1024:.0f} KiB sent per micro-batch, calibrated send "
           f"{send_s * 1e6:.0f} us), 1F1B, {args.steps} steps ({WARMUP} warm-up), "
-          f"{args.repeat} launches per m; load average {load[0]:.2f}")
+          f"{args.repeat} launches per m, "
+          f"{'each rank bound to its own cores' if args.bind else 'ranks not bound to cores'}; "
+          f"load average {load[0]:.2f}")
     print(f"{'m':>3} {'measured':>9} {'(range)':>13} {'formula':>8} {'meas/form':>9} "
           f"{'simulated':>9} {'per-stage':>9} {'replay':>7} {'profile':>8}   per micro-batch: "
           f"forward, backward (stage 0 | stage 1)")
     details = []
     for m in (int(v) for v in args.micro_batches.split(",")):
         runs = [measure(m, args.steps, args.width, args.layers, args.micro, args.input_dim,
-                        args.keep, f"m{m}" if args.repeat == 1 else f"m{m}-{i}")
+                        args.keep, f"m{m}" if args.repeat == 1 else f"m{m}-{i}", args.bind)
                 for i in range(args.repeat)]
         runs.sort(key=lambda r: r[0]["bubble"])
         got, run_dir = runs[len(runs) // 2]
