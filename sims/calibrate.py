@@ -740,6 +740,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flowtrain calibrate: error: {exc}", file=sys.stderr)
         return 1
     print("\n".join(summary(profile)))
+    speeds = [f"{job['ranks']} rank{'s' if int(job['ranks']) > 1 else ''}"
+              f"{' pp ' + str(job['pp']) if int(job.get('pp', 1)) > 1 else ''} "
+              f"x{calibrate_jobs.job_speed(profile, job):.2f}"
+              for job in measurements.get("engine", {}).get("jobs", []) if job.get("probe_s")]
+    if speeds:
+        print(f"  host speed during the jobs against the isolated measurements (the factors "
+              f"above are net of it): {', '.join(speeds)}")
     print(f"wrote {out} in {time.monotonic() - started:.1f} s")
     return 0
 

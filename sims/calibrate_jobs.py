@@ -15,6 +15,7 @@ from typing import Any, Self
 JOB_STEPS = 16
 FIT_ROUNDS = 12
 MIN_FACTOR = 0.1
+PROBE_SECONDS = 0.3  # the host-speed probe before and after each job run
 
 
 class ForeignLoad:
@@ -73,13 +74,22 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
     on the project's host. A run during which other processes kept more than ``busy_cores``
     cores busy does not count, and is run again, up to ``attempts`` launches per run
     (``others_cores`` says how busy they were). A failed launch raises CalibrationError with
-    its last error line."""
+    its last error line.
+
+    Around each run the probe pass (``sims.probe``) is timed, and ``probe_s`` (the geometric
+    mean of before and after) is what it took: the host's speed during the run, which the fit
+    holds against the profile's time for the same pass, so that a job run while the host was
+    slower than during the isolated measurements does not make the engine look slower."""
+    from sims.probe import probe_seconds
+
     best: dict[tuple[int, int], dict[str, Any]] = {}
     for _ in range(runs):
         for ranks, pp in jobs:
             record: dict[str, Any] | None = None
             for _ in range(attempts):
+                before = probe_seconds(PROBE_SECONDS)
                 attempt = _run_job(ranks, pp, steps, timeout_s)
+                attempt["probe_s"] = math.sqrt(before * probe_seconds(PROBE_SECONDS))
                 if record is None or attempt["others_cores"] < record["others_cores"]:
                     record = attempt
                 if attempt["others_cores"] <= busy_cores:
@@ -195,8 +205,21 @@ def gap_per_op(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
     return statistics.median(per_step) if per_step else 0.0
 
 
-def predict_job(profile: Any, job: dict[str, Any]) -> dict[str, float]:
-    """The simulator's task classes for a recorded calibration job on ``profile``."""
+def job_speed(profile: Any, job: dict[str, Any]) -> float:
+    """How much slower the host computed during a job run than ``profile`` says (its
+    ``probe_s`` over the profile's probe time); 1.0 for a record without a probe."""
+    from sims.probe import profile_probe_seconds
+
+    probe = job.get("probe_s")
+    if not probe or profile.engine is None:
+        return 1.0
+    return float(probe) / profile_probe_seconds(profile)
+
+
+def predict_job(profile: Any, job: dict[str, Any], host_speed: float = 1.0
+                ) -> dict[str, float]:
+    """The simulator's task classes for a recorded calibration job (one size of it) on
+    ``profile``, the host ``host_speed`` times slower than the profile says."""
     from flowtrain.config import load_config
     from sims.compare import predicted_classes
     from sims.planner import Layout, Workload
@@ -208,7 +231,7 @@ def predict_job(profile: Any, job: dict[str, Any]) -> dict[str, float]:
     work = Workload.from_stages(job["stages"], micro_batch) if pp > 1 else \
         Workload.from_run(job["plan"], micro_batch, name="calibration job")
     prediction = predict(None, cfg, Layout(1, ranks, 1, pp), profile, cluster=profile.name,
-                         workload=work)
+                         workload=work, host_speed=host_speed)
     return predicted_classes(prediction.timeline)
 
 
@@ -222,36 +245,41 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
     their size), a line through the sizes (one size: the factor alone); the optimizer's
     factor; the time between forward and backward (read off the spans); ``step_s``, what
     remains of the measured step; and ``gloo_s``, what the job's gloo calls took beside its
-    live engine over the bare ranks' figure. A few rounds settle them together, since a factor scales only the compute
-    it applies to, not what the prediction adds around it (a collective's share of the
-    compute, the bucket passes).
+    live engine over the bare ranks' figure. A few rounds settle them together, since a
+    factor scales only the compute it applies to, not what the prediction adds around it (a
+    collective's share of the compute, the bucket passes).
 
     Then, from the pipeline job, the time a stage spends outside its spans per instruction
     (read off its spans) and the delivery time per message beyond the calibrated send that
     makes the predicted pipeline step the measured one (by bisection: the prediction grows
-    with it)."""
+    with it).
+
+    Each job is predicted at the host's speed during it (``job_speed``), so the factors hold
+    what the engine adds, not how much slower the host happened to be then than during the
+    isolated measurements."""
     import dataclasses
 
     engine = dataclasses.replace(profile.engine, factors={}, pipeline_op_s=0.0,
                                  pipeline_message_s=0.0)
 
-    def predicted(fitted: dict[str, float], ranks: int, size: dict[str, Any]
+    def predicted(fitted: dict[str, float], ranks: int, size: dict[str, Any], speed: float
                   ) -> dict[str, float]:
         trial = dataclasses.replace(profile, engine=dataclasses.replace(
             engine, factors={**engine.factors, ranks: dict(fitted)}))
-        return predict_job(trial, size)
+        return predict_job(trial, size, speed)
 
     for job in jobs:
         if int(job.get("pp", 1)) > 1:
             continue
         ranks, sizes = int(job["ranks"]), job["sizes"]
+        speed = job_speed(profile, job)
         fitted = {"forward": 1.0, "forward_s": 0.0, "backward": 1.0, "backward_s": 0.0,
                   "optimizer": 1.0,
                   "micro_batch_s": float(sizes[0].get("micro_batch_gap_s", 0.0)),
                   "step_s": 0.0}
-        first = [predicted(fitted, ranks, size) for size in sizes]
+        first = [predicted(fitted, ranks, size, speed) for size in sizes]
         for _ in range(FIT_ROUNDS):
-            got = [predicted(fitted, ranks, size) for size in sizes]
+            got = [predicted(fitted, ranks, size, speed) for size in sizes]
             for kind in ("forward", "backward"):
                 iso = [g.get(kind, 0.0) for g in first]
                 residual = [size["measured"].get(kind, 0.0) - g.get(kind, 0.0)
@@ -287,11 +315,13 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
         if int(job.get("pp", 1)) <= 1 or "step" not in size["measured"]:
             continue
         engine = dataclasses.replace(engine, pipeline_op_s=float(size.get("gap_per_op_s", 0.0)))
+        speed = job_speed(profile, job)
 
-        def step_with(message_s: float, engine: Any = engine, size: Any = size) -> float:
+        def step_with(message_s: float, engine: Any = engine, size: Any = size,
+                      speed: float = speed) -> float:
             trial = dataclasses.replace(profile, engine=dataclasses.replace(
                 engine, pipeline_message_s=message_s))
-            return predict_job(trial, size)["step"]
+            return predict_job(trial, size, speed)["step"]
 
         target = size["measured"]["step"]
         low, high = 0.0, 0.001

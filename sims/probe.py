@@ -10,35 +10,44 @@ import math
 from typing import Any
 
 
-def host_speed(hw: Any, seconds: float = 0.5) -> float:
-    """The calibration's concurrency-probe Linear pass (forward and backward, one thread) timed
-    for ``seconds`` now, over the profile's time for the same pass; 1.15 means 15 % slower.
-    ValueError for a profile without engine costs (only a calibrated CPU host has them)."""
+def probe_seconds(seconds: float = 0.5) -> float:
+    """The probe pass (the calibration's concurrency shape: forward plus backward of one
+    ``nn.Linear`` with the engine's bucket hooks, one thread), median seconds over ``seconds``
+    of timing now."""
     import torch
 
     from sims.calibrate_engine import CONCURRENCY_SHAPE, time_pass
 
-    if hw.engine is None:
-        raise ValueError(f"hardware profile {hw.name!r} has no engine costs, so there is no "
-                         f"calibrated speed to hold this host against (`flowtrain calibrate` "
-                         f"writes them for a CPU host)")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         timed = time_pass(CONCURRENCY_SHAPE, seconds)
     finally:
         torch.set_num_threads(previous)
-    return speed_ratio(hw, timed)
+    return timed["forward_s"] + timed["backward_s"]
 
 
-def speed_ratio(hw: Any, timed: dict[str, float]) -> float:
-    """``timed`` (time_pass's forward_s, backward_s and flops) over the profile's prediction
-    for the same pass."""
+def profile_probe_seconds(hw: Any) -> float:
+    """What ``hw`` says the probe pass takes. ValueError for a profile without engine costs
+    (only a calibrated CPU host has them)."""
+    from sims.calibrate_engine import CONCURRENCY_SHAPE
     from sims.costs import pass_seconds
 
-    flops = timed["flops"]
-    profile = pass_seconds("forward", flops, 1, hw) + pass_seconds("backward", 2 * flops, 1, hw)
-    return (timed["forward_s"] + timed["backward_s"]) / profile
+    if hw.engine is None:
+        raise ValueError(f"hardware profile {hw.name!r} has no engine costs, so there is no "
+                         f"calibrated speed to hold this host against (`flowtrain calibrate` "
+                         f"writes them for a CPU host)")
+    rows, n_in, n_out = CONCURRENCY_SHAPE
+    flops = 2.0 * rows * n_in * n_out
+    return pass_seconds("forward", flops, 1, hw) + pass_seconds("backward", 2 * flops, 1, hw)
+
+
+def host_speed(hw: Any, seconds: float = 0.5) -> float:
+    """How slow this host computes now against ``hw``: the probe pass timed for ``seconds``
+    over the profile's time for it; 1.15 means 15 % slower. ValueError for a profile without
+    engine costs."""
+    reference = profile_probe_seconds(hw)
+    return probe_seconds(seconds) / reference
 
 
 def check_speed(value: float, source: str) -> float:

@@ -258,6 +258,8 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     assert all(size["steps"] == 2 and size["measured"]["step"] > 0 for size in job["sizes"])
     assert profile.engine is not None and set(profile.engine.factors) == {2}
     assert "engine job on 2 ranks" in printed
+    # the host's speed around the job run, held against the profile's probe pass
+    assert job["probe_s"] > 0 and "host speed during the jobs" in printed
     # a pipeline message each way through the engine's own sender and receiver threads
     assert [r["bytes"] for r in engine["p2p"]] == list(tiny.p2p_bytes)
     assert all(r["seconds"] > 0 for r in engine["p2p"])
