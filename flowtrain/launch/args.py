@@ -210,7 +210,8 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
     try:
         ssh_command = shlex.split(ssh_text)
     except ValueError as exc:
-        raise LaunchInputError(f"--ssh-command {ssh_text!r} is not a valid command line: {exc}") from None
+        raise LaunchInputError(f"--ssh-command {ssh_text!r} is not a valid command line: "
+                               f"{exc}") from None
     if not ssh_command:
         raise LaunchInputError("--ssh-command is empty; expected e.g. 'ssh -o BatchMode=yes'")
 
@@ -269,7 +270,8 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
     # a hostfile launch binds on each host, where its node launcher checks the list
     shares = split(nproc, core_list, text=ns.bind_core_list) if bind and not hosts else None
     if offset + nproc > world:
-        raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of {world}")
+        raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of "
+                               f"{world}")
     return LaunchConfig(
         target=target, target_args=list(ns.target_args), is_module=ns.module,
         no_python=ns.no_python, nproc_per_node=nproc, nnodes=len(hosts) if hosts else nnodes,

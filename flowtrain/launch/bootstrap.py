@@ -84,7 +84,8 @@ def _run_target(argv: list[str]) -> None:
             raise SystemExit("flowtrain bootstrap: -m needs a module name")
         module = argv[1]
         sys.argv = [module, *argv[2:]]  # run_module(alter_sys=True) replaces argv[0] with the file
-        # `python -m` puts the cwd first on sys.path; `python -m flowtrain.launch.bootstrap` did too.
+        # `python -m` puts the cwd first on sys.path; `python -m flowtrain.launch.bootstrap`
+        # did too.
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script = argv[0]

@@ -1,4 +1,5 @@
-"""``.flowtrain_env`` files (like DeepSpeed's ``.deepspeed_env``) and the variables sent to remote nodes."""
+"""``.flowtrain_env`` files (like DeepSpeed's ``.deepspeed_env``) and the variables sent to
+remote nodes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from flowtrain import env as fenv
 from flowtrain.launch.hostfile import LaunchInputError
 
 ENV_FILE_NAME = ".flowtrain_env"
-# Prefixes of the launcher's variables that a multi-host job carries to every host, as DeepSpeed does.
+# Prefixes of the launcher's variables that a multi-host job carries to every host, as DeepSpeed
+# does.
 EXPORT_PREFIXES = ("NCCL_", "FLOWTRAIN_", "PYTHON")
 # Never put the secret on a command line (it travels on the node launcher's stdin instead), and
 # never override what each node launcher sets for its own ranks.
@@ -21,7 +23,8 @@ _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> dict[str, str]:
-    """Parses ``KEY=VALUE`` lines; ``#`` comments, blank lines and an ``export`` prefix are allowed."""
+    """Parses ``KEY=VALUE`` lines; ``#`` comments, blank lines and an ``export`` prefix are
+    allowed."""
     result: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -42,7 +45,8 @@ def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> dict[str, str]:
     return result
 
 
-def load_env_files(cwd: str | os.PathLike[str], home: str | os.PathLike[str] | None) -> dict[str, str]:
+def load_env_files(cwd: str | os.PathLike[str],
+                   home: str | os.PathLike[str] | None) -> dict[str, str]:
     """Variables from ``$HOME/.flowtrain_env`` then ``./.flowtrain_env``; the cwd's file wins."""
     merged: dict[str, str] = {}
     paths = []
@@ -64,7 +68,8 @@ def load_env_files(cwd: str | os.PathLike[str], home: str | os.PathLike[str] | N
 
 
 def remote_exports(environ: Mapping[str, str], file_vars: Mapping[str, str]) -> dict[str, str]:
-    """What a multi-host launch sets on every host: NCCL_*/FLOWTRAIN_*/PYTHON* plus the env files."""
+    """What a multi-host launch sets on every host: NCCL_*/FLOWTRAIN_*/PYTHON* plus the env
+    files."""
     out = {k: v for k, v in environ.items()
            if k.startswith(EXPORT_PREFIXES) and k not in _NEVER_EXPORT}
     out.update(file_vars)

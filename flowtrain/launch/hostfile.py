@@ -43,7 +43,8 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
         hosts[host] = slots
         first_line[host] = lineno
     if not hosts:
-        raise LaunchInputError(f"hostfile {source} lists no hosts; expected lines like 'node1 slots=8'")
+        raise LaunchInputError(f"hostfile {source} lists no hosts; expected lines like "
+                               f"'node1 slots=8'")
     return hosts
 
 
@@ -52,7 +53,8 @@ def read_hostfile(path: str | os.PathLike[str]) -> dict[str, int]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise LaunchInputError(f"cannot read hostfile {str(path)!r}: {exc.strerror or exc}") from None
+        raise LaunchInputError(f"cannot read hostfile {str(path)!r}: "
+                               f"{exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise LaunchInputError(f"hostfile {str(path)!r} is not UTF-8 text") from None
     return parse_hostfile(text, str(path))
@@ -64,7 +66,8 @@ def parse_filter(spec: str, flag: str) -> dict[str, list[int] | None]:
     for part in spec.split("@"):
         part = part.strip()
         if not part:
-            raise LaunchInputError(f"{flag} {spec!r} has an empty node; expected NODE[:slot,slot]@NODE")
+            raise LaunchInputError(f"{flag} {spec!r} has an empty node; expected "
+                                   f"NODE[:slot,slot]@NODE")
         host, _, slots_text = part.partition(":")
         if not slots_text:
             result[host] = None
@@ -97,7 +100,8 @@ def apply_filters(hosts: dict[str, int], include: str | None,
     for host, slots in wanted.items():
         if host not in hosts:
             raise LaunchInputError(
-                f"{flag} names host {host!r}, which is not in the hostfile (hosts: {', '.join(hosts)})"
+                f"{flag} names host {host!r}, which is not in the hostfile "
+                f"(hosts: {', '.join(hosts)})"
             )
         for slot in slots or []:
             if slot >= hosts[host]:

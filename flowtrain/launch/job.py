@@ -38,8 +38,8 @@ def _job_secret(cfg: LaunchConfig, hosting_alone: bool) -> bytes:
     if cfg.from_parent:
         return read_secret_from_stdin()
     raw = os.environ.get(fenv.JOB_SECRET, "")
-    hint = ("export FLOWTRAIN_JOB_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))') "
-            "once and pass the same value to every node")
+    hint = ("export FLOWTRAIN_JOB_SECRET=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))') once and pass the same value to every node")
     if not raw:
         raise LaunchInputError(f"--nnodes={cfg.nnodes} without --hostfile needs the same "
                                f"{fenv.JOB_SECRET} on every node, and it is not set: {hint}")
@@ -134,7 +134,8 @@ def run_launch(cfg: LaunchConfig) -> int:
             ("127.0.0.1" if loop else socket.gethostname()), 0
     elif mode == "multi":
         loop = _is_loopback(cfg.master_addr)
-        bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), cfg.master_addr, cfg.master_port + 1
+        bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), cfg.master_addr, \
+            cfg.master_port + 1
     else:
         bind, advertise, port = "127.0.0.1", "127.0.0.1", 0
     hosting = not joins_remote and not cfg.no_python
@@ -165,7 +166,8 @@ def run_launch(cfg: LaunchConfig) -> int:
             for node, (host, slots) in enumerate(cfg.hosts.items()):
                 command = node_command(cfg, node=node, host=host, slots=slots, rank_offset=offset,
                                        endpoint=endpoint, exports=exports)
-                children.append(Child(label=f"node {node} ({host})", argv=[*cfg.ssh_command, host, command],
+                children.append(Child(label=f"node {node} ({host})",
+                                      argv=[*cfg.ssh_command, host, command],
                                       env=dict(os.environ), out_path=rd.node_out(node), node=node,
                                       host=host, stdin_data=(secret.hex() + "\n").encode()))
                 offset += len(slots)
@@ -281,7 +283,8 @@ def _write_trace(run_dir: Path) -> None:
 
 def _report_to_parent(outcome: Outcome) -> None:
     """One marker line on stdout that the launcher on the other end of ssh parses."""
-    payload = {"failures": [dict(asdict(r.failure), secondary=r.secondary) for r in outcome.records],
+    payload = {"failures": [dict(asdict(r.failure), secondary=r.secondary)
+                            for r in outcome.records],
                "ranks": outcome.ranks}
     out = sys.stdout.buffer
     out.write(NODE_RESULT_MARKER + json.dumps(payload).encode() + b"\n")

@@ -65,4 +65,5 @@ def read_secret_from_stdin(timeout: float = SECRET_READ_TIMEOUT) -> bytes:
     try:
         return bytes.fromhex(line.decode().strip())
     except ValueError:
-        raise LaunchInputError("--from-parent: the first stdin line is not a hex job secret") from None
+        raise LaunchInputError("--from-parent: the first stdin line is not a hex job "
+                               "secret") from None

@@ -17,7 +17,8 @@ def new_job_id(now: float | None = None) -> str:
 
 
 class RunDir:
-    """Paths of the files a launch writes; node launchers of a multi-host job use their own names."""
+    """Paths of the files a launch writes; node launchers of a multi-host job use their own
+    names."""
 
     def __init__(self, path: str | os.PathLike[str], node_suffix: str = "") -> None:
         self.path = Path(path).absolute()
@@ -28,7 +29,8 @@ class RunDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise OSError(f"cannot create run directory {str(self.path)!r}: {exc.strerror or exc}") from exc
+            raise OSError(f"cannot create run directory {str(self.path)!r}: "
+                          f"{exc.strerror or exc}") from exc
 
     @property
     def launcher_log(self) -> Path:

@@ -68,7 +68,8 @@ def signal_name(number: int) -> str:
 class Supervisor:
     """Runs children and a coordinator (optional) in one anyio loop until the job ends."""
 
-    def __init__(self, *, grace_period: float, make_coordinator: Callable[[Callable[[Any], None]], Any] | None,
+    def __init__(self, *, grace_period: float,
+                 make_coordinator: Callable[[Callable[[Any], None]], Any] | None,
                  build_children: Callable[[str | None], list[Child]],
                  endpoint_for: Callable[[Any], str | None], watch_stdin: bool = False,
                  progress: Any = None,
@@ -310,7 +311,8 @@ class Supervisor:
 
         assert self._all_exited is not None
         while True:
-            if self.children and all(c.proc is None or c.exit_code is not None for c in self.children):
+            if self.children and all(c.proc is None or c.exit_code is not None
+                                     for c in self.children):
                 self._all_exited.set()
                 return
             kind, payload = await receive.receive()
@@ -327,7 +329,8 @@ class Supervisor:
                     tg.start_soon(self._teardown, f"{child.label} {describe_exit(child)}")
             elif kind == "coordinator":
                 if isinstance(payload, RankFailed):
-                    tg.start_soon(self._teardown, f"rank {payload.rank} failed: {payload.failure.message}")
+                    tg.start_soon(self._teardown,
+                                  f"rank {payload.rank} failed: {payload.failure.message}")
                 elif isinstance(payload, JoinTimeout):
                     tg.start_soon(self._teardown, f"ranks {payload.missing} did not join in time")
             elif kind == "signal":
@@ -369,10 +372,12 @@ class Supervisor:
         with anyio.move_on_after(KILL_WAIT):
             await self._all_exited.wait()
         if any(c.alive for c in self.children):
-            log.error("processes survived SIGKILL", children=[c.label for c in self.children if c.alive])
+            log.error("processes survived SIGKILL",
+                      children=[c.label for c in self.children if c.alive])
             self._send.send_nowait(("gave-up", None))
             for child in self.children:
-                child.exit_code = child.exit_code if child.exit_code is not None else -signal.SIGKILL
+                if child.exit_code is None:
+                    child.exit_code = -signal.SIGKILL
 
 
 def describe_exit(child: Child) -> str:
