@@ -745,8 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"x{calibrate_jobs.job_speed(profile, job):.2f}"
               for job in measurements.get("engine", {}).get("jobs", []) if job.get("probe_s")]
     if speeds:
-        print(f"  host speed during the jobs against the isolated measurements (the factors "
-              f"above are net of it): {', '.join(speeds)}")
+        print(f"  host speed during the jobs, probe pass against the profile's curve (recorded, "
+              f"not applied): {', '.join(speeds)}")
     print(f"wrote {out} in {time.monotonic() - started:.1f} s")
     return 0
 
