@@ -2,7 +2,12 @@
 its calibration's moment; a shared host's (a VM's neighbours, other jobs) drifts by tens of
 percent over minutes, and every prediction on it with it. ``host_speed`` times the calibration's
 own Linear pass for a moment and says how much slower (> 1) or faster (< 1) than the profile
-the host computes now; ``flowtrain simulate --host-speed auto`` scales a prediction by it."""
+the host computes now; ``flowtrain simulate --host-speed auto`` scales a prediction by it.
+
+Known limit: on the project's 2-core VM the probe read 0.6-1.1 against profiles calibrated
+minutes before, mostly below 1 (the probe pass ran faster than the calibration's own
+measurement of the same shape), so ``auto`` there is a drift indicator, not a correction to
+trust blindly; a factor given by hand is applied exactly."""
 
 from __future__ import annotations
 
