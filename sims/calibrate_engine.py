@@ -507,6 +507,10 @@ def summary_lines(engine: EngineCosts) -> list[str]:
                      f"{by_class.get('micro_batch_s', 0.0) * 1e3:.2f} ms between forward and "
                      f"backward, {by_class.get('step_s', 0.0) * 1e3:.2f} ms more per step, "
                      f"gloo calls {by_class.get('gloo_s', 0.0) * 1e3:.2f} ms longer")
+        if "zero3_fetch_s" in by_class or "zero3_backward_s" in by_class:
+            lines.append(f"    ZeRO-3 hooks: {by_class.get('zero3_fetch_s', 0.0) * 1e3:.2f} ms "
+                         f"per module fetch, {by_class.get('zero3_backward_s', 0.0) * 1e3:.2f}"
+                         " ms per module in a backward")
     for ranks, factor in sorted(engine.slowdown.items()):
         memory = engine.memory_slowdown.get(ranks)
         lines.append(f"  {ranks} ranks working at once: each computes {factor:.2f}x slower"

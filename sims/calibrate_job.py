@@ -35,13 +35,22 @@ BLOCKS = 3
 OUT_WIDTH = 16
 
 
-def config(micro_batch: int = ROWS, micro_batches: int = 1) -> dict[str, Any]:
+def config(micro_batch: int = ROWS, micro_batches: int = 1, zero3: bool = False
+           ) -> dict[str, Any]:
     """The job's ds_config: data parallel (ZeRO stage 0), AdamW, the engine's default buckets;
-    ``micro_batches`` per step (a pipeline's micro-batches)."""
+    ``micro_batches`` per step (a pipeline's micro-batches). ``zero3``: ZeRO stage 3 without
+    prefetch, so each module's gather, its hand-off to the parameter fetcher and its compute
+    follow one another and the hand-offs can be read off the forward."""
+    zero: dict[str, Any] = {"stage": 0}
+    if zero3:
+        zero = {"stage": 3, "stage3_prefetch_bucket_size": 0}
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": micro_batches, "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 0},
+            "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+ZERO3_DIR = "zero3"  # the ZeRO-3 run's directory (jobs of 2 ranks or more)
 
 
 PIPELINE_MICRO_BATCHES = 4
@@ -51,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     """One rank of the job: trains ``--steps`` steps as a ``--pp``-stage 1F1B pipeline of
     PIPELINE_MICRO_BATCHES micro-batches (pp > 1; the engine records in the launcher's run
     directory), or data parallel at each of ROWS_BY_SIZE rows per micro-batch, each recorded
-    in ``rows{n}/`` of the run directory."""
+    in ``rows{n}/`` of the run directory, then (2 ranks or more) at ROWS rows with ZeRO stage
+    3, recorded in ``zero3/``."""
     parser = argparse.ArgumentParser(prog="python -m sims.calibrate_job")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pp", type=int, default=1)
@@ -96,23 +106,31 @@ def main(argv: list[str] | None = None) -> int:
     import os
     from pathlib import Path
 
+    import torch.distributed as dist
+
     from flowtrain.env import RUN_DIR
 
     # Two sizes of the same model, each recorded in a run directory of its own: what the engine
     # adds to a pass that grows with its work and what it adds per step can then be told apart.
+    # ZeRO-3 (where there are ranks to partition over) shows what each module's parameter
+    # fetch costs the engine besides its gather.
     base = os.environ.get(RUN_DIR)
-    for rows in ROWS_BY_SIZE:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    runs = [(f"rows{rows}", rows, False) for rows in ROWS_BY_SIZE]
+    if world > 1:
+        runs.append((ZERO3_DIR, ROWS, True))
+    for name, rows, zero3 in runs:
         if base:
-            os.environ[RUN_DIR] = str(Path(base) / f"rows{rows}")
+            os.environ[RUN_DIR] = str(Path(base) / name)
         model = nn.Sequential(*copy.deepcopy(layers))
         engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config(micro_batch=rows))
+                                               config=config(micro_batch=rows, zero3=zero3))
         for _ in range(args.steps):
             x = torch.randn(rows, IN_WIDTH, generator=generator)
             target = torch.randn(rows, OUT_WIDTH, generator=generator)
             engine.backward(nn.functional.mse_loss(engine(x), target))
             engine.step()
-        if rows == ROWS_BY_SIZE[-1] and base:
+        if name == f"rows{ROWS_BY_SIZE[-1]}" and base:
             _time_gloo(Path(base) / GLOO_FILE)
         engine.destroy()
     return 0

@@ -159,12 +159,26 @@ def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any
             sizes.append(size)
         if not sizes:
             raise CalibrationError(f"the {ranks}-rank calibration job recorded no run")
-        from sims.calibrate_job import GLOO_FILE
+        from sims.calibrate_job import GLOO_FILE, ZERO3_DIR
+
+        zero3 = None
+        if pp == 1 and (Path(tmp) / ZERO3_DIR).is_dir():
+            try:
+                run = read_run(Path(tmp) / ZERO3_DIR)
+            except ValueError as exc:
+                raise CalibrationError(f"the {ranks}-rank calibration job's ZeRO-3 run: "
+                                       f"{exc}") from None
+            measured, used = measured_classes(run)
+            zero3 = {"ranks": ranks, "pp": 1, "plan": run.plan, "stages": [],
+                     "measured": measured, "steps": used}
 
         gloo_path = Path(tmp) / GLOO_FILE
         gloo = json.loads(gloo_path.read_text()) if gloo_path.is_file() else []
-        return {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores,
-                "gloo": gloo}
+        record = {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores,
+                  "gloo": gloo}
+        if zero3 is not None:
+            record["zero3"] = zero3
+        return record
 
 
 def micro_batch_gap(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
@@ -312,6 +326,26 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
             fitted["gloo_s"] = max(0.0, statistics.median(
                 r["seconds"] - collective_seconds(r["op"], r["bytes"], int(r["ranks"]), profile)
                 for r in job["gloo"]))
+        zero3 = job.get("zero3")
+        if zero3 is not None:
+            # what the engine's ZeRO-3 hooks take beyond the gathers and the compute: per
+            # module use handed to the parameter fetcher in a forward, and per partitioned
+            # module in a backward (its release once the gradients have landed); the two
+            # meet (a micro-batch's gathers queue behind the reduces of the backward before
+            # it), so a few rounds settle them together
+            for _ in range(3):
+                for kind, extra in (("forward", "zero3_fetch_s"),
+                                    ("backward", "zero3_backward_s")):
+                    if kind not in zero3["measured"]:
+                        continue
+
+                    def seconds(value: float, kind: str = kind, extra: str = extra,
+                                fitted: dict[str, float] = fitted, ranks: int = ranks,
+                                zero3: dict[str, Any] = zero3) -> float:
+                        return predicted({**fitted, extra: value}, ranks, zero3,
+                                         1.0).get(kind, 0.0)
+
+                    fitted[extra] = _solve_seconds(seconds, zero3["measured"][kind])
         engine = dataclasses.replace(engine, factors={**engine.factors, ranks: fitted})
     for job in jobs:
         size = job["sizes"][0]
@@ -335,6 +369,22 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
             low, high = (middle, high) if step_with(middle) < target else (low, middle)
         engine = dataclasses.replace(engine, pipeline_message_s=low)
     return engine
+
+
+def _solve_seconds(predict: Any, target: float, rounds: int = 4) -> float:
+    """The seconds ``x`` >= 0 at which ``predict(x)`` (growing with ``x``, piecewise linear: a
+    simulated step) is ``target``: Newton's steps on the slope seen over a millisecond."""
+    x = 0.0
+    for _ in range(rounds):
+        here = predict(x)
+        slope = (predict(x + 1e-3) - here) / 1e-3
+        if slope <= 0:
+            break
+        step = (target - here) / slope
+        x = max(0.0, x + step)
+        if abs(step) < 1e-7:
+            break
+    return x
 
 
 def _line(x: Sequence[float], y: Sequence[float], free_intercept: bool) -> tuple[float, float]:

@@ -21,7 +21,7 @@ _ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interfere
 OP_COST_CLASSES = ("view", "elementwise", "activation", "norm", "softmax", "embedding",
                    "attention")
 ENGINE_FACTOR_KINDS = ("forward", "forward_s", "backward", "backward_s", "optimizer",
-                       "micro_batch_s", "step_s", "gloo_s")
+                       "micro_batch_s", "step_s", "gloo_s", "zero3_fetch_s", "zero3_backward_s")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,11 @@ class EngineCosts:
     forward and backward (``micro_batch_s``: the loss, the engine's backward entry), what each
     step spends outside its passes, reduces and optimizer (``step_s``: the reducer's flush,
     the step's bookkeeping), and how much longer a gloo collective takes beside a live engine
-    than between bare ranks (``gloo_s``). ``pipeline_op_s``: what a
+    than between bare ranks (``gloo_s``); with ZeRO stage 3, what each module use that the
+    hooks hand to the parameter fetcher takes in a forward beyond its gather and compute
+    (``zero3_fetch_s``: the hand-off to the fetcher's actor and back, attaching the gathered
+    buffer) and what each partitioned module adds to a backward (``zero3_backward_s``: its
+    hooks, the release once its gradients have landed). ``pipeline_op_s``: what a
     pipeline stage spends between its instructions, outside any span (the engine's bookkeeping
     around each pass), and ``pipeline_message_s`` what delivering each activation or gradient
     message takes beyond the calibrated send (the hand-offs to and from the stage's sender and

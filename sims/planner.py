@@ -10,6 +10,8 @@ all-reduces. Task names (the first two path parts are the name the engine record
 - ``forward/mb{k}``, ``backward/mb{k}``: one micro-batch's pass on a stage; when the pass is
   split (ZeRO-3 modules, TP layers, buckets that become ready during backward) its pieces are
   ``forward/mb{k}/<segment>`` (segment: ``layer{l}``, ``embed``, ``head`` or a module name).
+  On a calibrated CPU host, ZeRO-3's hooks add ``<pass>/mb{k}/<segment>/fetch`` (the use
+  handed to the parameter fetcher) and ``backward/mb{k}/<segment>/release``.
 - ``reduce/bucket{i}`` (once per step) or ``reduce/bucket{i}/mb{k}`` (every micro-batch,
   ZeRO 2-3): the bucket's gradient all-reduce (stages 0-1) or reduce-scatter (2-3).
 - ``gather/bucket{i}/fwd/mb{k}``, ``gather/bucket{i}/bwd/mb{k}``: ZeRO-3 parameter all-gathers
@@ -224,6 +226,12 @@ class _StageBuilder:
             if self.engine is not None and self.pp == 1 else 0.0
         self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
             if self.engine is not None and self.dp > 1 else 0.0
+        # ZeRO-3's hooks: each module use handed to the parameter fetcher, and each
+        # partitioned module's backward bookkeeping, as the launched ZeRO-3 job showed them
+        self.fetch_s = self.engine.factor(ranks_here, "zero3_fetch_s") \
+            if self.engine is not None and self.partitioned else 0.0
+        self.release_s = self.engine.factor(ranks_here, "zero3_backward_s") \
+            if self.engine is not None and self.partitioned else 0.0
         # calibration timed a data-parallel group's collectives with only its ranks on the
         # host; where more ranks share it (pipeline stages, tensor-parallel groups), the
         # collective's copying and summing wait for cores as compute does
@@ -451,9 +459,14 @@ class _StageBuilder:
                             sum(g.forward_s for g in self.segments), [last], refs,
                             flops=self.step_plan.tasks[0].flops)
         for j, seg in enumerate(self.segments):
+            first = refs if j == 0 else []
+            if self.fetch_s and self._asks(j, "fwd"):
+                last = plan.add(s, f"forward/mb{k}/{seg.label}/fetch", "forward", "compute",
+                                self.fetch_s, [last], first)
+                first = []
             waits = self._gathers(k, j, "fwd", last)
             last = plan.add(s, f"forward/mb{k}/{seg.label}", "forward", "compute", seg.forward_s,
-                            [last, *waits], refs if j == 0 else [])
+                            [last, *waits], first)
             if self.tp_s and seg.layer is not None and (
                     j == len(self.segments) - 1 or self.segments[j + 1].layer != seg.layer):
                 last = plan.add(s, f"tp/fwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
@@ -477,11 +490,18 @@ class _StageBuilder:
         n = len(self.segments)
         for j in range(n - 1, -1, -1):
             seg = self.segments[j]
-            first = j == n - 1
+            first = refs if j == n - 1 else []
+            if self.fetch_s and self._asks(j, "bwd"):
+                last = plan.add(s, f"backward/mb{k}/{seg.label}/fetch", "backward", "compute",
+                                self.fetch_s, [last], first)
+                first = []
             waits = self._gathers(k, j, "bwd", last)
             last = plan.add(s, f"backward/mb{k}/{seg.label}", "backward", "compute",
-                            seg.backward_s, [last, *waits], refs if first else [])
+                            seg.backward_s, [last, *waits], first)
             chunk = last
+            if self.release_s and self.bucket_of_seg[j] is not None:
+                last = plan.add(s, f"backward/mb{k}/{seg.label}/release", "backward", "compute",
+                                self.release_s, [last])
             if self.tp_s and seg.layer is not None and (
                     j == 0 or self.segments[j - 1].layer != seg.layer):
                 last = plan.add(s, f"tp/bwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
@@ -510,6 +530,14 @@ class _StageBuilder:
         return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
                              interference=share)
+
+    def _asks(self, j: int, direction: str) -> bool:
+        """ZeRO-3: whether segment ``j``'s use hands anything to the parameter fetcher (a
+        bucket to wait for, or gathers to start), as the engine's hooks do then."""
+        if self.uses is None or self.bucket_of_seg[j] is None:
+            return False
+        pos = self.use_pos[(direction, self.bucket_of_seg[j])]
+        return bool(self.uses.launched[pos] or self.uses.gathered_for[pos])
 
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
         """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,

@@ -546,3 +546,70 @@ def test_job_speed_is_the_probe_over_the_profiles_probe_time() -> None:
     assert calibrate_jobs.job_speed(base, job) == pytest.approx(1.3)
     assert calibrate_jobs.fit_factors(base, [job]) == \
         calibrate_jobs.fit_factors(base, [{k: v for k, v in job.items() if k != "probe_s"}])
+
+
+def _zero3_size(size: dict[str, Any], prefetch: int = 0) -> dict[str, Any]:
+    """A recorded size turned into the calibration job's ZeRO-3 run of the same model."""
+    zero3 = json.loads(json.dumps(size))
+    zero = zero3["plan"]["config"]["zero_optimization"]
+    zero.update(stage=3, stage3_prefetch_bucket_size=prefetch)
+    return zero3
+
+
+def test_zero3_hand_offs_are_fitted_from_the_jobs_zero3_run() -> None:
+    """An engine whose ZeRO-3 hooks take 0.8 ms per module use handed to the parameter fetcher
+    and 0.3 ms per partitioned module in a backward: the job's ZeRO-3 run, as it would measure
+    them, gives both back, and every other factor stays what the data-parallel sizes give."""
+    base = _base_profile()
+    assert base.engine is not None
+    small = _size_from_run(RUN, 2, 1)
+    truth = {"forward": 1.3, "forward_s": 0.0, "backward": 1.6, "backward_s": 0.0,
+             "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
+             "zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
+    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
+                                                                factors={2: truth}))
+    zero3 = _zero3_size(small)
+    small["measured"] = calibrate_jobs.predict_job(host, small)
+    zero3["measured"] = calibrate_jobs.predict_job(host, zero3)
+    without = calibrate_jobs.fit_factors(base, [_job(small)]).factors[2]
+    assert "zero3_fetch_s" not in without
+    fitted = calibrate_jobs.fit_factors(base, [{**_job(small), "zero3": zero3}]).factors[2]
+    assert fitted["zero3_fetch_s"] == pytest.approx(0.0008, rel=0.01)
+    assert fitted["zero3_backward_s"] == pytest.approx(0.0003, rel=0.01)
+    assert {k: v for k, v in fitted.items() if not k.startswith("zero3_")} == without
+
+
+def test_zero3_hand_offs_are_tasks_of_the_passes_they_lengthen() -> None:
+    """With the fitted hand-offs, a ZeRO-3 step without prefetch has a fetch task before each
+    partitioned module's forward (each waits for its gather) and a release after each one's
+    backward, inside the passes, so the forward grows by uses x fetch; other stages do not
+    get them."""
+    base = _base_profile()
+    assert base.engine is not None
+    size = _zero3_size(_size_from_run(RUN, 2, 1))
+    # one micro-batch: its forward has no reduces of a backward before it to queue behind
+    size["plan"]["config"].update(gradient_accumulation_steps=1, train_batch_size=128)
+    factors = {"zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
+    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
+                                                                factors={2: factors}))
+    bare = calibrate_jobs.predict_job(base, size)
+    got = calibrate_jobs.predict_job(host, size)
+    work = Workload.from_run(size["plan"], 64)
+    cfg = load_config(size["plan"]["config"], world_size=2, check_supported=False)
+    tasks = build_plan(work, cfg, Layout(1, 2), host).tasks
+    fetches = [t for t in tasks if t.name.endswith("/fetch")]
+    releases = [t for t in tasks if t.name.endswith("/release")]
+    # the model's four blocks have two partitioned Linear layers each; the embedding and the
+    # head stay whole (under the persistence threshold)
+    assert len(fetches) == len(releases) == 8
+    assert {t.kind for t in fetches} == {"forward"}
+    assert {t.kind for t in releases} == {"backward"}
+    assert got["forward"] == pytest.approx(bare["forward"] + 8 * 0.0008)
+    assert got["backward"] >= bare["backward"] + 8 * 0.0003 - 1e-9
+    zero2 = json.loads(json.dumps(size))
+    zero2["plan"]["config"]["zero_optimization"]["stage"] = 2
+    del zero2["plan"]["config"]["zero_optimization"]["stage3_prefetch_bucket_size"]
+    assert not [t for t in build_plan(work, load_config(zero2["plan"]["config"], world_size=2,
+                                                        check_supported=False),
+                                      Layout(1, 2), host).tasks
+                if t.name.endswith(("/fetch", "/release"))]
