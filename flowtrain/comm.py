@@ -187,10 +187,16 @@ async def broadcast(tensor: torch.Tensor, src: int, group: Any = None,
     return tensor
 
 
+# torch >= 2.13 names these all_gather_single / reduce_scatter_single and warns on the old
+# names (FutureWarning); older releases only have the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 async def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: Any = None,
                                  timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
     """Gathers every rank's equal-sized ``shard`` into ``output`` (rank order)."""
-    work = dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+    work = all_gather_single(output, shard, group=group, async_op=True)
     await wait(work, _describe("all_gather", [output], group), timeout)
     return output
 
@@ -200,7 +206,7 @@ async def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor,
                                 group: Any = None,
                                 timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
     """Reduces ``tensor`` across the group and leaves this rank's slice in ``output``."""
-    work = dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=True)
+    work = reduce_scatter_single(output, tensor, op=op, group=group, async_op=True)
     await wait(work, _describe("reduce_scatter", [tensor], group), timeout)
     return output
 

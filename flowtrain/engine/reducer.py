@@ -17,9 +17,6 @@ from flowtrain.engine.stages import BucketFull, BucketReduced, Stages
 from flowtrain.engine.timing import completion_stamp, stamped_end
 from flowtrain.runtime.actor import Actor, handler
 
-# torch >= 2.13 names it reduce_scatter_single; older releases only have reduce_scatter_tensor.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 @dataclass(frozen=True)
 class BucketReady:
@@ -197,7 +194,7 @@ class BucketReducer(Actor):
                                                            device=buffer.device)
         if self.channel is not None:
             return self.channel.reduce_scatter_async(buffer, out), out
-        return _reduce_scatter(out, buffer, group=self.group, async_op=True), out
+        return comm.reduce_scatter_single(out, buffer, group=self.group, async_op=True), out
 
     def _finish(self, index: int, buffer: torch.Tensor) -> None:
         post = 1.0 if self.prescale else self.predivide / self.world_size

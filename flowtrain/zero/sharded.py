@@ -12,13 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.mixed import point_optimizer_at
 from flowtrain.zero.offload import Offloader
 from flowtrain.zero.partition import Shard, flatten_params, padded_numel, shard_of
-
-# torch >= 2.13 names the tensor collectives *_single; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ZeroOptimizer:
@@ -160,7 +158,7 @@ class ZeroOptimizer:
         full = torch.empty(self.shards[b].padded, dtype=shard.dtype, device=self.device)
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=True)
-        return _all_gather(full, shard, group=group, async_op=True), full
+        return comm.all_gather_single(full, shard, group=group, async_op=True), full
 
     def attach(self, b: int, full: torch.Tensor) -> None:
         """Makes bucket ``b``'s parameters views of a gathered buffer (training thread)."""
@@ -260,7 +258,7 @@ class ZeroOptimizer:
         collective per bucket. Stage 3's partitioned buckets are gathered on use."""
         if self.world_size == 1:
             return
-        works = [_all_gather(flat, shard, group=self.group, async_op=True)
+        works = [comm.all_gather_single(flat, shard, group=self.group, async_op=True)
                  for flat, shard in zip(self.flat_params, self.model_shards) if flat is not None]
         for work in works:
             work.wait()
