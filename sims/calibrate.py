@@ -32,6 +32,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from flowtrain import comm
 from sims import calibrate_engine, calibrate_jobs, calibrate_ops
 from sims.costs import ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, host_profile_path
@@ -283,8 +284,10 @@ def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], setting
                 repeats = _agreed_repeats(time.perf_counter() - start,
                                           settings.interference_window_s, groups[smallest],
                                           cap=10_000)
-                result["channel_interference"] = calibrate_engine.background_interference(
-                    call, settings.interference_window_s, groups[smallest], repeats)
+                result["channel_interference"] = {
+                    **calibrate_engine.background_interference(
+                        call, settings.interference_window_s, groups[smallest], repeats),
+                    "bytes": settings.interference_bytes, "ranks": smallest}
         if rank < 2:
             _set_threads(2)
             result["p2p"] = calibrate_engine.time_p2p(
@@ -312,8 +315,8 @@ def _collective_call(op: str, group: Any, ranks: int, nbytes: int) -> Callable[[
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
-    return lambda: dist.all_gather_into_tensor(full, shard, group=group)
+        return lambda: comm.reduce_scatter_single(shard, full, group=group)
+    return lambda: comm.all_gather_single(full, shard, group=group)
 
 
 def _agreed_repeats(estimate_s: float, target_s: float, group: Any, cap: int = 16) -> int:
@@ -365,6 +368,7 @@ def _interference(group: Any, ranks: int, settings: Settings) -> dict[str, float
     share = calibrate_engine.background_interference(call, settings.interference_window_s,
                                                      group, repeats)
     share["all_reduce_seconds_during"] = share.pop("collective_seconds_during")
+    share["bytes"] = settings.interference_bytes
     return share
 
 
@@ -412,6 +416,17 @@ def measure(settings: Settings, ranks: Sequence[int], timeout_s: float) -> dict[
 
 
 # ----------------------------------------------------------------------------- fitting
+
+def _slowdown_during(record: dict[str, Any], key: str, links: dict[int, Link]) -> float:
+    """How much longer the all-reduce of an interference measurement took while its rank
+    computed than ``links`` (the fitted all-reduce by rank count) say it takes alone: at least
+    1, and 1 where the record lacks its size (measurements written before it was kept)."""
+    ranks = int(record.get("ranks", 2))
+    if "bytes" not in record or key not in record or ranks not in links:
+        return 1.0
+    alone = links[ranks].seconds(float(record["bytes"]))
+    return max(1.0, float(record[key]) / alone) if alone > 0 else 1.0
+
 
 def _solve_relative(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
     """Least squares of ``seconds = u * x0 + v * x1`` over rows (u, v, seconds), each row divided
@@ -589,6 +604,8 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
                             copy["bytes_moved"] / 2 / copy["seconds"]),
         efficiency=curve, collectives=collectives,
         comm_compute_interference=float(m["interference"]["fraction"]),
+        compute_comm_slowdown=_slowdown_during(m["interference"], "all_reduce_seconds_during",
+                                               collectives.get("all_reduce", {})),
         host_memory_bandwidth=streaming,
         engine=engine,
         sources={
@@ -609,6 +626,8 @@ def fit_profile(measurements: dict[str, Any], name: str = "this-host") -> Hardwa
             "comm_compute_interference": f"{when}: 1 - matmul rate during back-to-back "
                                          f"all-reduces / alone, {m['interference'].get('ranks', 2)}"
                                          " ranks",
+            "compute_comm_slowdown": f"{when}: those all-reduces' time while the rank computed "
+                                     "over the fitted all-reduce's",
             **({"engine": f"{when}: the engine's pieces (sims.calibrate_engine): nn.Linear "
                           "forward/backward with its gradient-bucket hooks per thread count, "
                           "its fused Adam kernel, its shared-memory channel, a pipeline send, "
@@ -702,7 +721,8 @@ def summary(profile: HardwareProfile) -> list[str]:
     ring = profile.intra_node
     lines.append(f"  ring link: {ring.latency_s * 1e6:.1f} us per step, "
                  f"{ring.bandwidth / 1e9:.3f} GB/s per rank")
-    lines.append(f"  comm/compute interference {profile.comm_compute_interference:.2f}")
+    lines.append(f"  comm/compute interference {profile.comm_compute_interference:.2f}, "
+                 f"all-reduce x{profile.compute_comm_slowdown:.2f} while computing")
     if profile.engine is not None:
         lines += calibrate_engine.summary_lines(profile.engine)
     for reason in profile.sources.get("collectives", "").split("; left out: ")[1:]:

@@ -420,6 +420,11 @@ def fit_engine(m: dict[str, Any]) -> tuple[EngineCosts, list[str]]:
         slowdown[int(r["ranks"])] = max(1.0, float(r["compute_slowdown"]))
         memory_slowdown[int(r["ranks"])] = max(1.0, float(r["memory_slowdown"]))
     interference = m.get("channel_interference", {}).get("fraction", 1.0)
+    from sims.calibrate import _slowdown_during
+
+    channel_slowdown = _slowdown_during(m.get("channel_interference", {}),
+                                        "collective_seconds_during",
+                                        channel.get("all_reduce", {}))
     op_costs = fit_op_costs(m["ops"]) if m.get("ops") else {}
     weight_cost = fit_weight_cost(m.get("weight_passes", []))
     threads = min(int(r["threads"]) for r in m["passes"])
@@ -430,7 +435,8 @@ def fit_engine(m: dict[str, Any]) -> tuple[EngineCosts, list[str]]:
         weight_cost, pass_weights = {}, ()
     return EngineCosts(pass_rates=rates, optimizer=optimizer, slowdown=slowdown,
                        memory_slowdown=memory_slowdown, channel=channel,
-                       channel_interference=float(interference), p2p=p2p,
+                       channel_interference=float(interference),
+                       channel_slowdown=channel_slowdown, p2p=p2p,
                        op_costs=op_costs, weight_cost=weight_cost,
                        pass_weights=pass_weights), skipped
 
@@ -489,7 +495,8 @@ def summary_lines(engine: EngineCosts) -> list[str]:
             lines.append(f"  shm channel {op:<14} {ranks} ranks: latency "
                          f"{link.latency_s * 1e6:8.1f} us, bandwidth {link.bandwidth / 1e9:6.3f} "
                          "GB/s")
-    lines.append(f"  shm channel interference {engine.channel_interference:.2f}")
+    lines.append(f"  shm channel interference {engine.channel_interference:.2f}, all-reduce "
+                 f"x{engine.channel_slowdown:.2f} while computing")
     if engine.p2p is not None:
         lines.append(f"  pipeline send: {engine.p2p.latency_s * 1e6:.1f} us + "
                      f"{engine.p2p.bandwidth / 1e9:.3f} GB/s")

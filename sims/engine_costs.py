@@ -8,12 +8,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sims.profile_fields import (Curve, Link, ProfileError, check_curve, check_fields, check_int,
-                                 check_number, count_keys, link_from)
+from sims.profile_fields import (
+    Curve,
+    Link,
+    ProfileError,
+    check_curve,
+    check_fields,
+    check_int,
+    check_number,
+    count_keys,
+    link_from,
+)
 
 PASS_KINDS = ("forward", "backward")
 _ENGINE_REQUIRED = ("pass_rates", "optimizer")
-_ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference", "p2p",
+_ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interference",
+                    "channel_slowdown", "p2p",
                     "factors", "pipeline_op_s", "pipeline_message_s", "op_costs", "weight_cost",
                     "pass_weights")
 # Classes of a forward's other ops (flowtrain.profiling.census.OP_CLASSES) and attention, each
@@ -39,7 +49,8 @@ class EngineCosts:
     memory bandwidth, which every core shares (the optimizer, zeroing gradients).
     ``channel[op][ranks]``: the
     shared-memory data channel's all_reduce / reduce_scatter. ``channel_interference``: the
-    fraction of a channel collective's time that its summing takes from the rank's compute.
+    fraction of a channel collective's time that its summing takes from the rank's compute,
+    and ``channel_slowdown`` how much longer the collective takes while the rank computes.
     ``p2p``: one pipeline send (gloo isend/irecv of a header and a tensor). ``optimizer``:
     the engine's fused Adam kernel, ``latency_s`` per call and ``bandwidth`` in bytes/s of
     its 28-byte-per-parameter pass. ``factors[ranks]``: what a launched engine job on
@@ -83,6 +94,7 @@ class EngineCosts:
     op_costs: dict[int, dict[str, dict[str, Link]]] = field(default_factory=dict)
     weight_cost: dict[int, dict[str, float]] = field(default_factory=dict)
     pass_weights: tuple[tuple[float, float], ...] = ()
+    channel_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.pass_rates, dict):  # hand-written curves may use lists
@@ -108,6 +120,7 @@ class EngineCosts:
             "channel": {op: {str(n): link.to_dict() for n, link in sorted(by_ranks.items())}
                         for op, by_ranks in self.channel.items()},
             "channel_interference": self.channel_interference,
+            "channel_slowdown": self.channel_slowdown,
         }
         if self.p2p is not None:
             out["p2p"] = self.p2p.to_dict()
@@ -211,6 +224,7 @@ def validate_engine(e: EngineCosts) -> None:
                                    f"got {link!r}")
     check_number("engine.channel_interference", e.channel_interference, minimum=0.0,
                   maximum=1.0)
+    check_number("engine.channel_slowdown", e.channel_slowdown, minimum=1.0)
     if e.p2p is not None and not isinstance(e.p2p, Link):
         raise ProfileError(f"field 'engine.p2p' must be a Link, got {e.p2p!r}")
     check_number("engine.pipeline_op_s", e.pipeline_op_s, minimum=0.0)
@@ -287,6 +301,7 @@ def engine_from(d: Any) -> EngineCosts:
         memory_slowdown=count_keys("engine.memory_slowdown", d.get("memory_slowdown", {})),
         channel=channel,
         channel_interference=d.get("channel_interference", 1.0),
+        channel_slowdown=d.get("channel_slowdown", 1.0),
         p2p=link_from("engine.p2p", d["p2p"]) if d.get("p2p") is not None else None,
         factors=count_keys("engine.factors", d.get("factors", {})),
         pipeline_op_s=d.get("pipeline_op_s", 0.0),

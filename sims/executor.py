@@ -40,6 +40,9 @@ class SimTask:
     # That share for this collective when it differs from the plan's (None: the plan's), e.g.
     # a CPU host's shared-memory channel, whose summing is the rank's own CPU work.
     interference: float | None = None
+    # How much longer the collective takes while its stage computes (the cores are shared
+    # both ways on CPU hosts), when it differs from the plan's (None: the plan's).
+    slowdown: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,24 @@ class StepFigures:
     per_stage_busy: tuple[dict[str, float], ...] = field(default=())
 
 
-def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
+def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
+            slowdown: float = 1.0) -> Timeline:
     """Runs ``tasks`` in virtual time and returns where each ran.
 
     ``interference`` (a CPU host's ``comm_compute_interference``): every collective also puts
     that fraction of its duration (its own ``interference`` when set) on its stage's compute
     resource, as a task that becomes ready when the collective starts and ranks right behind
     it in plan order.
+
+    ``slowdown`` (a CPU host's ``compute_comm_slowdown``): the other side of sharing the cores.
+    While its stage's compute runs (anything but the collectives' own interference tasks), a
+    collective progresses at 1 / ``slowdown`` (its own ``slowdown`` when set) of its speed
+    alone; its duration is its time alone.
     """
     if not 0.0 <= interference <= 1.0:
         raise ValueError(f"interference must be a fraction from 0 to 1, got {interference!r}")
+    if not slowdown >= 1.0:
+        raise ValueError(f"slowdown must be a factor of at least 1, got {slowdown!r}")
     all_tasks = list(tasks)
     n = len(all_tasks)
     for i, task in enumerate(all_tasks):
@@ -95,10 +106,16 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
         if task.interference is not None and not 0.0 <= task.interference <= 1.0:
             raise ValueError(f"task {task.name!r} has interference {task.interference!r}; it "
                              f"must be a fraction from 0 to 1")
+        if task.slowdown is not None and not task.slowdown >= 1.0:
+            raise ValueError(f"task {task.name!r} has slowdown {task.slowdown!r}; it must be a "
+                             f"factor of at least 1")
         for d in task.deps:
             if not 0 <= d < n or d == i:
                 raise ValueError(f"task {task.name!r} depends on index {d}, which is not another "
                                  f"task of the plan (0..{n - 1})")
+    # Collectives slowed while their stage computes: index -> factor.
+    stretch = {i: f for i, t in enumerate(all_tasks) if t.collective and t.duration > 0
+               for f in [slowdown if t.slowdown is None else t.slowdown] if f > 1.0}
 
     # Companion compute tasks for collective interference, made ready when their collective starts.
     companion: dict[int, int] = {}
@@ -140,9 +157,36 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
     end = [0.0] * total
     finished = [False] * total
     done = 0
-    events: list[tuple[float, int]] = []
+    # (time, task, version): a stretched collective's end moves when its stage's compute
+    # starts or stops, and the events of its earlier versions are skipped
+    events: list[tuple[float, int, int]] = []
     dirty: set[int] = set()
     durations = [t.duration for t in all_tasks]
+    version = [0] * total
+    running = [-1] * len(resource_id)  # the task each resource runs
+    compute_of = {stage: rid for (stage, resource), rid in resource_id.items()
+                  if resource == "compute"}
+    # stretched collectives in flight per stage: task -> [work left (s alone), rate, since]
+    in_flight: dict[int, dict[int, list[float]]] = {}
+    touched: set[int] = set()  # stages whose compute or stretched collectives changed
+
+    def computing(stage: int) -> bool:
+        rid = compute_of.get(stage)
+        return rid is not None and busy[rid] and all_tasks[running[rid]].kind != "interference"
+
+    def retime(stage: int) -> None:
+        flights = in_flight.get(stage)
+        if not flights:
+            return
+        busy_now = computing(stage)
+        for i, f in flights.items():
+            rate = 1.0 / stretch[i] if busy_now else 1.0
+            if f[1] == rate:
+                continue
+            f[0] = max(0.0, f[0] - (now - f[2]) * f[1])
+            f[1], f[2] = rate, now
+            version[i] += 1
+            heapq.heappush(events, (now + f[0] / rate, i, version[i]))
 
     for i in range(n):
         if waiting[i] == 0:
@@ -157,25 +201,43 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0) -> Timeline:
                     continue
                 _, i = heapq.heappop(ready[rid])
                 busy[rid] = True
+                running[rid] = i
                 start[i] = now
                 end[i] = now + durations[i]
-                heapq.heappush(events, (end[i], i))
+                if i in stretch:
+                    # timed by retime below, once this instant's compute is chosen
+                    in_flight.setdefault(all_tasks[i].stage, {})[i] = [durations[i], 0.0, now]
+                    touched.add(all_tasks[i].stage)
+                else:
+                    heapq.heappush(events, (end[i], i, 0))
+                if is_compute[rid] and stretch:
+                    touched.add(all_tasks[i].stage)
                 c = companion.get(i)
                 if c is not None:
                     heapq.heappush(ready[res_of[c]], (priority[c], c))
                     dirty.add(res_of[c])
         dirty.clear()
+        for stage in touched:
+            retime(stage)
+        touched.clear()
         if not events:
             break
         # Every task that ends at this instant finishes before anything new is chosen, so the
         # choice sees all tasks that are ready at this time.
         now = events[0][0]
         while events and events[0][0] == now:
-            _, i = heapq.heappop(events)
+            _, i, v = heapq.heappop(events)
+            if v != version[i] or finished[i]:
+                continue  # a stretched collective's end that has moved since
             finished[i] = True
             done += 1
+            end[i] = now
             rid = res_of[i]
             busy[rid] = False
+            if i in stretch:
+                del in_flight[all_tasks[i].stage][i]
+            elif is_compute[rid] and stretch:
+                touched.add(all_tasks[i].stage)
             dirty.add(rid)
             for child in children[i]:
                 waiting[child] -= 1

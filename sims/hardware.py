@@ -13,8 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from sims.engine_costs import ENGINE_FACTOR_KINDS, PASS_KINDS, EngineCosts, engine_from
-from sims.profile_fields import (Curve, Link, ProfileError, check_curve, check_fields, check_int,
-                                 check_number, count_keys, link_from)
+from sims.profile_fields import (
+    Curve,
+    Link,
+    ProfileError,
+    check_curve,
+    check_fields,
+    check_int,
+    check_number,
+    count_keys,
+    link_from,
+)
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -61,6 +70,9 @@ class HardwareProfile:
     sources: dict[str, str] = field(default_factory=dict)
     host_memory_bandwidth: float = 0.0
     engine: EngineCosts | None = None  # CPU hosts calibrated by `flowtrain calibrate`
+    # CPU hosts: how much longer a gloo collective takes while its rank computes (the other
+    # side of comm_compute_interference: the two share the cores)
+    compute_comm_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.efficiency, list):  # hand-written profiles may use lists
@@ -77,7 +89,8 @@ class HardwareProfile:
                      self.intra_node, self.inter_node, self.host_to_device, self.efficiency,
                      tuple((op, tuple(sorted(by_ranks.items())))
                            for op, by_ranks in sorted(self.collectives.items())),
-                     self.comm_compute_interference, self.host_memory_bandwidth, self.engine))
+                     self.comm_compute_interference, self.host_memory_bandwidth, self.engine,
+                     self.compute_comm_slowdown))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``from_dict`` reads it back unchanged."""
@@ -98,6 +111,7 @@ class HardwareProfile:
             "collectives": {op: {str(r): link.to_dict() for r, link in sorted(by_ranks.items())}
                             for op, by_ranks in self.collectives.items()},
             "comm_compute_interference": self.comm_compute_interference,
+            "compute_comm_slowdown": self.compute_comm_slowdown,
             "sources": dict(self.sources),
             **({"engine": self.engine.to_dict()} if self.engine is not None else {}),
         }
@@ -141,8 +155,8 @@ class HardwareProfile:
 
 _REQUIRED = ("name", "kind", "devices_per_node", "device_memory_bytes", "peak_flops",
              "memory_bandwidth", "intra_node", "inter_node", "host_to_device", "efficiency")
-_OPTIONAL = ("v", "collectives", "comm_compute_interference", "sources",
-             "host_memory_bandwidth", "engine")
+_OPTIONAL = ("v", "collectives", "comm_compute_interference", "compute_comm_slowdown",
+             "sources", "host_memory_bandwidth", "engine")
 
 
 def _validate(p: HardwareProfile) -> None:
@@ -177,6 +191,7 @@ def _validate(p: HardwareProfile) -> None:
                                    f"got {link!r}")
     check_number("comm_compute_interference", p.comm_compute_interference,
                   minimum=0.0, maximum=1.0)
+    check_number("compute_comm_slowdown", p.compute_comm_slowdown, minimum=1.0)
     for key, text in p.sources.items():
         if not isinstance(key, str) or not isinstance(text, str):
             raise ProfileError(f"field 'sources' must map names to text, got {key!r}: {text!r}")
@@ -232,6 +247,7 @@ def _from_dict(d: Any) -> HardwareProfile:
         efficiency=curve,  # type: ignore[arg-type]  # checked by _validate
         collectives=collectives,
         comm_compute_interference=d.get("comm_compute_interference", 0.0),
+        compute_comm_slowdown=d.get("compute_comm_slowdown", 1.0),
         sources=dict(d.get("sources", {})),
         host_memory_bandwidth=d.get("host_memory_bandwidth", 0.0),
         engine=engine,

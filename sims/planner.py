@@ -40,8 +40,17 @@ from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, plan_buckets, 
 from sims import costs
 from sims.executor import SimTask
 from sims.stage3_plan import Stage3Uses, stage3_uses
-from sims.workload import (DTYPE_BYTES, PRECISION_DTYPE, Layout, ParamSpec, Workload, layer_of,
-                           module_units, split_stages, tp_shard)
+from sims.workload import (
+    DTYPE_BYTES,
+    PRECISION_DTYPE,
+    Layout,
+    ParamSpec,
+    Workload,
+    layer_of,
+    module_units,
+    split_stages,
+    tp_shard,
+)
 from sims.workload import numel as _numel
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
@@ -74,6 +83,7 @@ class SimPlan:
     interference: float  # fraction of a collective's time it also takes from compute
     step_plans: tuple[StepPlan, ...] = field(default=())  # the data-parallel plan of each stage
     notes: tuple[str, ...] = ()
+    slowdown: float = 1.0  # how much longer a collective takes while its stage computes
 
 
 @dataclass
@@ -96,12 +106,13 @@ class _Tasks:
 
     def add(self, stage: int, name: str, kind: str, resource: str, duration: float,
             deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (),
-            flops: float = 0.0, nbytes: float = 0.0, interference: float | None = None) -> int:
+            flops: float = 0.0, nbytes: float = 0.0, interference: float | None = None,
+            slowdown: float | None = None) -> int:
         i = len(self.tasks)
         self.tasks.append(SimTask(name, kind, resource, duration,
                                   tuple(dict.fromkeys(d for d in deps if d is not None)),
                                   stage, flops, nbytes, resource.startswith("comm:"),
-                                  interference))
+                                  interference, slowdown))
         self.index[(stage, name)] = i
         self.forward_refs += [(i, ref) for ref in refs]
         return i
@@ -516,12 +527,12 @@ class _StageBuilder:
         nbytes = bucket.numel * self.comm_elem
         seconds = costs.channel_seconds(self.reduce_op, nbytes, self.dp, self.hw) \
             if self.channel else None
-        share = None
+        share = slowed = None
         if seconds is None:
             seconds = self._collective(self.reduce_op, nbytes)
         else:
             assert self.engine is not None
-            share = self.engine.channel_interference
+            share, slowed = self.engine.channel_interference, self.engine.channel_slowdown
         if self.engine is not None:
             # the reducer then scales the sum by 1 / dp: a multiply over the bucket (read +
             # write), or an add of the scattered shard into the gradient shard (2 reads + write)
@@ -529,7 +540,7 @@ class _StageBuilder:
             seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
         return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
-                             interference=share)
+                             interference=share, slowdown=slowed)
 
     def _asks(self, j: int, direction: str) -> bool:
         """ZeRO-3: whether segment ``j``'s use hands anything to the parameter fetcher (a
@@ -668,9 +679,10 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
             not (layout.tp == 1 and work.stage_output_bytes_per_sample):
         notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
                      "only")
-    interference = float(getattr(hw, "comm_compute_interference", 0.0)) \
-        if getattr(hw, "kind", "gpu") == "cpu" else 0.0
+    cpu = getattr(hw, "kind", "gpu") == "cpu"
+    interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else 0.0
+    slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
     return SimPlan(plan.resolve(), layout, work.name, micro_batch, micro_batches, dtype,
                    zero.stage, samples, samples * work.seq_len,
                    3.0 * work.forward_flops_per_sample * samples, interference,
-                   tuple(step_plans), tuple(notes))
+                   tuple(step_plans), tuple(notes), slowdown)

@@ -6,19 +6,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sims import calibrate
-from sims.calibrate import (CalibrationError, fit_collectives, fit_efficiency, fit_link,
-                            fit_profile, fit_ring_link, main)
+from sims.calibrate import (
+    CalibrationError,
+    fit_collectives,
+    fit_efficiency,
+    fit_link,
+    fit_profile,
+    fit_ring_link,
+    main,
+)
 from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
-from sims.hardware import Link, get_profile
+from sims.hardware import HardwareProfile, Link, ProfileError, get_profile
 
 SAMPLE = Path(__file__).parent / "data" / "calibration_sample.json"
 
@@ -171,6 +178,25 @@ def test_calibrate_writes_a_profile_that_get_profile_loads(sample: dict[str, Any
         4 * ring.latency_s + 4 / 3 * (1 << 20) / ring.bandwidth)
 
 
+def test_collectives_slowdown_while_computing_is_during_over_alone(
+        sample: dict[str, Any]) -> None:
+    """The interference test's all-reduces, timed while the rank computed, against the fitted
+    all-reduce of their size: twice as long reads 2; a record without its size (older
+    measurement files) or one faster than alone reads 1."""
+    plain = fit_profile(sample)
+    assert plain.compute_comm_slowdown == 1.0  # the sample predates the size being kept
+    size = 8 << 20
+    alone = plain.collectives["all_reduce"][2].seconds(size)
+    record = {**sample["interference"], "bytes": size, "all_reduce_seconds_during": 2 * alone}
+    slowed = fit_profile({**sample, "interference": record})
+    assert slowed.compute_comm_slowdown == pytest.approx(2.0)
+    assert HardwareProfile.from_dict(slowed.to_dict()) == slowed
+    faster = {**record, "all_reduce_seconds_during": alone / 2}
+    assert fit_profile({**sample, "interference": faster}).compute_comm_slowdown == 1.0
+    with pytest.raises(ProfileError, match="compute_comm_slowdown.*0.5"):
+        HardwareProfile.from_dict({**slowed.to_dict(), "compute_comm_slowdown": 0.5})
+
+
 def test_an_unfittable_entry_is_left_to_the_ring_formula(sample: dict[str, Any]) -> None:
     noisy = copy.deepcopy(sample)
     gathers = [r for r in noisy["collectives"] if r["op"] == "all_gather" and r["ranks"] == 4]
@@ -258,6 +284,15 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     assert all(size["steps"] == 2 and size["measured"]["step"] > 0 for size in job["sizes"])
     assert profile.engine is not None and set(profile.engine.factors) == {2}
     assert "engine job on 2 ranks" in printed
+    # the job's ZeRO-3 run, and the hooks' costs fitted from it
+    assert job["zero3"]["plan"]["config"]["zero_optimization"]["stage"] == 3
+    assert job["zero3"]["measured"]["gather"] > 0
+    assert {"zero3_fetch_s", "zero3_backward_s"} <= set(profile.engine.factors[2])
+    assert "ZeRO-3 hooks" in printed
+    # the interference measurements keep their size, so the collectives' slowdown is fitted
+    assert measurements["interference"]["bytes"] == tiny.interference_bytes
+    assert profile.compute_comm_slowdown >= 1.0 and profile.engine.channel_slowdown >= 1.0
+    assert "while computing" in printed
     # the host's speed around the job run, held against the profile's probe pass
     assert job["probe_s"] > 0 and "host speed during the jobs" in printed
     # a pipeline message each way through the engine's own sender and receiver threads

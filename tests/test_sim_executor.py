@@ -58,6 +58,33 @@ def test_collective_interference_takes_compute_time() -> None:
     assert list(zip(timeline.start, timeline.end)) == [(0.0, 2.0), (0.5, 1.5), (0.0, 0.5)]
 
 
+def test_collectives_progress_slower_while_their_stage_computes() -> None:
+    """Processor sharing, by hand: a 1 s (alone) all-reduce at half speed while compute runs.
+    Compute busy throughout: it takes 2 s. Compute busy for its first 0.5 s: 0.25 s of its work
+    is done then, the other 0.75 s at full speed, ending at 1.25 s. Another stage's compute
+    does not slow it; its own interference task does not either."""
+    slow = [_task("allreduce", "comm:dp", 1.0, collective=True), _task("fwd", "compute", 10.0)]
+    assert execute(slow, slowdown=2.0).end == (2.0, 10.0)
+    short = [_task("allreduce", "comm:dp", 1.0, collective=True), _task("fwd", "compute", 0.5)]
+    assert execute(short, slowdown=2.0).end == pytest.approx((1.25, 0.5))
+    # compute that starts halfway: 0.5 s alone, then the last 0.5 s of work at half speed
+    late = [_task("a", "compute", 0.0), _task("allreduce", "comm:dp", 1.0, collective=True),
+            _task("wait", "comm:pp", 0.5), _task("fwd", "compute", 10.0, (2,))]
+    assert execute(late, slowdown=2.0).end[1] == pytest.approx(1.5)
+    other = [_task("allreduce", "comm:dp", 1.0, collective=True),
+             SimTask("fwd", "x", "compute", 10.0, stage=1)]
+    assert execute(other, slowdown=2.0).end[0] == 1.0
+    alone = [_task("allreduce", "comm:dp", 1.0, collective=True)]
+    timeline = execute(alone, interference=0.5, slowdown=2.0)
+    assert timeline.tasks[1].name == "interference/allreduce"
+    assert timeline.end == (1.0, 0.5)
+    # a task's own factor wins over the plan's; a non-collective is never slowed
+    own = [SimTask("reduce", "x", "comm:dp", 1.0, collective=True, slowdown=4.0),
+           _task("copy", "copy:h2d", 1.0), _task("fwd", "compute", 10.0)]
+    assert execute(own, slowdown=2.0).end == (4.0, 1.0, 10.0)
+    assert execute(own).end == (4.0, 1.0, 10.0)
+
+
 def test_bad_plans_are_refused_with_the_task_named() -> None:
     with pytest.raises(ValueError, match="'b'.*waits for 'a'|'a'.*waits for 'b'"):
         execute([_task("a", "compute", 1.0, (1,)), _task("b", "compute", 1.0, (0,))])
@@ -67,6 +94,10 @@ def test_bad_plans_are_refused_with_the_task_named() -> None:
         execute([_task("a", "compute", 1.0, (5,))])
     with pytest.raises(ValueError, match="interference must be a fraction from 0 to 1, got 2"):
         execute([], interference=2)
+    with pytest.raises(ValueError, match="slowdown must be a factor of at least 1, got 0.5"):
+        execute([], slowdown=0.5)
+    with pytest.raises(ValueError, match="'r' has slowdown 0.5; it must be a factor of at least"):
+        execute([SimTask("r", "x", "comm:dp", 1.0, collective=True, slowdown=0.5)])
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 32), (3, 7)])
