@@ -61,7 +61,7 @@ def own_cpu_seconds() -> float:
 
 
 def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
-                 runs: int = 1, attempts: int = 3, busy_cores: float = 0.2
+                 runs: int = 1, attempts: int = 3, busy_cores: float = 0.1
                  ) -> list[dict[str, Any]]:
     """Launches ``sims.calibrate_job`` with ``flowtrain launch`` for each (ranks, pipeline
     stages) and keeps what it recorded: its plan (and pipeline stage records), the median
@@ -71,9 +71,11 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
     Each job runs ``runs`` times, one round over all jobs after the other, and the run with
     the shortest step is kept: other work on a shared host (other processes, and on a VM its
     neighbours, whose share shows nowhere) only ever lengthens steps, by 20-40 % for minutes
-    on the project's host. A run during which other processes kept more than ``busy_cores``
-    cores busy does not count, and is run again, up to ``attempts`` launches per run
-    (``others_cores`` says how busy they were). A failed launch raises CalibrationError with
+    on the project's host. A run during which other processes (and the hypervisor: steal
+    time counts) kept more than ``busy_cores`` cores busy does not count, and is run again, up
+    to ``attempts`` launches per run (``others_cores`` says how busy they were). A 2-rank run
+    kept at 0.2 cores had every step 50 % longer than one at 0.08, and its factors made every
+    2-rank prediction 15-50 % long. A failed launch raises CalibrationError with
     its last error line.
 
     Around each run the probe pass (``sims.probe``) is timed, and ``probe_s`` (the geometric
