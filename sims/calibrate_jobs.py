@@ -281,24 +281,23 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
     engine = dataclasses.replace(profile.engine, factors={}, pipeline_op_s=0.0,
                                  pipeline_message_s=0.0)
 
-    def predicted(fitted: dict[str, float], ranks: int, size: dict[str, Any], speed: float
+    def predicted(fitted: dict[str, float], ranks: int, size: dict[str, Any]
                   ) -> dict[str, float]:
         trial = dataclasses.replace(profile, engine=dataclasses.replace(
             engine, factors={**engine.factors, ranks: dict(fitted)}))
-        return predict_job(trial, size, speed)
+        return predict_job(trial, size)
 
     for job in jobs:
         if int(job.get("pp", 1)) > 1:
             continue
         ranks, sizes = int(job["ranks"]), job["sizes"]
-        speed = 1.0
         fitted = {"forward": 1.0, "forward_s": 0.0, "backward": 1.0, "backward_s": 0.0,
                   "optimizer": 1.0,
                   "micro_batch_s": float(sizes[0].get("micro_batch_gap_s", 0.0)),
                   "step_s": 0.0}
-        first = [predicted(fitted, ranks, size, speed) for size in sizes]
+        first = [predicted(fitted, ranks, size) for size in sizes]
         for _ in range(FIT_ROUNDS):
-            got = [predicted(fitted, ranks, size, speed) for size in sizes]
+            got = [predicted(fitted, ranks, size) for size in sizes]
             for kind in ("forward", "backward"):
                 iso = [g.get(kind, 0.0) for g in first]
                 residual = [size["measured"].get(kind, 0.0) - g.get(kind, 0.0)
@@ -344,8 +343,7 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
                     def seconds(value: float, kind: str = kind, extra: str = extra,
                                 fitted: dict[str, float] = fitted, ranks: int = ranks,
                                 zero3: dict[str, Any] = zero3) -> float:
-                        return predicted({**fitted, extra: value}, ranks, zero3,
-                                         1.0).get(kind, 0.0)
+                        return predicted({**fitted, extra: value}, ranks, zero3).get(kind, 0.0)
 
                     fitted[extra] = _solve_seconds(seconds, zero3["measured"][kind])
         engine = dataclasses.replace(engine, factors={**engine.factors, ranks: fitted})
@@ -354,13 +352,11 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
         if int(job.get("pp", 1)) <= 1 or "step" not in size["measured"]:
             continue
         engine = dataclasses.replace(engine, pipeline_op_s=float(size.get("gap_per_op_s", 0.0)))
-        speed = 1.0
 
-        def step_with(message_s: float, engine: Any = engine, size: Any = size,
-                      speed: float = speed) -> float:
+        def step_with(message_s: float, engine: Any = engine, size: Any = size) -> float:
             trial = dataclasses.replace(profile, engine=dataclasses.replace(
                 engine, pipeline_message_s=message_s))
-            return predict_job(trial, size, speed)["step"]
+            return predict_job(trial, size)["step"]
 
         target = size["measured"]["step"]
         low, high = 0.0, 0.001

@@ -471,10 +471,7 @@ class _StageBuilder:
                             flops=self.step_plan.tasks[0].flops)
         for j, seg in enumerate(self.segments):
             first = refs if j == 0 else []
-            if self.fetch_s and self._asks(j, "fwd"):
-                last = plan.add(s, f"forward/mb{k}/{seg.label}/fetch", "forward", "compute",
-                                self.fetch_s, [last], first)
-                first = []
+            last, first = self._fetch("forward", k, j, last, first)
             waits = self._gathers(k, j, "fwd", last)
             last = plan.add(s, f"forward/mb{k}/{seg.label}", "forward", "compute", seg.forward_s,
                             [last, *waits], first)
@@ -502,10 +499,7 @@ class _StageBuilder:
         for j in range(n - 1, -1, -1):
             seg = self.segments[j]
             first = refs if j == n - 1 else []
-            if self.fetch_s and self._asks(j, "bwd"):
-                last = plan.add(s, f"backward/mb{k}/{seg.label}/fetch", "backward", "compute",
-                                self.fetch_s, [last], first)
-                first = []
+            last, first = self._fetch("backward", k, j, last, first)
             waits = self._gathers(k, j, "bwd", last)
             last = plan.add(s, f"backward/mb{k}/{seg.label}", "backward", "compute",
                             seg.backward_s, [last, *waits], first)
@@ -542,13 +536,19 @@ class _StageBuilder:
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
                              interference=share, slowdown=slowed)
 
-    def _asks(self, j: int, direction: str) -> bool:
-        """ZeRO-3: whether segment ``j``'s use hands anything to the parameter fetcher (a
-        bucket to wait for, or gathers to start), as the engine's hooks do then."""
-        if self.uses is None or self.bucket_of_seg[j] is None:
-            return False
-        pos = self.use_pos[(direction, self.bucket_of_seg[j])]
-        return bool(self.uses.launched[pos] or self.uses.gathered_for[pos])
+    def _fetch(self, kind: str, k: int, j: int, last: int | None,
+               refs: list[tuple[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
+        """ZeRO-3 on a calibrated CPU host: when segment ``j``'s use in a ``kind`` pass hands
+        anything to the parameter fetcher (a bucket to wait for, or gathers to start), as the
+        engine's hooks do then, the hand-off as a task of the pass. Returns the segment's new
+        predecessor and refs."""
+        if not self.fetch_s or self.uses is None or self.bucket_of_seg[j] is None:
+            return last, refs
+        pos = self.use_pos[("fwd" if kind == "forward" else "bwd", self.bucket_of_seg[j])]
+        if not (self.uses.launched[pos] or self.uses.gathered_for[pos]):
+            return last, refs
+        return self.plan.add(self.stage, f"{kind}/mb{k}/{self.segments[j].label}/fetch", kind,
+                             "compute", self.fetch_s, [last], refs), []
 
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
         """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
