@@ -19,7 +19,9 @@ comes from or is about; -1 for the launcher/coordinator side) and ``t`` (unix se
   ``mem`` {``model_states``, ``parameters``, ``gradients``, ``optimizer_state``,
   ``process_rss``, ``device_allocated`` (null off-GPU)} in bytes.
 - ``spans`` (each rank: the first step, then a step numbered a multiple of
-  ``flowtrain.telemetry_spans_every``, at most one record a second): ``step``, ``spans``
+  ``flowtrain.telemetry_spans_every``, at most one record a second; a multiple held back by
+  that gap, or whose record could not be sent, goes out with the first later step the gap
+  allows): ``step``, ``spans``
   [[task name, start_s, end_s], ...] relative to the step's start (names as
   in ``spans/rank<R>.jsonl`` and the StepPlan), ``step_start`` (unix seconds of the step's
   start, which lines the ranks up in ``flowtrain trace``). Its ``t`` is when that step ended
