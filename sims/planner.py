@@ -334,7 +334,7 @@ class _StageBuilder:
         the gradient and a read-modify-write of the buffer, 16 bytes per element. The forward's
         other ops (its census: norms, activations, attention, ...) at their measured costs are
         shared among the modules as their FLOPs are."""
-        attention = work.attention_flops_per_sample * self.stage_share(work)
+        attention = self._stage_census(work)["attention_flops_per_sample"]
         scale = (self.stage_flops - attention) * self.mb / max(1, sum(weights)) / self.tp
         stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
         other = self._other_ops(work)
@@ -365,17 +365,29 @@ class _StageBuilder:
         total = work.forward_flops_per_sample
         return self.stage_flops / total if total > 0 else 1.0
 
+    def _stage_census(self, work: Workload) -> dict[str, Any]:
+        """This pipeline stage's census of one sample's forward (``Workload.census_fields``):
+        its own where the run recorded one per stage, else its FLOPs' share of the model's."""
+        if work.stage_census:
+            return {"op_census": (), "attention_calls": 0.0, "attention_flops_per_sample": 0.0,
+                    **work.stage_census[self.stage]}
+        share = self.stage_share(work)
+        return {"op_census": tuple((cls, calls * share, elements * share)
+                                   for cls, calls, elements in work.op_census),
+                "attention_calls": work.attention_calls * share,
+                "attention_flops_per_sample": work.attention_flops_per_sample * share}
+
     def _other_ops(self, work: Workload) -> dict[str, float]:
-        """Seconds of this stage's share of the forward's census ops in one micro-batch, per
-        pass kind, at the rank's thread count (split evenly over tensor-parallel ranks)."""
-        if not (work.op_census or work.attention_calls) or self.engine is None:
+        """Seconds of this stage's census ops in one micro-batch, per pass kind, at the rank's
+        thread count (split evenly over tensor-parallel ranks)."""
+        stage = self._stage_census(work)
+        if not (stage["op_census"] or stage["attention_calls"]) or self.engine is None:
             return {"forward": 0.0, "backward": 0.0}
-        share = self.stage_share(work) / self.tp
-        census = [(cls, calls * share, elements * self.mb * share)
-                  for cls, calls, elements in work.op_census]
-        if work.attention_calls:
-            census.append(("attention", work.attention_calls * share,
-                           work.attention_flops_per_sample * self.mb * share))
+        census = [(cls, calls / self.tp, elements * self.mb / self.tp)
+                  for cls, calls, elements in stage["op_census"]]
+        if stage["attention_calls"]:
+            census.append(("attention", stage["attention_calls"] / self.tp,
+                           stage["attention_flops_per_sample"] * self.mb / self.tp))
         return {kind: self.engine.op_seconds(self.threads, kind, census)
                 for kind in ("forward", "backward")}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
@@ -93,6 +93,10 @@ class Workload:
     op_census: tuple[tuple[str, float, float], ...] = ()
     attention_calls: float = 0.0
     attention_flops_per_sample: float = 0.0
+    # A measured pipeline run's census per stage (``census_fields`` of each stage record, in
+    # stage order), which the planner uses for that stage instead of a share of the model's.
+    # Empty: stages share the model's census by their FLOPs.
+    stage_census: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
 
     @staticmethod
     def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
@@ -145,8 +149,13 @@ class Workload:
                       for r in stages)
         sent = tuple(float(r["output_bytes_per_micro_batch"]) / micro_batch_size
                      for r in stages)
+        # each stage's census (records written before stages kept one have none: the
+        # prediction then leaves the stages' other ops out, as it did)
+        census = tuple(cls.census_fields(r.get("forward_ops_per_micro_batch"),
+                                         micro_batch_size) for r in stages)
         return cls(name, tuple(params), sum(flops), stage_params=tuple(split),
-                   stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent)
+                   stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent,
+                   stage_census=census if any(census) else ())
 
 
 def layer_of(name: str) -> int | None:

@@ -136,6 +136,7 @@ def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def run(world: int) -> list[dict[str, Any]]:
         if world not in cache:
             out = tmp_path_factory.mktemp(f"pipe{world}") / "out"
+            run.run_dirs[world] = out.parent / "run"  # type: ignore[attr-defined]
             ec.launch(world, WORKER, str(out), "2", run_dir=out.parent / "run")
             ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
             for r, data in enumerate(ranks):
@@ -144,6 +145,7 @@ def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             cache[world] = ranks
         return cache[world]
 
+    run.run_dirs = {}  # type: ignore[attr-defined]
     return run
 
 
@@ -169,6 +171,41 @@ def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -
     names = set(ranks[0][case]["span_names"])
     assert {"forward/mb0", "backward/mb3", "send_act/mb3", "recv_grad/mb0",
             "optimizer/step"} <= names
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_each_stage_records_its_flops_and_census_as_plain_torch_counts_them(
+        pipe_run: Any) -> None:
+    """The stage records ``flowtrain simulate --compare`` rebuilds a pipeline's plan from: each
+    stage's first forward, counted as the same layers (and the last stage's loss) count in
+    this process."""
+    from flowtrain.profiling.census import OpCensus
+
+    pipe_run(2)
+    stages_dir = pipe_run.run_dirs[2] / "stages"
+    sys.path.insert(0, str(ec.DATA))
+    from pipe_worker import MICRO, layers
+
+    built = layers()
+    x, y = ec.micro_batch(0, 0, 0, MICRO)
+    for stage, (first, last) in enumerate([(0, 4), (4, 7)]):
+        record = json.loads((stages_dir / f"stage{stage}.json").read_text())
+        with OpCensus() as census:
+            out = nn.Sequential(*built[first:last])(x)
+            if stage == 1:
+                nn.functional.mse_loss(out, y)
+        expected = json.loads(json.dumps(census.summary()))
+        got = record["forward_ops_per_micro_batch"]
+        # views are free metadata ops whose count follows autograd: the worker's last case
+        # (whose engine wrote the records last) checkpoints activations, and a checkpointed
+        # forward runs without autograd, which skips Linear's weight-transpose views
+        views, expected_views = got["ops"].pop("view"), expected["ops"].pop("view")
+        assert got == expected
+        assert 0 < views[0] <= expected_views[0] and views[1] == expected_views[1] == 0
+        assert record["forward_flops_per_micro_batch"] == expected["matmul_flops"] > 0
+        assert record["output_bytes_per_micro_batch"] == out.numel() * 4
+        x = out.detach()
 
 
 @pytest.mark.multiprocess

@@ -295,6 +295,38 @@ def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
         costs.collective_seconds("all_reduce", 8, 4, hw)
 
 
+def test_a_pipeline_stage_is_priced_with_its_own_census() -> None:
+    # norms cost 1 ms a call + 1 ns an element forward, twice that backward (1 thread, 1 rank)
+    norm = {"forward": Link(1e-3, 1e9), "backward": Link(2e-3, 5e8)}
+    hw = cpu_profile(pipeline_op_s=0.0, factors={}, op_costs={1: {"norm": norm}})
+    stages = [{"param_specs": [["l.0.weight", [8, 4], "float32", 4]],
+               "forward_flops_per_micro_batch": 2e5, "output_bytes_per_micro_batch": 4000},
+              {"param_specs": [["l.1.weight", [2, 8], "float32", 4]],
+               "forward_flops_per_micro_batch": 1e5, "output_bytes_per_micro_batch": 80}]
+    bare = Workload.from_stages(stages, 2)
+    assert bare.stage_census == ()
+    # stage 1 alone ran norms: 3 calls over 400 elements in a micro-batch of 2 samples
+    census = {"matmul_flops": 1e5, "attention_flops": 0.0, "attention_calls": 0,
+              "ops": {"norm": [3, 400]}}
+    work = Workload.from_stages([stages[0], {**stages[1], "forward_ops_per_micro_batch": census}],
+                                2)
+    assert work.stage_census[1]["op_census"] == (("norm", 3.0, 200.0),)
+
+    def passes(w: Workload) -> dict[str, float]:
+        plan = build_plan(w, _cfg(1, gradient_accumulation_steps=2), Layout(1, 2, pp=2), hw)
+        return {t.name + f"@{t.stage}": t.duration for t in plan.tasks
+                if t.kind in ("forward", "backward")}
+
+    with_census, without = passes(work), passes(bare)
+    assert with_census.keys() == without.keys()
+    for name, seconds in with_census.items():
+        # a micro-batch of 2 samples: 3 calls over 400 elements on stage 1, nothing on stage
+        # 0; x1.1, the compute slowdown of 2 ranks sharing the host
+        extra = 0.0 if name.endswith("@0") else 1.1 * (
+            3 * (1e-3 if "forward" in name else 2e-3) + 400 / (1e9 if "forward" in name else 5e8))
+        assert seconds - without[name] == pytest.approx(extra, abs=1e-12), name
+
+
 # ----------------------------------------------------------------------------- --compare
 
 def test_a_reduce_counts_from_its_launch_until_the_collective_completes() -> None:

@@ -472,11 +472,13 @@ class PipelineEngine(FlowtrainEngine):
     # -- compute (on the stage actor's compute thread) --------------------------------------------
 
     def _stage_forward(self, mb: int, x: Any, labels: Any, train: bool) -> Any:
-        from torch.utils.flop_counter import FlopCounterMode
+        from flowtrain.profiling.census import OpCensus
 
-        counter = FlopCounterMode(display=False) if self._plan_pending and train else None
+        # the first training forward counts its FLOPs and its other ops, as the data-parallel
+        # engine's does (flowtrain.profiling.census), the last stage's loss included
+        census = OpCensus() if self._plan_pending and train else None
         with self.timer.span("forward", f"forward/mb{mb}"), torch.set_grad_enabled(train), \
-                counter if counter is not None else contextlib.nullcontext():
+                census if census is not None else contextlib.nullcontext():
             out = self.module(x)
             result = out
             if self.grid.is_last_stage and labels is not None:
@@ -484,23 +486,26 @@ class PipelineEngine(FlowtrainEngine):
                     raise ValueError("the last pipeline stage needs PipelineModule(loss_fn=...) "
                                      "to train or evaluate with labels")
                 result = self.module.loss_fn(out, labels)
-        if counter is not None:
-            self._record_stage_plan(float(counter.get_total_flops()), out)
+        if census is not None:
+            self._record_stage_plan(census.summary(), out)
         return result
 
-    def _record_stage_plan(self, flops: float, out: Any) -> None:
+    def _record_stage_plan(self, census: dict[str, Any], out: Any) -> None:
         """``stages/stage{s}.json`` in the run directory: this stage's parameters, forward FLOPs
-        and output bytes of one micro-batch; rank 0 also writes ``plan.json`` (world size: all
-        ranks). ``flowtrain simulate --compare`` rebuilds the pipeline's plan from them."""
+        (matmuls and attention), its other ops (``OpCensus.summary()``) and output bytes of one
+        micro-batch; rank 0 also writes ``plan.json`` (world size: all ranks). ``flowtrain
+        simulate --compare`` rebuilds the pipeline's plan from them."""
         from pathlib import Path
 
         from flowtrain.engine.spans import write_plan
 
         self._plan_pending = False
+        flops = float(census["matmul_flops"] + census["attention_flops"])
         record = {"v": 1, "stage": self.stage_id, "stages": self.num_stages,
                   "param_specs": [[n, list(shape), d, e] for n, shape, d, e in
                                   self._param_specs()],
                   "forward_flops_per_micro_batch": flops,
+                  "forward_ops_per_micro_batch": census,
                   "output_bytes_per_micro_batch": sum(t.numel() * t.element_size()
                                                       for t in _tensors(out))}
         try:
