@@ -341,7 +341,7 @@ def delivery_probe(nbytes: int, count: int = 200) -> tuple[float, float, float]:
     pipeline message of ``nbytes`` between two processes of this host."""
     import multiprocessing as mp
 
-    from sims.calibrate import _free_port
+    from sims.calibrate_comm import _free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -241,7 +241,7 @@ def time_p2p(rank: int, group: Any, sizes: Sequence[int], trials: int, trial_sec
     import itertools
 
     from flowtrain.pipe import engine as pipe
-    from sims.calibrate import _agreed_repeats
+    from sims.calibrate_comm import _agreed_repeats
 
     peer = 1 - rank
     out_tags, in_tags = ((pipe.TAG_ACT, pipe.TAG_ACT_DATA),

@@ -150,14 +150,14 @@ def _time_gloo(out: Any) -> None:
 
     import torch.distributed as dist
 
-    from sims import calibrate
+    from sims import calibrate, calibrate_comm
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world < 2:
         return
     settings = dataclasses.replace(calibrate.QUICK, collective_bytes=GLOO_BYTES,
                                    collective_trials=5)
-    records = calibrate._time_collectives(None, world, settings)
+    records = calibrate_comm._time_collectives(None, world, settings)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(records))
 

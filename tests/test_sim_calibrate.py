@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sims import calibrate
+from sims import calibrate, calibrate_comm
 from sims.calibrate import (
     CalibrationError,
     fit_collectives,
@@ -313,25 +313,25 @@ def test_a_failing_rank_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> 
 
     import torch.distributed as dist
 
-    real = calibrate._time_collectives
+    real = calibrate_comm._time_collectives
 
     def fail_on_rank_1(group: Any, ranks: int, settings: calibrate.Settings) -> Any:
         if dist.get_rank() == 1:
             raise RuntimeError("boom on rank 1")
         return real(group, ranks, settings)
 
-    monkeypatch.setattr(calibrate, "_time_collectives", fail_on_rank_1)  # forked ranks see it
+    monkeypatch.setattr(calibrate_comm, "_time_collectives", fail_on_rank_1)  # forked ranks see it
     tiny = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10,), collective_trials=1)
     start = time.monotonic()
     with pytest.raises(CalibrationError, match=r"(?s)calibration rank 1 failed:.*boom on rank 1"):
-        calibrate.measure_collectives(tiny, (2,), timeout_s=30, start_method="fork")
+        calibrate_comm.measure_collectives(tiny, (2,), timeout_s=30, start_method="fork")
     assert time.monotonic() - start < 15  # not the 30 s its peer waits in the collective
 
 
 def test_collective_sizes_must_split_evenly() -> None:
     bad = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10, 1000))
     with pytest.raises(ValueError, match=r"multiples of 4 B x 4 ranks.*got 1000"):
-        calibrate.measure_collectives(bad, (2, 4), timeout_s=5)
+        calibrate_comm.measure_collectives(bad, (2, 4), timeout_s=5)
 
 
 def test_host_speed_probe_holds_the_pass_against_the_profile(
