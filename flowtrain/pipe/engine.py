@@ -474,8 +474,7 @@ class PipelineEngine(FlowtrainEngine):
     def _stage_forward(self, mb: int, x: Any, labels: Any, train: bool) -> Any:
         from flowtrain.profiling.census import OpCensus
 
-        # the first training forward counts its FLOPs and its other ops, as the data-parallel
-        # engine's does (flowtrain.profiling.census), the last stage's loss included
+        # the first training forward takes the op census (the data-parallel engine's), loss included
         census = OpCensus() if self._plan_pending and train else None
         with self.timer.span("forward", f"forward/mb{mb}"), torch.set_grad_enabled(train), \
                 census if census is not None else contextlib.nullcontext():
