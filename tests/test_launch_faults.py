@@ -228,6 +228,34 @@ def test_module_and_no_python(tmp_path: Path) -> None:
     assert "[rank0]: shell rank 0 of 2 args a b" in run.out
 
 
+def test_the_rendezvous_port_is_outside_the_kernels_ephemeral_range(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from flowtrain.launch import args
+
+    low, high = args.ephemeral_ports()
+    for _ in range(20):
+        port = args.free_port()
+        assert not low <= port <= high and args.LISTEN_PORTS[0] <= port <= args.LISTEN_PORTS[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: another process would get it too
+    # a range that leaves only 10000-10001 outside it: a port there, not a taken one
+    ranges = tmp_path / "range"
+    ranges.write_text("10002\t65000\n")
+    monkeypatch.setattr(args, "EPHEMERAL_RANGE_FILE", str(ranges))
+    assert args.ephemeral_ports() == (10002, 65000)
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", 10000))
+        except OSError:
+            pytest.skip("port 10000 is in use on this host")
+        assert args.free_port() == 10001
+        # nothing free outside the range: the kernel's choice, not an endless search
+        ranges.write_text("10001 65000\n")
+        assert args.free_port(tries=8) not in (0, 10000)
+
+
 @pytest.mark.timeout(60)
 def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
     from flowtrain.launch.args import free_port

@@ -159,8 +159,45 @@ def _port(value: str, flag: str) -> int:
     return port
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (another process may still take it)."""
+LISTEN_PORTS = (10000, 65000)  # where free_port looks, less the ephemeral range (port+1 valid)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where
+    it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path(EPHEMERAL_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port that was free a moment ago, outside the kernel's ephemeral range.
+
+    Rank 0 binds the rendezvous port seconds after the launcher chose it (starting Python and
+    torch). A port the kernel handed out (bind to 0) lies in the ephemeral range, from which
+    every outgoing connection in the meantime also takes its local port: the job's own
+    control-plane and gloo connections, anyone's. One did take it (sim_accuracy, 2 ranks:
+    EADDRINUSE on 41381, the job failed). A port below or above that range is only taken by a
+    process that binds it on purpose. Falls back to the kernel's choice when no port outside
+    the range is free after ``tries`` random picks."""
+    import random
+
+    low, high = ephemeral_ports()
+    outside = [r for r in ((LISTEN_PORTS[0], low - 1), (high + 1, LISTEN_PORTS[1]))
+               if r[1] >= r[0]]
+    pick = random.SystemRandom()
+    for _ in range(tries if outside else 0):
+        first, last = pick.choices(outside, weights=[b - a + 1 for a, b in outside])[0]
+        port = pick.randint(first, last)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
