@@ -13,9 +13,10 @@ A shared host makes every figure noisy: before each launch the script waits (at 
 round over all configs, then another) and the run with the shortest step is kept, since other
 work only ever lengthens steps (on a VM its neighbours do too, unseen), as calibration keeps its
 least disturbed runs. A run during which other processes kept more than --busy-cores cores busy
-is launched again (up to --attempts times), and a quiet run is kept before a disturbed one. Each row reports how many cores other processes kept busy during the kept
-run ("others", from /proc/stat less this job's own CPU time) and how much longer the slowest
-run of the config was ("spread"), and how slow the host computed around the kept run against
+is launched again (up to --attempts times), and a quiet run is kept before a disturbed one.
+Each row reports how many cores other processes kept busy during the kept run ("others", from
+/proc/stat less this job's own CPU time) and how much longer the slowest run of the config was
+("spread"), and how slow the host computed around the kept run against
 its profile ("host": ``sims.probe.host_speed``, a calibration Linear pass timed just before and
 just after the run, over the profile's time, geometric mean; the host's speed drifts over
 minutes, and the profile holds its calibration's). "at host" is the step's error when the
@@ -39,15 +40,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_BUCKET = 200_000
 GLOO_BYTES = (128 << 10, 2 << 20, 12 << 20)  # not the calibration's sizes
 CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,32 @@ def host_lock(path: Path | None) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def launch_quietly(args: argparse.Namespace, run: Callable[[], T], label: str,
+                   cluster: str | None = None) -> tuple[T, float, float]:
+    """``run()`` under the host lock once the host is quiet, and again (up to --attempts) while
+    other processes (and steal time) kept more than --busy-cores cores busy: a run beside them
+    does not count, but the last attempt is kept whatever it saw. Returns its result, the cores
+    others kept busy, and with ``cluster`` the host's speed over it (the probes on either side,
+    geometric mean; nan without)."""
+    from sims.calibrate_jobs import ForeignLoad
+
+    before = after = math.nan
+    for attempt in range(args.attempts):
+        with host_lock(args.lock):
+            wait_for_quiet(args.quiet_wait)
+            if cluster is not None:
+                before = host_speed(cluster)
+            with ForeignLoad() as others:
+                result = run()
+            if cluster is not None:
+                after = host_speed(cluster)
+        print(f"  ... {label}.{attempt + 1}: others {others.cores:.2f} cores", file=sys.stderr,
+              flush=True)
+        if others.cores <= args.busy_cores:
+            break
+    return result, others.cores, math.sqrt(before * after)
+
+
 # ----------------------------------------------------------------------------- running
 
 def launch(cfg: Config, workdir: Path, args: argparse.Namespace, run: int = 0) -> Path:
@@ -272,7 +300,6 @@ def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str
     processes over --busy-cores is run again, up to --attempts), and the fastest time of each
     size kept, since other work only ever lengthens a collective (round J's single launch
     landed on a host that took 2x as long for every size, 12 MiB 23 ms against 12-14 ms)."""
-    from sims.calibrate_jobs import ForeignLoad
     from sims.costs import collective_seconds
     from sims.hardware import get_profile
 
@@ -281,16 +308,12 @@ def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str
            "--run-dir", str(workdir / "gloo-run"), __file__, "--gloo-worker", "--out", str(out)]
     best: dict[int, float] = {}
     others_seen = []
-    for _ in range(args.repeat):
-        for _ in range(args.attempts):
-            with host_lock(args.lock):
-                wait_for_quiet(args.quiet_wait)
-                with ForeignLoad() as others:
-                    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                   timeout=args.timeout, check=True)
-            if others.cores <= args.busy_cores:
-                break
-        others_seen.append(others.cores)
+    for repeat in range(args.repeat):
+        _, others, _ = launch_quietly(
+            args, lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                         timeout=args.timeout, check=True),
+            f"gloo all_reduce run {repeat + 1}")
+        others_seen.append(others)
         for k, v in json.loads(out.read_text()).items():
             best[int(k)] = min(best.get(int(k), math.inf), float(v))
     hw = get_profile(cluster)
@@ -332,7 +355,9 @@ def main() -> int:
                         help="only the gloo all-reduce rows, no configs")
     parser.add_argument("--lock", type=Path, default=None,
                         help="hold an exclusive flock on this file during each launch, so other "
-                             "jobs that take the same lock do not run beside a measured run")
+                             "jobs that take the same lock do not run beside a measured run "
+                             "(do not also run this script under flock on the same file: it "
+                             "would wait for itself)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs of each config, a round over all configs after the other; "
                              "the quiet one with the shortest step (least disturbed) is kept")
@@ -348,8 +373,6 @@ def main() -> int:
     if args.gloo_worker:
         gloo_worker(args.out, trials=9)
         return 0
-    from sims.calibrate_jobs import ForeignLoad
-
     configs = [] if args.gloo_only else list(enumerate(CONFIGS, start=1))
     if args.only:
         try:
@@ -371,28 +394,16 @@ def main() -> int:
         for repeat in range(args.repeat):
             for number, cfg in configs:
                 try:
-                    for attempt in range(args.attempts):
-                        with host_lock(args.lock):
-                            wait_for_quiet(args.quiet_wait)
-                            before = host_speed(args.cluster)
-                            with ForeignLoad() as others:
-                                run_dir = launch(cfg, workdir, args, repeat)
-                            after = host_speed(args.cluster)
-                        print(f"  ... {number:>2} {cfg.name:<30} run {repeat + 1}.{attempt + 1}: "
-                              f"others {others.cores:.2f} cores", file=sys.stderr, flush=True)
-                        # a run beside other processes does not count: run it again (the last
-                        # attempt is kept whatever it saw, and its "others" column says so)
-                        if others.cores <= args.busy_cores:
-                            break
-                    # the host's speed over the run: the probes on either side of it
-                    speed = (before * after) ** 0.5
+                    run_dir, others, speed = launch_quietly(
+                        args, lambda cfg=cfg, repeat=repeat: launch(cfg, workdir, args, repeat),
+                        f"{number:>2} {cfg.name:<30} run {repeat + 1}", args.cluster)
                     rows = compare(run_dir, args.cluster)
                     rows_at_speed = compare(run_dir, args.cluster, speed)
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                     print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
                           flush=True)
                     continue
-                runs.setdefault(number, []).append((rows, rows_at_speed, others.cores, speed))
+                runs.setdefault(number, []).append((rows, rows_at_speed, others, speed))
                 print(f"  ... {number:>2} {cfg.name:<30} run {repeat + 1}: measured "
                       f"{rows['step']['measured_s'] * 1e3:8.2f} ms", file=sys.stderr, flush=True)
         print(f"  {'#':>2} {'config':<30} {'ranks':>5} {'predicted':>10} {'measured':>10} "
