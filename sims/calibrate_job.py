@@ -27,7 +27,9 @@ from typing import Any
 # (A plain chain of Linear+ReLU layers ran 1.3-1.6x slower per FLOP than its layers timed
 # alone; residual blocks run as fast as theirs, as the benchmark models and the demo's GPT do.)
 ROWS = 48
-ROWS_BY_SIZE = (ROWS, 4 * ROWS)  # the data-parallel job's two sizes (rows per micro-batch)
+# the data-parallel job's sizes (rows per micro-batch): a line through three points, so that
+# one size measured in a slow spell of the host tilts it less than one of two did
+ROWS_BY_SIZE = (ROWS, 2 * ROWS, 4 * ROWS)
 IN_WIDTH = 32
 WIDTH = 192
 HIDDEN = 768
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flowtrain.env import RUN_DIR
 
-    # Two sizes of the same model, each recorded in a run directory of its own: what the engine
+    # Sizes of the same model, each recorded in a run directory of its own: what the engine
     # adds to a pass that grows with its work and what it adds per step can then be told apart.
     # ZeRO-3 (where there are ranks to partition over) shows what each module's parameter
     # fetch costs the engine besides its gather.

@@ -68,22 +68,22 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
     seconds per task class of its steps (the first left out), and what the spans show of the
     engine's own overheads.
 
-    Each job runs ``runs`` times, one round over all jobs after the other, and the run with
-    the shortest step is kept: other work on a shared host (other processes, and on a VM its
-    neighbours, whose share shows nowhere) only ever lengthens steps, by 20-40 % for minutes
-    on the project's host. A run during which other processes (and the hypervisor: steal
-    time counts) kept more than ``busy_cores`` cores busy does not count, and is run again, up
-    to ``attempts`` launches per run (``others_cores`` says how busy they were). A 2-rank run
-    kept at 0.2 cores had every step 50 % longer than one at 0.08, and its factors made every
-    2-rank prediction 15-50 % long. A failed launch raises CalibrationError with
-    its last error line.
+    Each job runs ``runs`` times, one round over all jobs after the other, and of each size
+    (and of the ZeRO-3 run) the run with the shortest step is kept (``keep_fastest``): other
+    work on a shared host (other processes, and on a VM its neighbours, whose share shows
+    nowhere) only ever lengthens steps, by 20-40 % for minutes on the project's host. A run
+    during which other processes (and the hypervisor: steal time counts) kept more than
+    ``busy_cores`` cores busy does not count, and is run again, up to ``attempts`` launches
+    per run (``others_cores`` says how busy they were). A 2-rank run kept at 0.2 cores had
+    every step 50 % longer than one at 0.08, and its factors made every 2-rank prediction
+    15-50 % long. A failed launch raises CalibrationError with its last error line.
 
     Around each run the probe pass (``sims.probe``) is timed, and ``probe_s`` (the geometric
     mean of before and after) is what it took: the host's speed during the run, recorded and
     printed (``job_speed``) but not applied by the fit (see ``fit_factors``)."""
     from sims.probe import probe_seconds
 
-    best: dict[tuple[int, int], dict[str, Any]] = {}
+    recorded: dict[tuple[int, int], list[dict[str, Any]]] = {job: [] for job in jobs}
     for _ in range(runs):
         for ranks, pp in jobs:
             record: dict[str, Any] | None = None
@@ -96,23 +96,37 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
                 if attempt["others_cores"] <= busy_cores:
                     break
             assert record is not None
-            kept = best.get((ranks, pp))
-            if kept is None or _less_disturbed(record, kept, busy_cores):
-                best[(ranks, pp)] = record
-    return [best[job] for job in jobs]
+            recorded[(ranks, pp)].append(record)
+    return [keep_fastest(recorded[job], busy_cores) for job in jobs]
 
 
-def _less_disturbed(a: dict[str, Any], b: dict[str, Any], busy_cores: float) -> bool:
-    """Whether run ``a`` of a job was less disturbed than run ``b``: a quiet host first, then
-    the shorter step."""
-    quiet_a, quiet_b = a["others_cores"] <= busy_cores, b["others_cores"] <= busy_cores
-    if quiet_a != quiet_b:
-        return quiet_a
+def keep_fastest(records: Sequence[dict[str, Any]], busy_cores: float) -> dict[str, Any]:
+    """One job's record from its runs: of each size, and of the ZeRO-3 run, the quiet run's
+    (``others_cores`` <= ``busy_cores``; any run where none was quiet) with the shortest step;
+    the rest (gloo calls, probe, others_cores) from the quiet run with the shortest steps in
+    all. Sizes, not whole runs: a run's sizes go one after the other, and on the project's
+    host the speed changed inside a run, so the run with the shortest steps in all held one
+    size 1.5x slow (round L's 1-rank job: 9.9 and 10.4 ms at 48 and 192 rows, where each run
+    measures about 1:1.7), and the line through them made a 1-rank pass half its isolated
+    time plus 1.5 ms and every 1-rank prediction 15-40 % long. ``size_runs`` says which run
+    each size came from."""
+    if not records:
+        raise ValueError("keep_fastest needs at least one run")
+    quiet = [i for i, r in enumerate(records) if r["others_cores"] <= busy_cores] or \
+        list(range(len(records)))
 
-    def steps(job: dict[str, Any]) -> float:
-        return sum(size["measured"].get("step", math.inf) for size in job["sizes"])
+    def step(size: dict[str, Any]) -> float:
+        return float(size["measured"].get("step", math.inf))
 
-    return steps(a) < steps(b)
+    kept = dict(records[min(quiet, key=lambda i: sum(step(s) for s in records[i]["sizes"]))])
+    count = min(len(records[i]["sizes"]) for i in quiet)
+    kept["size_runs"] = [min(quiet, key=lambda i, n=n: step(records[i]["sizes"][n]))
+                         for n in range(count)]
+    kept["sizes"] = [records[i]["sizes"][n] for n, i in enumerate(kept["size_runs"])]
+    zero3 = [records[i]["zero3"] for i in quiet if "zero3" in records[i]]
+    if zero3:
+        kept["zero3"] = min(zero3, key=step)
+    return kept
 
 
 def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any]:

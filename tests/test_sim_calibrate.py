@@ -24,6 +24,7 @@ from sims.calibrate import (
     fit_ring_link,
     main,
 )
+from sims.calibrate_job import ROWS_BY_SIZE
 from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, ProfileError, get_profile
 
@@ -275,12 +276,12 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     profile = get_profile(str(out))
     assert profile == fit_profile(measurements)
     assert profile.memory_bandwidth > 1e8  # any host streams more than 100 MB/s
-    # the engine's pieces: both thread counts' passes, the launched 2-rank job of two sizes
+    # the engine's pieces: both thread counts' passes, the launched 2-rank job of each size
     engine = measurements["engine"]
     cores = os.cpu_count() or 1
     assert {r["threads"] for r in engine["passes"]} == {max(1, cores // n) for n in (1, 2)}
     [job] = engine["jobs"]
-    assert (job["ranks"], job["pp"], len(job["sizes"])) == (2, 1, 2)
+    assert (job["ranks"], job["pp"], len(job["sizes"])) == (2, 1, len(ROWS_BY_SIZE))
     assert all(size["steps"] == 2 and size["measured"]["step"] > 0 for size in job["sizes"])
     assert profile.engine is not None and set(profile.engine.factors) == {2}
     assert "engine job on 2 ranks" in printed

@@ -491,13 +491,17 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     assert HardwareProfile.from_dict(json.loads(json.dumps(whole.to_dict()))) == whole
 
 
-def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
+@pytest.mark.parametrize("scales", [(4,), (2, 4)], ids=["two sizes", "three sizes"])
+def test_job_sizes_split_a_factor_from_a_time_per_step(scales: tuple[int, ...]) -> None:
     base = _base_profile()
     small = _size_from_run(RUN, 2, 1)
-    large = json.loads(json.dumps(small))
-    large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= 4
-    large["plan"]["config"]["train_batch_size"] *= 4
-    large["plan"]["forward_flops_per_micro_batch"] *= 4
+    larger = []
+    for scale in scales:
+        large = json.loads(json.dumps(small))
+        large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= scale
+        large["plan"]["config"]["train_batch_size"] *= scale
+        large["plan"]["forward_flops_per_micro_batch"] *= scale
+        larger.append(large)
     # an engine whose forwards take 1.5x what the isolated measurements predict plus 2 ms per
     # step, its backwards 1.8x plus 1 ms (its optimizer 1.2x, 1 ms more per step): what its two
     # sizes would measure
@@ -507,10 +511,40 @@ def test_two_job_sizes_split_a_factor_from_a_time_per_step() -> None:
              "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001}
     host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
                                                                 factors={2: truth}))
-    for size in (small, large):
+    for size in (small, *larger):
         size["measured"] = calibrate_jobs.predict_job(host, size)
-    fitted = calibrate_jobs.fit_factors(base, [_job(small, large)]).factors[2]
+    fitted = calibrate_jobs.fit_factors(base, [_job(small, *larger)]).factors[2]
     assert fitted == pytest.approx(truth, rel=0.01)
+
+
+def _run_of(steps: tuple[float, ...], others: float, zero3: float | None = None
+            ) -> dict[str, Any]:
+    record: dict[str, Any] = {"ranks": 2, "pp": 1, "others_cores": others, "gloo": [],
+                              "sizes": [{"measured": {"step": s}} for s in steps]}
+    if zero3 is not None:
+        record["zero3"] = {"measured": {"step": zero3}}
+    return record
+
+
+def test_each_job_size_keeps_its_fastest_quiet_run() -> None:
+    runs = [_run_of((10.0, 22.0, 40.0), 0.0, zero3=30.0),
+            _run_of((15.0, 20.0, 41.0), 0.05, zero3=28.0),
+            _run_of((9.0, 18.0, 35.0), 0.5, zero3=20.0),  # fastest, but others were busy
+            _run_of((11.0, 21.0, 39.0), 0.02)]
+    kept = calibrate_jobs.keep_fastest(runs, busy_cores=0.1)
+    assert [size["measured"]["step"] for size in kept["sizes"]] == [10.0, 20.0, 39.0]
+    assert kept["size_runs"] == [0, 1, 3]
+    assert kept["zero3"]["measured"]["step"] == 28.0
+    # the rest from the quiet run with the shortest steps in all (10 + 22 + 40 = 72 against
+    # 76 and 71): the last
+    assert kept["others_cores"] == 0.02
+    assert runs[0]["sizes"][0]["measured"]["step"] == 10.0  # the runs are left as they were
+    # no quiet run: the fastest of all
+    busy = [_run_of((12.0, 30.0), 0.4), _run_of((14.0, 25.0), 0.3)]
+    kept = calibrate_jobs.keep_fastest(busy, busy_cores=0.1)
+    assert [size["measured"]["step"] for size in kept["sizes"]] == [12.0, 25.0]
+    with pytest.raises(ValueError, match="at least one run"):
+        calibrate_jobs.keep_fastest([], busy_cores=0.1)
 
 
 def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
