@@ -7,6 +7,8 @@ and a gloo all-reduce row across sizes (measured now vs the profile's model).
 
     .venv/bin/flowtrain calibrate            # once: writes the this-host profile
     .venv/bin/python benchmarks/sim_accuracy.py [--steps 24] [--only 3,17] [--quiet-wait 120]
+    # or a calibration before each round, each round's runs predicted with their own:
+    .venv/bin/python benchmarks/sim_accuracy.py --calibrate-each-round --repeat 3 --lock FILE
 
 A shared host makes every figure noisy: before each launch the script waits (at most
 --quiet-wait seconds) until the CPUs are nearly idle, each config is run --repeat times (a
@@ -22,6 +24,8 @@ just after the run, over the profile's time, geometric mean; the host's speed dr
 minutes, and the profile holds its calibration's). "at host" is the step's error when the
 prediction is given that speed (``simulate --compare --host-speed``): what is left is the cost
 model's own error, and the difference from "error" is the host's drift since calibration.
+The project's host drifted 1.3-1.5x in speed over tens of minutes, in phases the probe reads
+only in part; --calibrate-each-round keeps a calibration within minutes of the runs it predicts.
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
 layer numbers, as the simulator's planner expects, trained as a plain module or as a
@@ -49,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL_BUCKET = 200_000
 GLOO_BYTES = (128 << 10, 2 << 20, 12 << 20)  # not the calibration's sizes
 CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
+CALIBRATE_TIMEOUT_S = 1800.0
 T = TypeVar("T")
 
 
@@ -275,6 +280,25 @@ def launch(cfg: Config, workdir: Path, args: argparse.Namespace, run: int = 0) -
     return run_dir
 
 
+def calibrate(out: Path, args: argparse.Namespace, label: str) -> str:
+    """``flowtrain calibrate --out OUT`` under the host lock once the host is quiet (the
+    command reruns its own disturbed jobs); returns OUT as the profile to predict with."""
+    with host_lock(args.lock):
+        wait_for_quiet(args.quiet_wait)
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "calibrate", "--out",
+                               str(out), "--save-measurements", str(out.with_suffix(".raw.json"))],
+                              cwd=ROOT, capture_output=True, text=True,
+                              timeout=CALIBRATE_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: flowtrain calibrate failed ({proc.returncode}): "
+                           f"{proc.stderr.strip().splitlines()[-1:]}")
+    speeds = [line.strip() for line in proc.stdout.splitlines() if "host speed during" in line]
+    print(f"  {label}: calibrated in {time.monotonic() - started:.0f} s -> {out.name}"
+          + (f"; {speeds[0]}" if speeds else ""), flush=True)
+    return str(out)
+
+
 def compare(run_dir: Path, cluster: str, speed: float | None = None) -> dict[str, Any]:
     """``flowtrain simulate --compare run_dir --json [--host-speed SPEED]``, through the
     command's own code."""
@@ -361,6 +385,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs of each config, a round over all configs after the other; "
                              "the quiet one with the shortest step (least disturbed) is kept")
+    parser.add_argument("--calibrate-each-round", action="store_true",
+                        help="run `flowtrain calibrate` before each round and predict the "
+                             "round's runs with it, instead of --cluster for all: on a host "
+                             "whose speed drifts over tens of minutes, a calibration taken "
+                             "long before a run holds the drift against the model")
     parser.add_argument("--busy-cores", type=float, default=0.1,
                         help="a run during which other processes (and steal time) kept more "
                              "cores busy than this is run again (default 0.1, as calibration)")
@@ -385,20 +414,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sim_accuracy_") as tmp:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        against = "the profile calibrated just before its round" if args.calibrate_each_round \
+            else args.cluster
         print(f"{len(configs)} configs, {args.steps} steps each, {args.repeat} run(s) of each "
-              f"(the least disturbed kept), predicted with {args.cluster} ({os.cpu_count()} "
+              f"(the least disturbed kept), each predicted with {against} ({os.cpu_count()} "
               f"CPUs here; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
         # (rows, rows at the host's speed, others' cores, host speed) of each run of each config
         runs: dict[int, list[tuple[dict[str, Any], dict[str, Any], float, float]]] = {}
         at_speed: dict[str, list[float]] = {c: [] for c in CLASSES}
+        cluster = args.cluster
         for repeat in range(args.repeat):
+            if args.calibrate_each_round and configs:
+                try:
+                    cluster = calibrate(workdir / f"profile-round{repeat + 1}.json", args,
+                                        f"round {repeat + 1}")
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"  round {repeat + 1} left out: {exc}", flush=True)
+                    continue
             for number, cfg in configs:
                 try:
                     run_dir, others, speed = launch_quietly(
                         args, lambda cfg=cfg, repeat=repeat: launch(cfg, workdir, args, repeat),
-                        f"{number:>2} {cfg.name:<30} run {repeat + 1}", args.cluster)
-                    rows = compare(run_dir, args.cluster)
-                    rows_at_speed = compare(run_dir, args.cluster, speed)
+                        f"{number:>2} {cfg.name:<30} run {repeat + 1}", cluster)
+                    rows = compare(run_dir, cluster)
+                    rows_at_speed = compare(run_dir, cluster, speed)
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                     print(f"  {number:>2} {cfg.name:<30} run {repeat + 1} failed: {exc}",
                           flush=True)
@@ -439,7 +478,7 @@ def main() -> int:
                       f"{statistics.fmean(at_speed[c]):6.1f} %  ({len(errors[c])} runs)")
         if not args.no_gloo:
             try:
-                lines = gloo_rows(workdir, args.cluster, args)  # takes the lock per launch
+                lines = gloo_rows(workdir, cluster, args)  # takes the lock per launch
                 print("\n".join(lines))
             except (subprocess.SubprocessError, OSError, ValueError) as exc:
                 print(f"  gloo all_reduce: failed: {exc}")
