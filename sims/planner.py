@@ -30,15 +30,14 @@ all-reduces. Task names (the first two path parts are the name the engine record
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, plan_buckets, plan_units
 from sims import costs
 from sims.executor import SimTask
+from sims.plan_tasks import Tasks, one_f_one_b, pipeline_tasks, segments
 from sims.stage3_plan import Stage3Uses, stage3_uses
 from sims.workload import (
     DTYPE_BYTES,
@@ -86,99 +85,6 @@ class SimPlan:
     slowdown: float = 1.0  # how much longer a collective takes while its stage computes
 
 
-@dataclass
-class _Segment:
-    label: str
-    params: list[int]  # stage-local parameter indices
-    layer: int | None
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-
-
-class _Tasks:
-    """Collects tasks; dependencies on tasks of later stages are given by (stage, name) and
-    resolved once every task exists."""
-
-    def __init__(self) -> None:
-        self.tasks: list[SimTask] = []
-        self.index: dict[tuple[int, str], int] = {}
-        self.forward_refs: list[tuple[int, tuple[int, str]]] = []
-
-    def add(self, stage: int, name: str, kind: str, resource: str, duration: float,
-            deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (),
-            flops: float = 0.0, nbytes: float = 0.0, interference: float | None = None,
-            slowdown: float | None = None) -> int:
-        i = len(self.tasks)
-        self.tasks.append(SimTask(name, kind, resource, duration,
-                                  tuple(dict.fromkeys(d for d in deps if d is not None)),
-                                  stage, flops, nbytes, resource.startswith("comm:"),
-                                  interference, slowdown))
-        self.index[(stage, name)] = i
-        self.forward_refs += [(i, ref) for ref in refs]
-        return i
-
-    def resolve(self) -> tuple[SimTask, ...]:
-        for i, ref in self.forward_refs:
-            if ref not in self.index:
-                raise KeyError(f"the plan refers to task {ref[1]!r} of stage {ref[0]}, which "
-                               f"was never built")
-            t = self.tasks[i]
-            self.tasks[i] = dataclasses.replace(t, deps=t.deps + (self.index[ref],))
-        return tuple(self.tasks)
-
-
-def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of stage ``stage``'s passes, ("F", k) / ("B", k), as the engine's
-    PipeStage runs them (``flowtrain.pipe.schedule.stage_ops``): warm-up forwards fill the
-    pipeline, then one forward and one backward alternate, then the backwards drain."""
-    from flowtrain.pipe.schedule import stage_ops
-
-    passes = {"forward": "F", "backward": "B"}
-    return [(passes[op.kind], op.mb) for op in stage_ops("1f1b", stage, stages, micro_batches)
-            if op.kind in passes]
-
-
-def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s: float,
-                   send_s: float = 0.0) -> tuple[SimTask, ...]:
-    """A bare 1F1B pipeline (equal stages, no data parallelism): the textbook schedule whose
-    bubble is (p-1)/(m+p-1) when sends are free."""
-    out = _Tasks()
-    for s in range(stages):
-        last: int | None = None
-        for op, k in one_f_one_b(stages, s, micro_batches):
-            if op == "F":
-                refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
-                last = out.add(s, f"forward/mb{k}", "forward", "compute", forward_s, [last], refs)
-                if s < stages - 1:
-                    out.add(s, f"send_act/mb{k}", "send", "comm:pp", send_s, [last])
-            else:
-                refs = [(s + 1, f"send_grad/mb{k}")] if s < stages - 1 else []
-                last = out.add(s, f"backward/mb{k}", "backward", "compute", backward_s, [last],
-                               refs)
-                if s > 0:
-                    out.add(s, f"send_grad/mb{k}", "send", "comm:pp", send_s, [last])
-    return out.resolve()
-
-
-def _segments(params: Sequence[ParamSpec], stage3: bool) -> list[_Segment]:
-    """A stage's forward order cut into pieces: one per module for ZeRO-3 (each is gathered
-    before it runs), otherwise one per layer plus the parts before and after the layers."""
-    if stage3:
-        return [_Segment(params[u[0]][0].rpartition(".")[0] or params[u[0]][0], u,
-                         layer_of(params[u[0]][0])) for u in module_units(params)]
-    segments: list[_Segment] = []
-    seen_layer = False
-    for i, p in enumerate(params):
-        n = layer_of(p[0])
-        seen_layer = seen_layer or n is not None
-        label = f"layer{n}" if n is not None else ("head" if seen_layer else "embed")
-        if segments and segments[-1].label == label:
-            segments[-1].params.append(i)
-        else:
-            segments.append(_Segment(label, [i], n))
-    return segments
-
-
 def config_bucket_numel(zero: Any, elem_size: int) -> int:
     """The engine's bucket size in elements (as ``flowtrain.api`` picks it): the config's
     reduce/allgather bucket sizes when set, else 25 MiB of parameters."""
@@ -191,9 +97,9 @@ def config_bucket_numel(zero: Any, elem_size: int) -> int:
 
 
 class _StageBuilder:
-    """Builds one pipeline stage's tasks into a shared ``_Tasks``."""
+    """Builds one pipeline stage's tasks into a shared ``Tasks``."""
 
-    def __init__(self, plan: _Tasks, stage: int, *, layout: Layout, hw: Any, cfg: Any,
+    def __init__(self, plan: Tasks, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  work: Workload, params: list[ParamSpec], weights: list[int], total_weight: int,
                  stage_flops: float, micro_batches: int, micro_batch: int, dtype: str,
                  comm_elem: int, comm_dtype: str) -> None:
@@ -270,7 +176,7 @@ class _StageBuilder:
                         and cfg.flowtrain.data_channel != "torch")
         self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
-        self.segments = _segments(params, self.partitioned)
+        self.segments = segments(params, self.partitioned)
         seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         units = [seg.params for seg in self.segments] if self.partitioned else None
         bucket_numel = config_bucket_numel(self.zero, self.param_elem)
@@ -334,10 +240,11 @@ class _StageBuilder:
         the gradient and a read-modify-write of the buffer, 16 bytes per element. The forward's
         other ops (its census: norms, activations, attention, ...) at their measured costs are
         shared among the modules as their FLOPs are."""
-        attention = self._stage_census(work)["attention_flops_per_sample"]
-        scale = (self.stage_flops - attention) * self.mb / max(1, sum(weights)) / self.tp
+        census = self._stage_census(work)
+        scale = (self.stage_flops - census["attention_flops_per_sample"]) * self.mb / \
+            max(1, sum(weights)) / self.tp
         stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
-        other = self._other_ops(work)
+        other = self._other_ops(census)
         for seg in self.segments:
             modules: dict[str, list[int]] = {}
             for i in seg.params:
@@ -377,10 +284,9 @@ class _StageBuilder:
                 "attention_calls": work.attention_calls * share,
                 "attention_flops_per_sample": work.attention_flops_per_sample * share}
 
-    def _other_ops(self, work: Workload) -> dict[str, float]:
-        """Seconds of this stage's census ops in one micro-batch, per pass kind, at the rank's
-        thread count (split evenly over tensor-parallel ranks)."""
-        stage = self._stage_census(work)
+    def _other_ops(self, stage: dict[str, Any]) -> dict[str, float]:
+        """Seconds of this stage's census ops (``_stage_census``) in one micro-batch, per pass
+        kind, at the rank's thread count (split evenly over tensor-parallel ranks)."""
         if not (stage["op_census"] or stage["attention_calls"]) or self.engine is None:
             return {"forward": 0.0, "backward": 0.0}
         census = [(cls, calls / self.tp, elements * self.mb / self.tp)
@@ -661,7 +567,7 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
     total_weight = sum(weights_all)
     if total_weight == 0:
         raise ValueError(f"model {work.name!r} has only empty parameters")
-    plan = _Tasks()
+    plan = Tasks()
     step_plans = []
     if work.stage_params:
         if len(work.stage_params) != layout.pp:
