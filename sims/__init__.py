@@ -23,7 +23,10 @@ _EXPORTS = {
     "Prediction": "sims.simulate", "predict": "sims.simulate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["BUILTIN_PROFILES", "HardwareProfile", "Layout", "Link", "ModelSpec", "Prediction",
+           "SimPlan", "SimTask", "StepFigures", "Timeline", "Workload", "build_plan", "execute",
+           "get_model", "get_profile", "memory_per_rank", "model_state_bytes", "pipeline_tasks",
+           "predict", "step_figures", "trace_events", "trace_module", "write_trace"]
 
 
 def __getattr__(name: str) -> Any:

@@ -77,8 +77,10 @@ def _raw(config: Any) -> dict[str, Any] | None:
             raise ValueError(f"config {os.fspath(config)!r} could not be read as JSON: "
                              f"{err}") from err
         if not isinstance(data, dict):
-            raise ValueError(f"config {os.fspath(config)!r} holds a {type(data).__name__}, "
-                             "not a JSON object")
+            # the file's content is wrong, not the argument's type: a ValueError
+            message = f"config {os.fspath(config)!r} holds a {type(data).__name__}, not a " \
+                "JSON object"
+            raise ValueError(message)  # noqa: TRY004
         return data
     raise TypeError(f"config must be a FlowtrainConfig, a dict or a JSON path, got "
                     f"{type(config).__name__}")

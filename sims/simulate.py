@@ -460,15 +460,15 @@ def report_lines(p: Prediction) -> list[str]:
              f"pp {p.pp}"
     samples = p.micro_batch_size * p.micro_batches * p.dp
     lines = [f"{p.model}, {layout}",
-             f"  ZeRO stage {p.zero_stage}, {p.precision}, micro-batch {p.micro_batch_size} x "
+             (f"  ZeRO stage {p.zero_stage}, {p.precision}, micro-batch {p.micro_batch_size} x "
              f"{p.micro_batches} {'micro-batches' if p.pp > 1 else 'accumulation steps'} x dp "
-             f"{p.dp} = {samples} samples/step",
+             f"{p.dp} = {samples} samples/step"),
              f"  step time        {_seconds(p.step_time_s)}",
              f"  throughput       {p.samples_per_s:,.1f} samples/s" +
              (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else ""),
              f"  MFU              {100 * p.mfu:.1f} %",
-             f"  exposed comm     {_seconds(p.exposed_comm_s)} of {_seconds(p.comm_s)} "
-             f"(overlap {'n/a' if p.overlap_pct is None else f'{p.overlap_pct:.1f} %'})",
+             (f"  exposed comm     {_seconds(p.exposed_comm_s)} of {_seconds(p.comm_s)} "
+             f"(overlap {'n/a' if p.overlap_pct is None else f'{p.overlap_pct:.1f} %'})"),
              f"  pipeline bubble  {p.bubble_pct:.1f} %"]
     if p.peak_memory_bytes is not None:
         flag = "  OOM" if p.oom else ""

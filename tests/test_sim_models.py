@@ -283,3 +283,15 @@ def test_bad_architecture() -> None:
         Architecture("bert", 2, 64, 4, 4, 256, 10, 16)
     with pytest.raises(ValueError, match=r"hidden 65 must divide into heads 4"):
         Architecture("gpt2", 2, 65, 4, 4, 256, 10, 16)
+
+
+def test_the_package_exports_each_name_from_its_module() -> None:
+    import importlib
+
+    import sims
+
+    assert sims.__all__ == sorted(sims._EXPORTS)  # the list is spelled out for linters
+    for name, module in sims._EXPORTS.items():
+        assert getattr(sims, name) is getattr(importlib.import_module(module), name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        sims.nope  # noqa: B018
