@@ -518,6 +518,10 @@ def summary_lines(engine: EngineCosts) -> list[str]:
             lines.append(f"    ZeRO-3 hooks: {by_class.get('zero3_fetch_s', 0.0) * 1e3:.2f} ms "
                          f"per module fetch, {by_class.get('zero3_backward_s', 0.0) * 1e3:.2f}"
                          " ms per module in a backward")
+        if "bucket_s" in by_class or "reduce_s" in by_class:
+            lines.append(f"    buckets: {by_class.get('bucket_s', 0.0) * 1e3:.2f} ms to hand each "
+                         f"to the reducer, {by_class.get('reduce_s', 0.0) * 1e3:.2f} ms more "
+                         "per reduce")
     for ranks, factor in sorted(engine.slowdown.items()):
         memory = engine.memory_slowdown.get(ranks)
         lines.append(f"  {ranks} ranks working at once: each computes {factor:.2f}x slower"

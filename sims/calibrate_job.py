@@ -37,15 +37,18 @@ BLOCKS = 3
 OUT_WIDTH = 16
 
 
-def config(micro_batch: int = ROWS, micro_batches: int = 1, zero3: bool = False
-           ) -> dict[str, Any]:
-    """The job's ds_config: data parallel (ZeRO stage 0), AdamW, the engine's default buckets;
-    ``micro_batches`` per step (a pipeline's micro-batches). ``zero3``: ZeRO stage 3 without
-    prefetch, so each module's gather, its hand-off to the parameter fetcher and its compute
-    follow one another and the hand-offs can be read off the forward."""
+def config(micro_batch: int = ROWS, micro_batches: int = 1, zero3: bool = False,
+           bucket: int | None = None) -> dict[str, Any]:
+    """The job's ds_config: data parallel (ZeRO stage 0), AdamW, the engine's default buckets
+    (``bucket``: this many elements per bucket instead); ``micro_batches`` per step (a
+    pipeline's micro-batches). ``zero3``: ZeRO stage 3 without prefetch, so each module's
+    gather, its hand-off to the parameter fetcher and its compute follow one another and the
+    hand-offs can be read off the forward."""
     zero: dict[str, Any] = {"stage": 0}
     if zero3:
         zero = {"stage": 3, "stage3_prefetch_bucket_size": 0}
+    if bucket is not None:
+        zero["reduce_bucket_size"] = bucket
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": micro_batches, "steps_per_print": 10**9,
             "zero_optimization": zero,
@@ -53,6 +56,10 @@ def config(micro_batch: int = ROWS, micro_batches: int = 1, zero3: bool = False
 
 
 ZERO3_DIR = "zero3"  # the ZeRO-3 run's directory (jobs of 2 ranks or more)
+# the small-bucket run's directory (jobs of 2 ranks or more), and its bucket size in elements:
+# about a dozen buckets of the model's 0.9 M parameters, each handed to the reducer on its own
+BUCKETS_DIR = "buckets"
+SMALL_BUCKET = 50_000
 
 
 PIPELINE_MICRO_BATCHES = 4
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     PIPELINE_MICRO_BATCHES micro-batches (pp > 1; the engine records in the launcher's run
     directory), or data parallel at each of ROWS_BY_SIZE rows per micro-batch, each recorded
     in ``rows{n}/`` of the run directory, then (2 ranks or more) at ROWS rows with ZeRO stage
-    3, recorded in ``zero3/``."""
+    3, recorded in ``zero3/``, and with SMALL_BUCKET-element buckets, in ``buckets/``."""
     parser = argparse.ArgumentParser(prog="python -m sims.calibrate_job")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pp", type=int, default=1)
@@ -114,19 +121,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # Sizes of the same model, each recorded in a run directory of its own: what the engine
     # adds to a pass that grows with its work and what it adds per step can then be told apart.
-    # ZeRO-3 (where there are ranks to partition over) shows what each module's parameter
-    # fetch costs the engine besides its gather.
+    # Where there are ranks to reduce over, ZeRO-3 shows what each module's parameter fetch
+    # costs the engine besides its gather, and small buckets what each bucket's hand-off to
+    # the reducer costs besides its reduce.
     base = os.environ.get(RUN_DIR)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    runs = [(f"rows{rows}", rows, False) for rows in ROWS_BY_SIZE]
+    runs = [(f"rows{rows}", config(micro_batch=rows)) for rows in ROWS_BY_SIZE]
     if world > 1:
-        runs.append((ZERO3_DIR, ROWS, True))
-    for name, rows, zero3 in runs:
+        runs += [(ZERO3_DIR, config(zero3=True)), (BUCKETS_DIR, config(bucket=SMALL_BUCKET))]
+    for name, ds_config in runs:
+        rows = ds_config["train_micro_batch_size_per_gpu"]
         if base:
             os.environ[RUN_DIR] = str(Path(base) / name)
         model = nn.Sequential(*copy.deepcopy(layers))
         engine, _, _, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config(micro_batch=rows, zero3=zero3))
+                                               config=ds_config)
         for _ in range(args.steps):
             x = torch.randn(rows, IN_WIDTH, generator=generator)
             target = torch.randn(rows, OUT_WIDTH, generator=generator)

@@ -14,8 +14,11 @@ from typing import Any, Self
 
 JOB_STEPS = 16
 FIT_ROUNDS = 12
+BUCKET_PASSES = 8  # at most, fitting the small-bucket run's figures and the sizes' in turn
 MIN_FACTOR = 0.1
 PROBE_SECONDS = 0.3  # the host-speed probe before and after each job run
+# a data-parallel job's runs besides its sizes (2 ranks or more): ZeRO-3, small buckets
+EXTRA_RUNS = ("zero3", "buckets")
 
 
 class ForeignLoad:
@@ -69,7 +72,8 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
     engine's own overheads.
 
     Each job runs ``runs`` times, one round over all jobs after the other, and of each size
-    (and of the ZeRO-3 run) the run with the shortest step is kept (``keep_fastest``): other
+    (and of the ZeRO-3 and small-bucket runs) the run with the shortest step is kept
+    (``keep_fastest``): other
     work on a shared host (other processes, and on a VM its neighbours, whose share shows
     nowhere) only ever lengthens steps, by 20-40 % for minutes on the project's host. A run
     during which other processes (and the hypervisor: steal time counts) kept more than
@@ -101,7 +105,7 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
 
 
 def keep_fastest(records: Sequence[dict[str, Any]], busy_cores: float) -> dict[str, Any]:
-    """One job's record from its runs: of each size, and of the ZeRO-3 run, the quiet run's
+    """One job's record from its runs: of each size and each of EXTRA_RUNS, the quiet run's
     (``others_cores`` <= ``busy_cores``; any run where none was quiet) with the shortest step;
     the rest (gloo calls, probe, others_cores) from the quiet run with the shortest steps in
     all. Sizes, not whole runs: a run's sizes go one after the other, and on the project's
@@ -123,9 +127,10 @@ def keep_fastest(records: Sequence[dict[str, Any]], busy_cores: float) -> dict[s
     kept["size_runs"] = [min(quiet, key=lambda i, n=n: step(records[i]["sizes"][n]))
                          for n in range(count)]
     kept["sizes"] = [records[i]["sizes"][n] for n, i in enumerate(kept["size_runs"])]
-    zero3 = [records[i]["zero3"] for i in quiet if "zero3" in records[i]]
-    if zero3:
-        kept["zero3"] = min(zero3, key=step)
+    for key in EXTRA_RUNS:
+        extra = [records[i][key] for i in quiet if key in records[i]]
+        if extra:
+            kept[key] = min(extra, key=step)
     return kept
 
 
@@ -175,25 +180,24 @@ def _run_job(ranks: int, pp: int, steps: int, timeout_s: float) -> dict[str, Any
             sizes.append(size)
         if not sizes:
             raise CalibrationError(f"the {ranks}-rank calibration job recorded no run")
-        from sims.calibrate_job import GLOO_FILE, ZERO3_DIR
-
-        zero3 = None
-        if pp == 1 and (Path(tmp) / ZERO3_DIR).is_dir():
-            try:
-                run = read_run(Path(tmp) / ZERO3_DIR)
-            except ValueError as exc:
-                raise CalibrationError(f"the {ranks}-rank calibration job's ZeRO-3 run: "
-                                       f"{exc}") from None
-            measured, used = measured_classes(run)
-            zero3 = {"ranks": ranks, "pp": 1, "plan": run.plan, "stages": [],
-                     "measured": measured, "steps": used}
+        from sims.calibrate_job import BUCKETS_DIR, GLOO_FILE, ZERO3_DIR
 
         gloo_path = Path(tmp) / GLOO_FILE
         gloo = json.loads(gloo_path.read_text()) if gloo_path.is_file() else []
         record = {"ranks": ranks, "pp": pp, "sizes": sizes, "others_cores": others.cores,
                   "gloo": gloo}
-        if zero3 is not None:
-            record["zero3"] = zero3
+        for key, directory, what in (("zero3", ZERO3_DIR, "ZeRO-3"),
+                                     ("buckets", BUCKETS_DIR, "small-bucket")):
+            if pp > 1 or not (Path(tmp) / directory).is_dir():
+                continue
+            try:
+                run = read_run(Path(tmp) / directory)
+            except ValueError as exc:
+                raise CalibrationError(f"the {ranks}-rank calibration job's {what} run: "
+                                       f"{exc}") from None
+            measured, used = measured_classes(run)
+            record[key] = {"ranks": ranks, "pp": 1, "plan": run.plan, "stages": [],
+                           "measured": measured, "steps": used}
         return record
 
 
@@ -309,31 +313,16 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
                   "optimizer": 1.0,
                   "micro_batch_s": float(sizes[0].get("micro_batch_gap_s", 0.0)),
                   "step_s": 0.0}
-        first = [predicted(fitted, ranks, size) for size in sizes]
-        for _ in range(FIT_ROUNDS):
-            got = [predicted(fitted, ranks, size) for size in sizes]
-            for kind in ("forward", "backward"):
-                iso = [g.get(kind, 0.0) for g in first]
-                residual = [size["measured"].get(kind, 0.0) - g.get(kind, 0.0)
-                            for size, g in zip(sizes, got)]
-                extra = f"{kind}_s"
-                factor_step, per_step = _line(iso, residual, free_intercept=len(sizes) > 1)
-                if fitted[extra] + per_step < 0 or fitted[kind] + factor_step < MIN_FACTOR:
-                    # no negative overhead, and no pass faster than a tenth of its isolated
-                    # time (a disturbed size can tilt the line): the factor alone
-                    factor_step, _ = _line(iso, [r + fitted[extra] for r in residual],
-                                           free_intercept=False)
-                    per_step = -fitted[extra]
-                fitted[kind] = max(MIN_FACTOR, fitted[kind] + factor_step)
-                fitted[extra] += per_step
-            optimizer = sum(g.get("optimizer", 0.0) for g in got)
-            if optimizer > 0:
-                fitted["optimizer"] *= sum(size["measured"].get("optimizer", 0.0)
-                                           for size in sizes) / optimizer
-            step_left = [size["measured"]["step"] - g["step"] for size, g in zip(sizes, got)
-                         if "step" in size["measured"]]
-            if step_left:
-                fitted["step_s"] = max(0.0, fitted["step_s"] + statistics.fmean(step_left))
+        _fit_sizes(predicted, fitted, ranks, sizes)
+        buckets = job.get("buckets")
+        # the bucket hand-offs (and the reduces' own overhead) add to the sizes' own buckets
+        # too: the sizes are fitted again with them in place, until they settle
+        for _ in range(BUCKET_PASSES if buckets is not None else 0):
+            before = (fitted.get("bucket_s", 0.0), fitted.get("reduce_s", 0.0))
+            _fit_buckets(predicted, fitted, ranks, buckets, sizes)
+            _fit_sizes(predicted, fitted, ranks, sizes)
+            if max(abs(fitted["bucket_s"] - before[0]), abs(fitted["reduce_s"] - before[1])) < 1e-6:
+                break
         if job.get("gloo"):
             # what a gloo call takes beside a live engine over what the bare ranks measured
             from sims.costs import collective_seconds
@@ -381,6 +370,73 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
             low, high = (middle, high) if step_with(middle) < target else (low, middle)
         engine = dataclasses.replace(engine, pipeline_message_s=low)
     return engine
+
+
+def _fit_sizes(predicted: Any, fitted: dict[str, float], ranks: int,
+               sizes: Sequence[dict[str, Any]]) -> None:
+    """Fits ``fitted``'s pass factors, times per step, optimizer factor and ``step_s`` (in
+    place) so that ``predicted(fitted, ranks, size)`` gives each size's measured classes."""
+    # the passes from the isolated measurements alone: no factors, no hand-offs
+    bare = {**fitted, "forward": 1.0, "forward_s": 0.0, "backward": 1.0, "backward_s": 0.0,
+            "bucket_s": 0.0}
+    first = [predicted(bare, ranks, size) for size in sizes]
+    for _ in range(FIT_ROUNDS):
+        got = [predicted(fitted, ranks, size) for size in sizes]
+        for kind in ("forward", "backward"):
+            iso = [g.get(kind, 0.0) for g in first]
+            residual = [size["measured"].get(kind, 0.0) - g.get(kind, 0.0)
+                        for size, g in zip(sizes, got)]
+            extra = f"{kind}_s"
+            factor_step, per_step = _line(iso, residual, free_intercept=len(sizes) > 1)
+            if fitted[extra] + per_step < 0 or fitted[kind] + factor_step < MIN_FACTOR:
+                # no negative overhead, and no pass faster than a tenth of its isolated
+                # time (a disturbed size can tilt the line): the factor alone
+                factor_step, _ = _line(iso, [r + fitted[extra] for r in residual],
+                                       free_intercept=False)
+                per_step = -fitted[extra]
+            fitted[kind] = max(MIN_FACTOR, fitted[kind] + factor_step)
+            fitted[extra] += per_step
+        optimizer = sum(g.get("optimizer", 0.0) for g in got)
+        if optimizer > 0:
+            fitted["optimizer"] *= sum(size["measured"].get("optimizer", 0.0)
+                                       for size in sizes) / optimizer
+        step_left = [size["measured"]["step"] - g["step"] for size, g in zip(sizes, got)
+                     if "step" in size["measured"]]
+        if step_left:
+            fitted["step_s"] = max(0.0, fitted["step_s"] + statistics.fmean(step_left))
+
+
+def _fit_buckets(predicted: Any, fitted: dict[str, float], ranks: int,
+                 run: dict[str, Any], sizes: Sequence[dict[str, Any]]) -> None:
+    """From the job's small-bucket run (in place): ``bucket_s``, what handing each full bucket
+    to the reducer adds to the backward (the engine's hook, its message to the reducer's
+    actor), from the run's measured backward; then ``reduce_s``, what each reduce takes beyond
+    the calibrated channel or collective (the reducer's actor picking it up on a busy host),
+    from its measured step. The sizes hand off their own (fewer) buckets, which their fit had
+    put into ``backward_s`` and ``step_s``: those give back what the sizes gain, so that the
+    sizes stay as fitted. The two meet (a reduce launches after its hand-off), so a few rounds
+    settle them together."""
+    for _ in range(3):
+        for kind, extra, offset in (("backward", "bucket_s", "backward_s"),
+                                    ("step", "reduce_s", None)):
+            if kind not in run["measured"]:
+                continue
+            here = fitted.get(extra, 0.0)
+            per_second = 0.0 if offset is None else statistics.fmean(
+                (predicted({**fitted, extra: here + 1e-3}, ranks, size).get(kind, 0.0)
+                 - predicted(fitted, ranks, size).get(kind, 0.0)) / 1e-3 for size in sizes)
+
+            def trial(value: float, extra: str = extra, offset: str | None = offset,
+                      here: float = here, per_second: float = per_second) -> dict[str, float]:
+                if offset is None:
+                    return {**fitted, extra: value}
+                return {**fitted, extra: value,
+                        offset: max(0.0, fitted[offset] - per_second * (value - here))}
+
+            def seconds(value: float, kind: str = kind, trial: Any = trial) -> float:
+                return predicted(trial(value), ranks, run).get(kind, 0.0)
+
+            fitted.update(trial(_solve_seconds(seconds, run["measured"][kind])))
 
 
 def _solve_seconds(predict: Any, target: float, rounds: int = 4) -> float:

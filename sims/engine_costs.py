@@ -31,7 +31,8 @@ _ENGINE_OPTIONAL = ("slowdown", "memory_slowdown", "channel", "channel_interfere
 OP_COST_CLASSES = ("view", "elementwise", "activation", "norm", "softmax", "embedding",
                    "attention")
 ENGINE_FACTOR_KINDS = ("forward", "forward_s", "backward", "backward_s", "optimizer",
-                       "micro_batch_s", "step_s", "gloo_s", "zero3_fetch_s", "zero3_backward_s")
+                       "micro_batch_s", "step_s", "gloo_s", "zero3_fetch_s", "zero3_backward_s",
+                       "bucket_s", "reduce_s")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ class EngineCosts:
     hooks hand to the parameter fetcher takes in a forward beyond its gather and compute
     (``zero3_fetch_s``: the hand-off to the fetcher's actor and back, attaching the gathered
     buffer) and what each partitioned module adds to a backward (``zero3_backward_s``: its
-    hooks, the release once its gradients have landed). ``pipeline_op_s``: what a
+    hooks, the release once its gradients have landed); from a run with small buckets, what
+    handing each full bucket to the reducer adds to a backward (``bucket_s``) and what each
+    reduce takes beyond its channel or collective (``reduce_s``). ``pipeline_op_s``: what a
     pipeline stage spends between its instructions, outside any span (the engine's bookkeeping
     around each pass), and ``pipeline_message_s`` what delivering each activation or gradient
     message takes beyond the calibrated send (the hand-offs to and from the stage's sender and

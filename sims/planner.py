@@ -149,6 +149,11 @@ class _StageBuilder:
             if self.engine is not None and self.partitioned else 0.0
         self.release_s = self.engine.factor(ranks_here, "zero3_backward_s") \
             if self.engine is not None and self.partitioned else 0.0
+        # each full bucket's hand-off to the reducer, and each reduce's own overhead, as the
+        # launched job's small-bucket run showed them
+        self.bucket_s, self.reduce_s = (
+            self.engine.factor(ranks_here, kind) if self.engine is not None and self.dp > 1
+            else 0.0 for kind in ("bucket_s", "reduce_s"))
         # calibration timed a data-parallel group's collectives with only its ranks on the
         # host; where more ranks share it (pipeline stages, tensor-parallel groups), the
         # collective's copying and summing wait for cores as compute does
@@ -411,6 +416,7 @@ class _StageBuilder:
                             flops=self.step_plan.tasks[1].flops)
             if reduce_now:
                 for b in self.buckets:
+                    last = self._hand_off(k, b, last)
                     reduces.append(self._reduce(b, suffix, last, reduces))
             return last
         n = len(self.segments)
@@ -431,9 +437,19 @@ class _StageBuilder:
                                 self.tp_s, [last], nbytes=2 * self.act_bytes)
             if reduce_now:
                 for b in self.ready_after.get(j, []):
+                    if self.bucket_s:
+                        chunk = last = self._hand_off(k, b, last)
                     reduces.append(self._reduce(b, suffix, chunk, reduces))
         assert last is not None
         return last
+
+    def _hand_off(self, k: int, bucket: BucketPlan, last: int) -> int:
+        """The engine handing a full bucket to its reducer on the backward's thread (a task of
+        the backward, ``bucket_s``), before the bucket's reduce can start."""
+        if not self.bucket_s:
+            return last
+        return self.plan.add(self.stage, f"backward/mb{k}/bucket{bucket.index}/hand_off",
+                             "backward", "compute", self.bucket_s, [last])
 
     def _reduce(self, bucket: BucketPlan, suffix: str, after: int, reduces: list[int]) -> int:
         nbytes = bucket.numel * self.comm_elem
@@ -450,6 +466,7 @@ class _StageBuilder:
             # write), or an add of the scattered shard into the gradient shard (2 reads + write)
             scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
             seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
+        seconds += self.reduce_s
         return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
                              interference=share, slowdown=slowed)

@@ -24,7 +24,7 @@ from sims.calibrate import (
     fit_ring_link,
     main,
 )
-from sims.calibrate_job import ROWS_BY_SIZE
+from sims.calibrate_job import ROWS_BY_SIZE, SMALL_BUCKET
 from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, ProfileError, get_profile
 
@@ -290,6 +290,12 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     assert job["zero3"]["measured"]["gather"] > 0
     assert {"zero3_fetch_s", "zero3_backward_s"} <= set(profile.engine.factors[2])
     assert "ZeRO-3 hooks" in printed
+    # the job's small-bucket run, and the hand-offs and reduce overhead fitted from it
+    assert job["buckets"]["plan"]["config"]["zero_optimization"]["reduce_bucket_size"] == \
+        SMALL_BUCKET
+    assert job["buckets"]["measured"]["reduce"] > 0
+    assert {"bucket_s", "reduce_s"} <= set(profile.engine.factors[2])
+    assert "to hand each to the reducer" in printed
     # the interference measurements keep their size, so the collectives' slowdown is fitted
     assert measurements["interference"]["bytes"] == tiny.interference_bytes
     assert profile.compute_comm_slowdown >= 1.0 and profile.engine.channel_slowdown >= 1.0

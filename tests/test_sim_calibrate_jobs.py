@@ -316,3 +316,68 @@ def test_zero3_hand_offs_are_tasks_of_the_passes_they_lengthen() -> None:
                                                         check_supported=False),
                                       Layout(1, 2), host).tasks
                 if t.name.endswith(("/fetch", "/release"))]
+
+
+def _small_buckets(size: dict[str, Any], bucket: int = 15_000) -> dict[str, Any]:
+    """A recorded size turned into the calibration job's small-bucket run of the same model."""
+    run = json.loads(json.dumps(size))
+    run["plan"]["config"]["zero_optimization"]["reduce_bucket_size"] = bucket
+    return run
+
+
+def test_bucket_hand_offs_are_fitted_from_the_jobs_small_bucket_run() -> None:
+    """An engine that takes 0.4 ms to hand each full bucket to its reducer and 0.7 ms more per
+    reduce than the channel: the job's small-bucket run, as it would measure them, gives both
+    back, and the sizes' factors come out as they are, though the sizes hand off their own
+    buckets too."""
+    base = _base_profile()
+    assert base.engine is not None
+    # the sizes with the job's large buckets (two), the small-bucket run with one per layer
+    small = _small_buckets(_size_from_run(RUN, 2, 1), 25 << 20)
+    large = json.loads(json.dumps(small))
+    large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= 4
+    large["plan"]["config"]["train_batch_size"] *= 4
+    large["plan"]["forward_flops_per_micro_batch"] *= 4
+    truth = {"forward": 1.3, "forward_s": 0.001, "backward": 1.6, "backward_s": 0.0005,
+             "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
+             "bucket_s": 0.0004, "reduce_s": 0.0007}
+    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
+                                                                factors={2: truth}))
+    buckets = _small_buckets(small)
+    for size in (small, large, buckets):
+        size["measured"] = calibrate_jobs.predict_job(host, size)
+    fitted = calibrate_jobs.fit_factors(base, [{**_job(small, large), "buckets": buckets}])
+    assert fitted.factors[2] == pytest.approx(truth, rel=0.02)
+    without = calibrate_jobs.fit_factors(base, [_job(small, large)]).factors[2]
+    assert "bucket_s" not in without and "reduce_s" not in without
+
+
+def test_bucket_hand_offs_are_tasks_of_the_backward_before_each_reduce() -> None:
+    """With the fitted figures, each bucket's reduce starts after a hand-off task of the
+    backward, and takes reduce_s longer; the forward is as it was, and one rank (nothing to
+    reduce) gets neither."""
+    base = _base_profile()
+    assert base.engine is not None
+    size = _small_buckets(_size_from_run(RUN, 2, 1))
+    host = dataclasses.replace(base, engine=dataclasses.replace(
+        base.engine, factors={2: {"bucket_s": 0.0004, "reduce_s": 0.0007}}))
+    work = Workload.from_run(size["plan"], 64)
+    cfg = load_config(size["plan"]["config"], world_size=2, check_supported=False)
+    tasks = build_plan(work, cfg, Layout(1, 2), host).tasks
+    bare = {t.name: t for t in build_plan(work, cfg, Layout(1, 2), base).tasks}
+    reduces = [t for t in tasks if t.kind == "reduce"]
+    hand_offs = {t.name.split("/")[2]: i for i, t in enumerate(tasks)
+                 if t.name.endswith("/hand_off")}
+    # ZeRO-1 with two micro-batches: the buckets are reduced after the last one's backward
+    assert len(reduces) == len(hand_offs) > 3
+    assert all(tasks[i].kind == "backward" and tasks[i].name.startswith("backward/mb1/")
+               and tasks[i].duration == 0.0004 for i in hand_offs.values())
+    for reduce in reduces:
+        assert hand_offs[reduce.name.split("/")[1]] in reduce.deps
+        assert reduce.duration == pytest.approx(bare[reduce.name].duration + 0.0007)
+    assert [t.duration for t in tasks if t.kind == "forward"] == \
+        [t.duration for t in bare.values() if t.kind == "forward"]
+    one = load_config({**size["plan"]["config"], "train_batch_size": 128}, world_size=1,
+                      check_supported=False)
+    assert not [t for t in build_plan(work, one, Layout(1, 1), host).tasks
+                if t.name.endswith("/hand_off") or t.kind == "reduce"]
