@@ -12,10 +12,12 @@ and a gloo all-reduce row across sizes (measured now vs the profile's model).
 
 A shared host makes every figure noisy: before each launch the script waits (at most
 --quiet-wait seconds) until the CPUs are nearly idle, each config is run --repeat times (a
-round over all configs, then another) and the run with the shortest step is kept, since other
-work only ever lengthens steps (on a VM its neighbours do too, unseen), as calibration keeps its
-least disturbed runs. A run during which other processes kept more than --busy-cores cores busy
-is launched again (up to --attempts times), and a quiet run is kept before a disturbed one.
+round over all configs, then another) and the quiet run with the median step is kept, as
+calibration keeps each job size's median quiet run: the host's speed moves in phases of
+minutes (on a VM its neighbours', unseen), so the typical run is the figure both sides can
+agree on. A run during which other processes kept more than --busy-cores cores busy is
+launched again (up to --attempts times), and only where no run was quiet do disturbed ones
+count.
 Each row reports how many cores other processes kept busy during the kept run ("others", from
 /proc/stat less this job's own CPU time) and how much longer the slowest run of the config was
 ("spread"), and how slow the host computed around the kept run against
@@ -321,16 +323,16 @@ def compare(run_dir: Path, cluster: str, speed: float | None = None) -> dict[str
 def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str]:
     """Measured gloo all-reduce over 2 ranks against the profile's cost for each size. Timed
     as the configs are: --repeat launches, each on a quiet host (a launch beside other
-    processes over --busy-cores is run again, up to --attempts), and the fastest time of each
-    size kept, since other work only ever lengthens a collective (round J's single launch
-    landed on a host that took 2x as long for every size, 12 MiB 23 ms against 12-14 ms)."""
+    processes over --busy-cores is run again, up to --attempts), and the median time of each
+    size kept (round J's single launch landed on a host that took 2x as long for every size,
+    12 MiB 23 ms against 12-14 ms)."""
     from sims.costs import collective_seconds
     from sims.hardware import get_profile
 
     out = workdir / "gloo.json"
     cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
            "--run-dir", str(workdir / "gloo-run"), __file__, "--gloo-worker", "--out", str(out)]
-    best: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
     others_seen = []
     for repeat in range(args.repeat):
         _, others, _ = launch_quietly(
@@ -339,18 +341,19 @@ def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str
             f"gloo all_reduce run {repeat + 1}")
         others_seen.append(others)
         for k, v in json.loads(out.read_text()).items():
-            best[int(k)] = min(best.get(int(k), math.inf), float(v))
+            times.setdefault(int(k), []).append(float(v))
     hw = get_profile(cluster)
     # The bare collective's cost, without the profile's gloo_s (what a gloo call takes beside
     # a live engine): these ranks run no engine. Timed the calibration's way, back to back,
     # the launched ranks and calibration's forked ones agree within the host's noise (3
     # rounds of each in turn: 128 KiB 0.8-2.2 ms either way).
     lines = []
-    for nbytes, seconds in sorted(best.items()):
+    for nbytes, seen in sorted(times.items()):
+        seconds = statistics.median(seen)
         model = collective_seconds("all_reduce", nbytes, 2, hw)
         lines.append(f"  gloo all_reduce {nbytes / 2**20:7.3f} MiB, 2 ranks: model "
                      f"{model * 1e3:7.2f} ms, measured {seconds * 1e3:7.2f} ms, "
-                     f"{100 * (model - seconds) / seconds:+6.1f} %  (fastest of "
+                     f"{100 * (model - seconds) / seconds:+6.1f} %  (median of "
                      f"{len(others_seen)} launches; others up to {max(others_seen):.2f} cores)")
     return lines
 
@@ -384,7 +387,7 @@ def main() -> int:
                              "would wait for itself)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs of each config, a round over all configs after the other; "
-                             "the quiet one with the shortest step (least disturbed) is kept")
+                             "the quiet one with the median step is kept")
     parser.add_argument("--calibrate-each-round", action="store_true",
                         help="run `flowtrain calibrate` before each round and predict the "
                              "round's runs with it, instead of --cluster for all: on a host "
@@ -417,7 +420,7 @@ def main() -> int:
         against = "the profile calibrated just before its round" if args.calibrate_each_round \
             else args.cluster
         print(f"{len(configs)} configs, {args.steps} steps each, {args.repeat} run(s) of each "
-              f"(the least disturbed kept), each predicted with {against} ({os.cpu_count()} "
+              f"(the median quiet run kept), each predicted with {against} ({os.cpu_count()} "
               f"CPUs here; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
         # (rows, rows at the host's speed, others' cores, host speed) of each run of each config
         runs: dict[int, list[tuple[dict[str, Any], dict[str, Any], float, float]]] = {}
@@ -450,11 +453,12 @@ def main() -> int:
         for number, cfg in configs:
             if number not in runs:
                 continue
-            # Other work only ever lengthens a step: the run with the shortest is the least
-            # disturbed; "spread" is how much longer the longest was.
+            # the quiet run with the median step (the faster of the middle two of an even
+            # count); "spread" is how much longer the longest run was than the shortest
             measured = [r["step"]["measured_s"] for r, *_ in runs[number]]
-            rows, rows_at, others, speed = min(runs[number], key=lambda run: (
-                run[2] > args.busy_cores, run[0]["step"]["measured_s"]))
+            quiet = [run for run in runs[number] if run[2] <= args.busy_cores] or runs[number]
+            quiet.sort(key=lambda run: run[0]["step"]["measured_s"])
+            rows, rows_at, others, speed = quiet[(len(quiet) - 1) // 2]
             step = rows["step"]
             print(f"  {number:>2} {cfg.name:<30} {cfg.ranks:>5} {step['predicted_s'] * 1e3:8.2f}ms "
                   f"{step['measured_s'] * 1e3:8.2f}ms {step['error_pct']:+7.1f}% "

@@ -60,8 +60,8 @@ class Settings:
     # (ranks, pipeline stages) of the launched calibration jobs (None: data parallel on 1 and
     # every measured rank count, and a 2-stage pipeline)
     jobs: tuple[tuple[int, int], ...] | None = None
-    job_runs: int = 3  # each job's runs, a round over all jobs after the other; the least
-    # disturbed is kept (with 2, one slow round of the 2-rank job moved every 2-rank prediction)
+    job_runs: int = 3  # each job's runs, a round over all jobs after the other; each size's
+    # median quiet run is kept (with 2, one slow round of the 2-rank job moved every prediction)
     job_steps: int = calibrate_jobs.JOB_STEPS  # steps of each size (the first left out)
 
 

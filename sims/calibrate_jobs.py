@@ -1,5 +1,5 @@
 """The engine jobs ``flowtrain calibrate`` launches (``sims.calibrate_job``): running them on a
-shared host (keeping the least disturbed run), reading the engine's own overheads off their
+shared host (keeping each size's median quiet run), reading the engine's own overheads off their
 spans, and fitting the profile's engine factors so that the simulator's prediction of each job
 is what it measured."""
 
@@ -72,10 +72,9 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
     engine's own overheads.
 
     Each job runs ``runs`` times, one round over all jobs after the other, and of each size
-    (and of the ZeRO-3 and small-bucket runs) the run with the shortest step is kept
-    (``keep_fastest``): other
-    work on a shared host (other processes, and on a VM its neighbours, whose share shows
-    nowhere) only ever lengthens steps, by 20-40 % for minutes on the project's host. A run
+    (and of the ZeRO-3 and small-bucket runs) the run with the median step is kept
+    (``keep_typical``): on a shared host other work (other processes, and on a VM its
+    neighbours, whose share shows nowhere) lengthens steps by 20-40 % for minutes. A run
     during which other processes (and the hypervisor: steal time counts) kept more than
     ``busy_cores`` cores busy does not count, and is run again, up to ``attempts`` launches
     per run (``others_cores`` says how busy they were). A 2-rank run kept at 0.2 cores had
@@ -101,36 +100,45 @@ def measure_jobs(jobs: Sequence[tuple[int, int]], steps: int, timeout_s: float,
                     break
             assert record is not None
             recorded[(ranks, pp)].append(record)
-    return [keep_fastest(recorded[job], busy_cores) for job in jobs]
+    return [keep_typical(recorded[job], busy_cores) for job in jobs]
 
 
-def keep_fastest(records: Sequence[dict[str, Any]], busy_cores: float) -> dict[str, Any]:
+def keep_typical(records: Sequence[dict[str, Any]], busy_cores: float) -> dict[str, Any]:
     """One job's record from its runs: of each size and each of EXTRA_RUNS, the quiet run's
-    (``others_cores`` <= ``busy_cores``; any run where none was quiet) with the shortest step;
-    the rest (gloo calls, probe, others_cores) from the quiet run with the shortest steps in
-    all. Sizes, not whole runs: a run's sizes go one after the other, and on the project's
-    host the speed changed inside a run, so the run with the shortest steps in all held one
-    size 1.5x slow (round L's 1-rank job: 9.9 and 10.4 ms at 48 and 192 rows, where each run
-    measures about 1:1.7), and the line through them made a 1-rank pass half its isolated
-    time plus 1.5 ms and every 1-rank prediction 15-40 % long. ``size_runs`` says which run
-    each size came from."""
+    (``others_cores`` <= ``busy_cores``; any run where none was quiet) with the median step
+    (the faster of the middle two of an even count); the rest (gloo calls, probe,
+    others_cores) from the quiet run with the median steps in all. ``size_runs`` says which
+    run each size came from.
+
+    Sizes, not whole runs: a run's sizes go one after the other, and on the project's host the
+    speed changed inside a run, so the run kept whole held one size 1.5x slow (round L's
+    1-rank job: 9.9 and 10.4 ms at 48 and 192 rows, where a run measures about 1:1.7), and
+    the line through them made a 1-rank pass half its isolated time plus 1.5 ms. The median,
+    not the fastest: the host's speed moves in phases of minutes (a VM's neighbours) rather
+    than only gaining disturbances on a steady floor, and the fastest of three short windows
+    (a size is 16 steps, a fraction of a second) lands lower than the fastest of three longer
+    runs of a configuration: with each size's fastest, round M's and N's predictions came out
+    short in 29 of 36 configurations (their tables: the fastest of three runs each)."""
     if not records:
-        raise ValueError("keep_fastest needs at least one run")
+        raise ValueError("keep_typical needs at least one run")
     quiet = [i for i, r in enumerate(records) if r["others_cores"] <= busy_cores] or \
         list(range(len(records)))
 
     def step(size: dict[str, Any]) -> float:
         return float(size["measured"].get("step", math.inf))
 
-    kept = dict(records[min(quiet, key=lambda i: sum(step(s) for s in records[i]["sizes"]))])
+    def median(runs: Sequence[int], key: Any) -> int:
+        return sorted(runs, key=key)[(len(runs) - 1) // 2]
+
+    kept = dict(records[median(quiet, lambda i: sum(step(s) for s in records[i]["sizes"]))])
     count = min(len(records[i]["sizes"]) for i in quiet)
-    kept["size_runs"] = [min(quiet, key=lambda i, n=n: step(records[i]["sizes"][n]))
+    kept["size_runs"] = [median(quiet, lambda i, n=n: step(records[i]["sizes"][n]))
                          for n in range(count)]
     kept["sizes"] = [records[i]["sizes"][n] for n, i in enumerate(kept["size_runs"])]
     for key in EXTRA_RUNS:
-        extra = [records[i][key] for i in quiet if key in records[i]]
-        if extra:
-            kept[key] = min(extra, key=step)
+        runs = [i for i in quiet if key in records[i]]
+        if runs:
+            kept[key] = records[median(runs, lambda i, key=key: step(records[i][key]))][key]
     return kept
 
 

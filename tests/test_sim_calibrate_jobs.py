@@ -163,25 +163,26 @@ def _run_of(steps: tuple[float, ...], others: float, zero3: float | None = None
     return record
 
 
-def test_each_job_size_keeps_its_fastest_quiet_run() -> None:
+def test_each_job_size_keeps_its_median_quiet_run() -> None:
     runs = [_run_of((10.0, 22.0, 40.0), 0.0, zero3=30.0),
             _run_of((15.0, 20.0, 41.0), 0.05, zero3=28.0),
-            _run_of((9.0, 18.0, 35.0), 0.5, zero3=20.0),  # fastest, but others were busy
+            _run_of((9.0, 18.0, 35.0), 0.5, zero3=20.0),  # others were busy: left out
             _run_of((11.0, 21.0, 39.0), 0.02)]
-    kept = calibrate_jobs.keep_fastest(runs, busy_cores=0.1)
-    assert [size["measured"]["step"] for size in kept["sizes"]] == [10.0, 20.0, 39.0]
-    assert kept["size_runs"] == [0, 1, 3]
+    kept = calibrate_jobs.keep_typical(runs, busy_cores=0.1)
+    # of the quiet runs 0, 1 and 3: sizes (10, 15, 11), (22, 20, 21), (40, 41, 39)
+    assert [size["measured"]["step"] for size in kept["sizes"]] == [11.0, 21.0, 40.0]
+    assert kept["size_runs"] == [3, 3, 0]
+    # two quiet ZeRO-3 runs: the faster of the two
     assert kept["zero3"]["measured"]["step"] == 28.0
-    # the rest from the quiet run with the shortest steps in all (10 + 22 + 40 = 72 against
-    # 76 and 71): the last
-    assert kept["others_cores"] == 0.02
-    assert runs[0]["sizes"][0]["measured"]["step"] == 10.0  # the runs are left as they were
-    # no quiet run: the fastest of all
-    busy = [_run_of((12.0, 30.0), 0.4), _run_of((14.0, 25.0), 0.3)]
-    kept = calibrate_jobs.keep_fastest(busy, busy_cores=0.1)
-    assert [size["measured"]["step"] for size in kept["sizes"]] == [12.0, 25.0]
+    # the rest from the quiet run with the median steps in all (72, 76 and 71): the first
+    assert kept["others_cores"] == 0.0
+    assert runs[3]["sizes"][2]["measured"]["step"] == 39.0  # the runs are left as they were
+    # no quiet run: all of them count
+    busy = [_run_of((12.0, 30.0), 0.4), _run_of((14.0, 25.0), 0.3), _run_of((13.0, 26.0), 0.5)]
+    kept = calibrate_jobs.keep_typical(busy, busy_cores=0.1)
+    assert [size["measured"]["step"] for size in kept["sizes"]] == [13.0, 26.0]
     with pytest.raises(ValueError, match="at least one run"):
-        calibrate_jobs.keep_fastest([], busy_cores=0.1)
+        calibrate_jobs.keep_typical([], busy_cores=0.1)
 
 
 def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
