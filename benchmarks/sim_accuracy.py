@@ -320,41 +320,49 @@ def compare(run_dir: Path, cluster: str, speed: float | None = None) -> dict[str
     return {row["class"]: row for row in out["classes"]}
 
 
-def gloo_rows(workdir: Path, cluster: str, args: argparse.Namespace) -> list[str]:
-    """Measured gloo all-reduce over 2 ranks against the profile's cost for each size. Timed
-    as the configs are: --repeat launches, each on a quiet host (a launch beside other
-    processes over --busy-cores is run again, up to --attempts), and the median time of each
-    size kept (round J's single launch landed on a host that took 2x as long for every size,
-    12 MiB 23 ms against 12-14 ms)."""
-    from sims.costs import collective_seconds
-    from sims.hardware import get_profile
-
+def time_gloo(workdir: Path, args: argparse.Namespace, label: str
+              ) -> tuple[dict[int, float], float]:
+    """One launch of the gloo worker (2 ranks) on a quiet host, as the configs are launched:
+    seconds per all-reduce of each size, and the cores others kept busy."""
     out = workdir / "gloo.json"
     cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
            "--run-dir", str(workdir / "gloo-run"), __file__, "--gloo-worker", "--out", str(out)]
-    times: dict[int, list[float]] = {}
-    others_seen = []
-    for repeat in range(args.repeat):
-        _, others, _ = launch_quietly(
-            args, lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                         timeout=args.timeout, check=True),
-            f"gloo all_reduce run {repeat + 1}")
-        others_seen.append(others)
-        for k, v in json.loads(out.read_text()).items():
-            times.setdefault(int(k), []).append(float(v))
-    hw = get_profile(cluster)
+    _, others, _ = launch_quietly(
+        args, lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                     timeout=args.timeout, check=True), label)
+    return {int(k): float(v) for k, v in json.loads(out.read_text()).items()}, others
+
+
+def gloo_rows(timed: list[tuple[str, dict[int, float], float]]) -> list[str]:
+    """Measured gloo all-reduce over 2 ranks against the profile's cost for each size: per
+    launch (``time_gloo``) the profile it is held against, its seconds per size and the cores
+    others kept busy. Each size's row is the launch with the median error (with one profile for
+    all, the median time; round J's single launch landed on a host that took 2x as long for
+    every size, 12 MiB 23 ms against 12-14 ms)."""
+    from sims.costs import collective_seconds
+    from sims.hardware import get_profile
+
     # The bare collective's cost, without the profile's gloo_s (what a gloo call takes beside
     # a live engine): these ranks run no engine. Timed the calibration's way, back to back,
     # the launched ranks and calibration's forked ones agree within the host's noise (3
     # rounds of each in turn: 128 KiB 0.8-2.2 ms either way).
+    pairs: dict[int, list[tuple[float, float]]] = {}
+    for cluster, seconds, _ in timed:
+        hw = get_profile(cluster)
+        for nbytes, measured in seconds.items():
+            pairs.setdefault(nbytes, []).append(
+                (collective_seconds("all_reduce", nbytes, 2, hw), measured))
+    busiest = max(others for *_, others in timed)
     lines = []
-    for nbytes, seen in sorted(times.items()):
-        seconds = statistics.median(seen)
-        model = collective_seconds("all_reduce", nbytes, 2, hw)
+    for nbytes, seen in sorted(pairs.items()):
+        errors = sorted(100 * (model - measured) / measured for model, measured in seen)
+        seen.sort(key=lambda pair: (pair[0] - pair[1]) / pair[1])
+        model, measured = seen[(len(seen) - 1) // 2]
         lines.append(f"  gloo all_reduce {nbytes / 2**20:7.3f} MiB, 2 ranks: model "
-                     f"{model * 1e3:7.2f} ms, measured {seconds * 1e3:7.2f} ms, "
-                     f"{100 * (model - seconds) / seconds:+6.1f} %  (median of "
-                     f"{len(others_seen)} launches; others up to {max(others_seen):.2f} cores)")
+                     f"{model * 1e3:7.2f} ms, measured {measured * 1e3:7.2f} ms, "
+                     f"{100 * (model - measured) / measured:+6.1f} %  (median of {len(seen)} "
+                     f"launches, {errors[0]:+.1f} to {errors[-1]:+.1f} %; others up to "
+                     f"{busiest:.2f} cores)")
     return lines
 
 
@@ -390,7 +398,8 @@ def main() -> int:
                              "the quiet one with the median step is kept")
     parser.add_argument("--calibrate-each-round", action="store_true",
                         help="run `flowtrain calibrate` before each round and predict the "
-                             "round's runs with it, instead of --cluster for all: on a host "
+                             "round's runs with it (and time a gloo launch right after it, "
+                             "held against it), instead of --cluster for all: on a host "
                              "whose speed drifts over tens of minutes, a calibration taken "
                              "long before a run holds the drift against the model")
     parser.add_argument("--busy-cores", type=float, default=0.1,
@@ -426,12 +435,17 @@ def main() -> int:
         runs: dict[int, list[tuple[dict[str, Any], dict[str, Any], float, float]]] = {}
         at_speed: dict[str, list[float]] = {c: [] for c in CLASSES}
         cluster = args.cluster
+        # gloo launches: (the profile they are held against, seconds per size, others' cores)
+        timed: list[tuple[str, dict[int, float], float]] = []
         for repeat in range(args.repeat):
-            if args.calibrate_each_round and configs:
+            if args.calibrate_each_round and (configs or not args.no_gloo):
                 try:
                     cluster = calibrate(workdir / f"profile-round{repeat + 1}.json", args,
                                         f"round {repeat + 1}")
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    if not args.no_gloo:  # right after its calibration, as the configs are
+                        timed.append((cluster, *time_gloo(workdir, args,
+                                                          f"gloo all_reduce round {repeat + 1}")))
+                except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
                     print(f"  round {repeat + 1} left out: {exc}", flush=True)
                     continue
             for number, cfg in configs:
@@ -482,8 +496,10 @@ def main() -> int:
                       f"{statistics.fmean(at_speed[c]):6.1f} %  ({len(errors[c])} runs)")
         if not args.no_gloo:
             try:
-                lines = gloo_rows(workdir, cluster, args)  # takes the lock per launch
-                print("\n".join(lines))
+                for repeat in range(0 if args.calibrate_each_round else args.repeat):
+                    timed.append((cluster, *time_gloo(workdir, args,
+                                                      f"gloo all_reduce run {repeat + 1}")))
+                print("\n".join(gloo_rows(timed)) if timed else "  gloo all_reduce: no launch")
             except (subprocess.SubprocessError, OSError, ValueError) as exc:
                 print(f"  gloo all_reduce: failed: {exc}")
     end = os.getloadavg()
