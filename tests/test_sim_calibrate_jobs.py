@@ -128,17 +128,20 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     assert HardwareProfile.from_dict(json.loads(json.dumps(whole.to_dict()))) == whole
 
 
+def _scaled(size: dict[str, Any], scale: int) -> dict[str, Any]:
+    """A recorded size with ``scale`` times the rows per micro-batch (and FLOPs)."""
+    large = json.loads(json.dumps(size))
+    large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= scale
+    large["plan"]["config"]["train_batch_size"] *= scale
+    large["plan"]["forward_flops_per_micro_batch"] *= scale
+    return large
+
+
 @pytest.mark.parametrize("scales", [(4,), (2, 4)], ids=["two sizes", "three sizes"])
 def test_job_sizes_split_a_factor_from_a_time_per_step(scales: tuple[int, ...]) -> None:
     base = _base_profile()
     small = _size_from_run(RUN, 2, 1)
-    larger = []
-    for scale in scales:
-        large = json.loads(json.dumps(small))
-        large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= scale
-        large["plan"]["config"]["train_batch_size"] *= scale
-        large["plan"]["forward_flops_per_micro_batch"] *= scale
-        larger.append(large)
+    larger = [_scaled(small, scale) for scale in scales]
     # an engine whose forwards take 1.5x what the isolated measurements predict plus 2 ms per
     # step, its backwards 1.8x plus 1 ms (its optimizer 1.2x, 1 ms more per step): what its two
     # sizes would measure
@@ -335,10 +338,7 @@ def test_bucket_hand_offs_are_fitted_from_the_jobs_small_bucket_run() -> None:
     assert base.engine is not None
     # the sizes with the job's large buckets (two), the small-bucket run with one per layer
     small = _small_buckets(_size_from_run(RUN, 2, 1), 25 << 20)
-    large = json.loads(json.dumps(small))
-    large["plan"]["config"]["train_micro_batch_size_per_gpu"] *= 4
-    large["plan"]["config"]["train_batch_size"] *= 4
-    large["plan"]["forward_flops_per_micro_batch"] *= 4
+    large = _scaled(small, 4)
     truth = {"forward": 1.3, "forward_s": 0.001, "backward": 1.6, "backward_s": 0.0005,
              "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
              "bucket_s": 0.0004, "reduce_s": 0.0007}
