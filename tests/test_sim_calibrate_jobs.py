@@ -128,6 +128,13 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     assert HardwareProfile.from_dict(json.loads(json.dumps(whole.to_dict()))) == whole
 
 
+def _with_factors(base: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
+    """``base`` whose engine has ``factors`` for 2 ranks: the host a fit should find again."""
+    assert base.engine is not None
+    return dataclasses.replace(base, engine=dataclasses.replace(base.engine,
+                                                                factors={2: factors}))
+
+
 def _scaled(size: dict[str, Any], scale: int) -> dict[str, Any]:
     """A recorded size with ``scale`` times the rows per micro-batch (and FLOPs)."""
     large = json.loads(json.dumps(size))
@@ -149,8 +156,7 @@ def test_job_sizes_split_a_factor_from_a_time_per_step(scales: tuple[int, ...]) 
     truth = {"forward": 1.5, "forward_s": 0.002, "backward": 1.8, "backward_s": 0.001,
              "optimizer": 1.2,
              "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001}
-    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
-                                                                factors={2: truth}))
+    host = _with_factors(base, truth)
     for size in (small, *larger):
         size["measured"] = calibrate_jobs.predict_job(host, size)
     fitted = calibrate_jobs.fit_factors(base, [_job(small, *larger)]).factors[2]
@@ -273,8 +279,7 @@ def test_zero3_hand_offs_are_fitted_from_the_jobs_zero3_run() -> None:
     truth = {"forward": 1.3, "forward_s": 0.0, "backward": 1.6, "backward_s": 0.0,
              "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
              "zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
-    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
-                                                                factors={2: truth}))
+    host = _with_factors(base, truth)
     zero3 = _zero3_size(small)
     small["measured"] = calibrate_jobs.predict_job(host, small)
     zero3["measured"] = calibrate_jobs.predict_job(host, zero3)
@@ -297,8 +302,7 @@ def test_zero3_hand_offs_are_tasks_of_the_passes_they_lengthen() -> None:
     # one micro-batch: its forward has no reduces of a backward before it to queue behind
     size["plan"]["config"].update(gradient_accumulation_steps=1, train_batch_size=128)
     factors = {"zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
-    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
-                                                                factors={2: factors}))
+    host = _with_factors(base, factors)
     bare = calibrate_jobs.predict_job(base, size)
     got = calibrate_jobs.predict_job(host, size)
     work = Workload.from_run(size["plan"], 64)
@@ -342,8 +346,7 @@ def test_bucket_hand_offs_are_fitted_from_the_jobs_small_bucket_run() -> None:
     truth = {"forward": 1.3, "forward_s": 0.001, "backward": 1.6, "backward_s": 0.0005,
              "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
              "bucket_s": 0.0004, "reduce_s": 0.0007}
-    host = dataclasses.replace(base, engine=dataclasses.replace(base.engine,
-                                                                factors={2: truth}))
+    host = _with_factors(base, truth)
     buckets = _small_buckets(small)
     for size in (small, large, buckets):
         size["measured"] = calibrate_jobs.predict_job(host, size)
@@ -360,8 +363,7 @@ def test_bucket_hand_offs_are_tasks_of_the_backward_before_each_reduce() -> None
     base = _base_profile()
     assert base.engine is not None
     size = _small_buckets(_size_from_run(RUN, 2, 1))
-    host = dataclasses.replace(base, engine=dataclasses.replace(
-        base.engine, factors={2: {"bucket_s": 0.0004, "reduce_s": 0.0007}}))
+    host = _with_factors(base, {"bucket_s": 0.0004, "reduce_s": 0.0007})
     work = Workload.from_run(size["plan"], 64)
     cfg = load_config(size["plan"]["config"], world_size=2, check_supported=False)
     tasks = build_plan(work, cfg, Layout(1, 2), host).tasks
