@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -107,8 +107,8 @@ def main() -> None:
               ("grad L2 norm", bench_norm, 4))
     for title, bench, nbytes in tables:
         print(f"## {title} ({nbytes} bytes moved per element)")
-        print(f"| size | implementation | median ms | GB/s | of copy bw | flowtrain speed-up |")
-        print(f"|---:|---|---:|---:|---:|---:|")
+        print("| size | implementation | median ms | GB/s | of copy bw | flowtrain speed-up |")
+        print("|---:|---|---:|---:|---:|---:|")
         for n in sizes:
             res = bench(n, args.rounds)
             ours = res["flowtrain"]

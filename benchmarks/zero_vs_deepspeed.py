@@ -247,8 +247,8 @@ def main() -> None:
             label = ""
 
     if len(engines) == 2:
-        print(f"\nflowtrain / DeepSpeed: throughput (higher is better), peak RSS per rank and "
-              f"engine RSS (lower is better); loss: largest |difference| over all steps")
+        print("\nflowtrain / DeepSpeed: throughput (higher is better), peak RSS per rank and "
+              "engine RSS (lower is better); loss: largest |difference| over all steps")
         print(f"{'case':22s} {'throughput':>10s} {'med-step':>8s} {'peak RSS':>9s} "
               f"{'engine RSS':>10s} {'loss diff':>10s}")
         for case, dtype in keys:

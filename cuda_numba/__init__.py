@@ -9,8 +9,17 @@ import time
 
 import numpy as np
 
-from .ops import (adam_step, cast_, flatten, l2_norm, lion_step, sgd_step, unflatten,
-                  unflatten_into, unscale_and_check)
+from .ops import (
+    adam_step,
+    cast_,
+    flatten,
+    l2_norm,
+    lion_step,
+    sgd_step,
+    unflatten,
+    unflatten_into,
+    unscale_and_check,
+)
 
 __all__ = ["adam_step", "lion_step", "sgd_step", "unscale_and_check", "l2_norm", "cast_",
            "flatten", "unflatten", "unflatten_into", "warm_up", "kernel_status"]
@@ -45,7 +54,6 @@ def warm_up(names: tuple[str, ...] | None = None) -> float:
     """Compile (or load from the disk cache) the CPU kernels ``names`` (all by default) for
     every signature ops uses, so no training step pays for compilation; returns the seconds."""
     from . import cpu
-
     from .ops import _sync_threads, keep_torch_threads
 
     _sync_threads()

@@ -6,8 +6,8 @@ import math
 import types
 
 import numpy as np
-import numba
-from numba import njit, prange, types as nbtypes
+from numba import njit, prange
+from numba import types as nbtypes
 from numba.extending import overload
 
 from . import _bits

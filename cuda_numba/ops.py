@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import os
-from collections.abc import Iterator
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numba
 import numpy as np

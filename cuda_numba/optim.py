@@ -4,7 +4,8 @@ FusedSGD; state keys match torch's so state_dicts load both ways. One kernel cal
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -38,7 +38,7 @@ class RankFailure:
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException, *, kind: str = "exception",
-                       actor: str | None = None) -> "RankFailure":
+                       actor: str | None = None) -> RankFailure:
         return cls(
             rank=rank,
             kind=kind,

@@ -409,7 +409,8 @@ def _example_inputs(example: str | None, batch: int, seq_len: int
     make = _resolve(example, "example")
     with torch.device("meta"):
         given = make(batch=batch, seq_len=seq_len)
-    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x
+    def to_meta(x):
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
     if isinstance(given, torch.Tensor):
         return (to_meta(given),), {}
     if isinstance(given, (tuple, list)):

@@ -10,8 +10,12 @@ import warnings
 import pytest
 import torch
 
-from flowtrain.config import (SUPPORTED_FEATURES, ConfigError, ConfigWarning, load_config,
-                              unsupported_features)
+from flowtrain.config import (
+    ConfigError,
+    ConfigWarning,
+    load_config,
+    unsupported_features,
+)
 
 
 def problems_of(config, **kwargs) -> list[str]:

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowtrain.config import (SUPPORTED_FEATURES, ConfigError, ConfigWarning, load_config,
-                              unsupported_features)
+from flowtrain.config import (
+    SUPPORTED_FEATURES,
+    ConfigError,
+    ConfigWarning,
+    load_config,
+    unsupported_features,
+)
 
 DS_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
 pytestmark = pytest.mark.skipif(not DS_CONFIGS.is_dir(),

@@ -122,7 +122,7 @@ def test_exception_is_the_root_cause(tmp_path: Path, outdir: Path) -> None:
                  env=_env(BOOM_MESSAGE=message))
     assert run.returncode == 1, run.text
     assert run.ended - _fault_time(tmp_path) < 5.0
-    assert "Root cause" in run.err and f"rank 1 (host" in run.err
+    assert "Root cause" in run.err and "rank 1 (host" in run.err
     assert f"ValueError: {message}" in run.err and "Traceback" in run.err
     root = run.job["root_cause"]
     assert root["rank"] == 1 and root["kind"] == "exception" and message in root["message"]

@@ -10,9 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from sims.costs import (ADAM_BYTES_PER_PARAM, collective_seconds, compute_seconds, copy_seconds,
-                        efficiency_at, optimizer_seconds, p2p_seconds)
-from sims.hardware import (BUILTIN_PROFILES, HardwareProfile, Link, ProfileError, get_profile)
+from sims.costs import (
+    ADAM_BYTES_PER_PARAM,
+    collective_seconds,
+    compute_seconds,
+    copy_seconds,
+    efficiency_at,
+    optimizer_seconds,
+    p2p_seconds,
+)
+from sims.hardware import BUILTIN_PROFILES, HardwareProfile, Link, ProfileError, get_profile
 
 GB = 1e9
 T = 1e12

@@ -12,8 +12,13 @@ import warnings
 
 import pytest
 
-from flowtrain.config import (SUPPORTED_FEATURES, ConfigError, ConfigWarning, load_config,
-                              unsupported_features)
+from flowtrain.config import (
+    SUPPORTED_FEATURES,
+    ConfigError,
+    ConfigWarning,
+    load_config,
+    unsupported_features,
+)
 
 Z = "zero_optimization"
 

@@ -3,8 +3,9 @@ size, optimizer/scheduler passed in, dataloader batch size, step count, explicit
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 

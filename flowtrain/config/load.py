@@ -8,8 +8,9 @@ import copy
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -20,8 +21,13 @@ from flowtrain.config.batch import resolve_batch
 from flowtrain.config.explain import error_locs, explain
 from flowtrain.config.fields import ConfigError, ConfigWarning, show
 from flowtrain.config.model import FlowtrainConfig
-from flowtrain.config.params import (OPTIMIZER_PARAMS, SCHEDULER_PARAMS, canonical_optimizer,
-                                     check_params, optimizer_type_problem)
+from flowtrain.config.params import (
+    OPTIMIZER_PARAMS,
+    SCHEDULER_PARAMS,
+    canonical_optimizer,
+    check_params,
+    optimizer_type_problem,
+)
 from flowtrain.config.support import unsupported_features
 from flowtrain.config.zero import check_zero, legacy_offload_conflicts
 
@@ -141,7 +147,7 @@ def _prune(data: dict[str, Any], loc: tuple[Any, ...]) -> None:
         if i == len(loc) - 1 or not isinstance(node[part], dict):
             del node[part]
             return
-        parent, node = node, node[part]
+        _parent, node = node, node[part]
     else:
         return
     if i > 0:  # a missing required key: drop the section that lacks it

@@ -3,17 +3,32 @@ values the engine asks for (precision, loss scaling, gradient communication dtyp
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from pydantic import Field, PrivateAttr
 
 from flowtrain.config.fields import Bool, Float, Int, Params, Section
 from flowtrain.config.sections import (
-    DType, ActivationCheckpointingConfig, AmpConfig, BF16Config, CheckpointConfig,
-    CometConfig, CommsLoggerConfig, CSVMonitorConfig, DataTypesConfig, FlopsProfilerConfig,
-    FlowtrainSection, FP16Config, OptimizerConfig, PipelineConfig, SchedulerConfig,
-    TensorBoardConfig, TensorParallelConfig, WandbConfig)
+    ActivationCheckpointingConfig,
+    AmpConfig,
+    BF16Config,
+    CheckpointConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    DataTypesConfig,
+    DType,
+    FlopsProfilerConfig,
+    FlowtrainSection,
+    FP16Config,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    WandbConfig,
+)
 from flowtrain.config.zero import ZeroConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,8 +71,8 @@ class FlowtrainConfig(Section):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     amp: AmpConfig = Field(default_factory=AmpConfig)
-    optimizer: Optional[OptimizerConfig] = None
-    scheduler: Optional[SchedulerConfig] = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
@@ -73,22 +88,22 @@ class FlowtrainConfig(Section):
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flowtrain: FlowtrainSection = Field(default_factory=FlowtrainSection)
 
-    aio: Optional[Params] = None
-    elasticity: Optional[Params] = None
-    autotuning: Optional[Params] = None
-    sparse_attention: Optional[Params] = None
-    compression_training: Optional[Params] = None
-    data_efficiency: Optional[Params] = None
-    curriculum_learning: Optional[Params] = None
-    eigenvalue: Optional[Params] = None
-    progressive_layer_drop: Optional[Params] = None
-    quantize_training: Optional[Params] = None
-    weight_quantization: Optional[Params] = None
-    nebula: Optional[Params] = None
-    hybrid_engine: Optional[Params] = None
-    timers: Optional[Params] = None
-    torch_autocast: Optional[Params] = None
-    compile: Optional[Params] = None
+    aio: Params | None = None
+    elasticity: Params | None = None
+    autotuning: Params | None = None
+    sparse_attention: Params | None = None
+    compression_training: Params | None = None
+    data_efficiency: Params | None = None
+    curriculum_learning: Params | None = None
+    eigenvalue: Params | None = None
+    progressive_layer_drop: Params | None = None
+    quantize_training: Params | None = None
+    weight_quantization: Params | None = None
+    nebula: Params | None = None
+    hybrid_engine: Params | None = None
+    timers: Params | None = None
+    torch_autocast: Params | None = None
+    compile: Params | None = None
 
     _dp_world_size: int = PrivateAttr(default=1)
 

@@ -6,7 +6,8 @@ rewritten."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError

@@ -27,8 +27,14 @@ from flowtrain.control.protocol import (
 )
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
-from flowtrain.telemetry.schema import (TOPIC_PREFIX, TelemetryError, event_record,
-                                        heartbeat_record, topic_of, validate)
+from flowtrain.telemetry.schema import (
+    TOPIC_PREFIX,
+    TelemetryError,
+    event_record,
+    heartbeat_record,
+    topic_of,
+    validate,
+)
 
 
 def _log() -> Any:

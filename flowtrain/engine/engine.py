@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,6 @@ from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
 from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
-from flowtrain.engine.surface import EngineSurface
 from flowtrain.engine.stages import (
     BucketFull,
     BucketReduced,
@@ -28,6 +26,7 @@ from flowtrain.engine.stages import (
     Stages,
     StepDone,
 )
+from flowtrain.engine.surface import EngineSurface
 from flowtrain.engine.timing import StepTimer
 from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger

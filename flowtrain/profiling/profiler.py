@@ -336,7 +336,7 @@ class FlopsProfiler:
         gets the sum of its children, as DeepSpeed reports containers."""
         out: dict[int, tuple[int, float, int]] = {}
         children: dict[int, list[int]] = {}
-        for name, module, _ in nodes:
+        for _name, module, _ in nodes:
             children[id(module)] = [id(c) for c in module.children()]
         for _, module, _ in reversed(nodes):  # children before their parents
             stats = self._stats.get(id(module))

@@ -45,15 +45,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowtrain.telemetry.files import (LIVE_FILE, TELEMETRY_FILE, TelemetryDamage,
-                                       TelemetryRecorder, TelemetryTail, find_run,
-                                       live_endpoint, load_records, read_records,
-                                       write_live_endpoint)
-from flowtrain.telemetry.schema import (COORDINATOR_RANK, EVENTS, KINDS, MEM_KEYS,
-                                        SCHEMA_VERSION, TOPICS, EventRecord, HeartbeatRecord,
-                                        JobRecord, Memory, Record, SpansRecord, StepRecord,
-                                        TelemetryError, decode, encode, event_record,
-                                        job_record, topic_of, validate)
+from flowtrain.telemetry.files import (
+    LIVE_FILE,
+    TELEMETRY_FILE,
+    TelemetryDamage,
+    TelemetryRecorder,
+    TelemetryTail,
+    find_run,
+    live_endpoint,
+    load_records,
+    read_records,
+    write_live_endpoint,
+)
+from flowtrain.telemetry.schema import (
+    COORDINATOR_RANK,
+    EVENTS,
+    KINDS,
+    MEM_KEYS,
+    SCHEMA_VERSION,
+    TOPICS,
+    EventRecord,
+    HeartbeatRecord,
+    JobRecord,
+    Memory,
+    Record,
+    SpansRecord,
+    StepRecord,
+    TelemetryError,
+    decode,
+    encode,
+    event_record,
+    job_record,
+    topic_of,
+    validate,
+)
 from flowtrain.telemetry.subscriber import Subscriber
 
 

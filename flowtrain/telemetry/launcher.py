@@ -14,8 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from flowtrain.telemetry.files import (LIVE_FILE, TELEMETRY_FILE, TelemetryRecorder,
-                                       write_live_endpoint)
+from flowtrain.telemetry.files import (
+    LIVE_FILE,
+    TELEMETRY_FILE,
+    TelemetryRecorder,
+    write_live_endpoint,
+)
 from flowtrain.telemetry.schema import event_record, job_record
 
 TOTAL_STEPS_ENV = "FLOWTRAIN_TOTAL_STEPS"

@@ -11,8 +11,7 @@ import zmq
 import zmq.asyncio
 
 from flowtrain.control.protocol import FrameCodec, FrameRejected, RejectCounter
-from flowtrain.telemetry.schema import (TOPIC_PREFIX, TOPICS, Record, TelemetryError,
-                                        validate)
+from flowtrain.telemetry.schema import TOPIC_PREFIX, TOPICS, Record, TelemetryError, validate
 
 COORDINATOR_SENDER = "coordinator"  # who signs published frames (flowtrain.control.coordinator)
 RECEIVE_QUEUE = 100_000  # frames ZeroMQ keeps for a subscriber that reads slowly

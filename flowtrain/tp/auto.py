@@ -23,8 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowtrain.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                                 VocabParallelEmbedding, _rank, _world)
+from flowtrain.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _rank,
+    _world,
+)
 
 COLUMN = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "up", "up_proj", "gate_proj",
           "fc1", "c_fc", "w1", "w3"}

@@ -76,7 +76,7 @@ class ParamFetcher(Actor):
 
     @handler
     async def discard(self, msg: Discard) -> None:
-        for b, (work, full, *_) in list(self._inflight.items()):
+        for b, (work, _full, *_) in list(self._inflight.items()):
             await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} (prefetched, "
                                   f"unused)", self.timeout)
         self._inflight.clear()

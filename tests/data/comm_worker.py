@@ -9,7 +9,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from flowtrain import comm
 from flowtrain.runtime.system import Runtime

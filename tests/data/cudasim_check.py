@@ -15,9 +15,9 @@ import traceback
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     sys.exit("cudasim_check.py must run with NUMBA_ENABLE_CUDASIM=1 set in the environment")
 
-import numpy as np  # noqa: E402
-
 import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 # simulated kernels do inf - inf on numpy scalars on purpose (the finite test), in threads
 warnings.filterwarnings("ignore", category=RuntimeWarning)

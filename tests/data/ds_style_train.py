@@ -57,9 +57,9 @@ def main():
 
     criterion = nn.CrossEntropyLoss()
     epoch_losses = []
-    for epoch in range(args.epochs):
+    for _epoch in range(args.epochs):
         running = []
-        for i, data in enumerate(trainloader):
+        for _i, data in enumerate(trainloader):
             inputs, labels = data[0], data[1]
             outputs = model_engine(inputs)
             loss = criterion(outputs, labels)

@@ -10,7 +10,6 @@ Modes (argv[1]):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback

@@ -1,7 +1,9 @@
 """A small MLP trained for a few steps; its run directory becomes the --compare fixture."""
 import torch
 import torch.nn as nn
+
 import flowtrain
+
 
 class Block(nn.Module):
     def __init__(self, d):
@@ -28,7 +30,7 @@ flowtrain.init_distributed()
 net = Net()
 engine, _, _, _ = flowtrain.initialize(model=net, model_parameters=net.parameters(), config="ds_config.json")
 g = torch.Generator().manual_seed(1)
-for step in range(22 * engine.gradient_accumulation_steps()):
+for _step in range(22 * engine.gradient_accumulation_steps()):
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), 32, generator=g)
     y = torch.randint(0, 8, (x.shape[0],), generator=g)
     loss = nn.functional.cross_entropy(engine(x), y)

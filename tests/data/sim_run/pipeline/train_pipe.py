@@ -2,8 +2,10 @@
 the pipeline --compare fixture."""
 import torch
 import torch.nn as nn
+
 import flowtrain
 from flowtrain.pipe import PipelineModule
+
 
 class Block(nn.Module):
     def __init__(self, d):
