@@ -8,8 +8,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flowtrain.plan import names
+from flowtrain.plan.schedule import stage_ops
+from flowtrain.plan.workload import ParamSpec, layer_of, module_units
 from sims.executor import SimTask
-from sims.workload import ParamSpec, layer_of, module_units
 
 
 @dataclass
@@ -55,10 +57,8 @@ class Tasks:
 
 def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
     """The 1F1B order of stage ``stage``'s passes, ("F", k) / ("B", k), as the engine's
-    PipeStage runs them (``flowtrain.pipe.schedule.stage_ops``): warm-up forwards fill the
+    PipeStage runs them (``flowtrain.plan.schedule.stage_ops``): warm-up forwards fill the
     pipeline, then one forward and one backward alternate, then the backwards drain."""
-    from flowtrain.pipe.schedule import stage_ops
-
     passes = {"forward": "F", "backward": "B"}
     return [(passes[op.kind], op.mb) for op in stage_ops("1f1b", stage, stages, micro_batches)
             if op.kind in passes]
@@ -73,16 +73,17 @@ def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s
         last: int | None = None
         for op, k in one_f_one_b(stages, s, micro_batches):
             if op == "F":
-                refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
-                last = out.add(s, f"forward/mb{k}", "forward", "compute", forward_s, [last], refs)
+                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
+                last = out.add(s, names.forward(k), "forward", "compute", forward_s, [last],
+                               refs)
                 if s < stages - 1:
-                    out.add(s, f"send_act/mb{k}", "send", "comm:pp", send_s, [last])
+                    out.add(s, names.pipe_op("send_act", k), "send", "comm:pp", send_s, [last])
             else:
-                refs = [(s + 1, f"send_grad/mb{k}")] if s < stages - 1 else []
-                last = out.add(s, f"backward/mb{k}", "backward", "compute", backward_s, [last],
+                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < stages - 1 else []
+                last = out.add(s, names.backward(k), "backward", "compute", backward_s, [last],
                                refs)
                 if s > 0:
-                    out.add(s, f"send_grad/mb{k}", "send", "comm:pp", send_s, [last])
+                    out.add(s, names.pipe_op("send_grad", k), "send", "comm:pp", send_s, [last])
     return out.resolve()
 
 
@@ -97,7 +98,7 @@ def segments(params: Sequence[ParamSpec], stage3: bool) -> list[Segment]:
     for i, p in enumerate(params):
         n = layer_of(p[0])
         seen_layer = seen_layer or n is not None
-        label = f"layer{n}" if n is not None else ("head" if seen_layer else "embed")
+        label = names.layer(n) if n is not None else ("head" if seen_layer else "embed")
         if segments and segments[-1].label == label:
             segments[-1].params.append(i)
         else:

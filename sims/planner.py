@@ -34,12 +34,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, plan_buckets, plan_units
-from sims import costs
-from sims.executor import SimTask
-from sims.plan_tasks import Tasks, one_f_one_b, pipeline_tasks, segments
-from sims.stage3_plan import Stage3Uses, stage3_uses
-from sims.workload import (
+from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, names, plan_buckets, plan_units
+from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
+from flowtrain.plan.workload import (
     DTYPE_BYTES,
     PRECISION_DTYPE,
     Layout,
@@ -50,7 +47,10 @@ from sims.workload import (
     split_stages,
     tp_shard,
 )
-from sims.workload import numel as _numel
+from flowtrain.plan.workload import numel as _numel
+from sims import costs
+from sims.executor import SimTask
+from sims.plan_tasks import Tasks, one_f_one_b, pipeline_tasks, segments
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
            "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan", "config_bucket_numel",
@@ -188,14 +188,18 @@ class _StageBuilder:
         buckets = plan_units(params, units, bucket_numel=bucket_numel,
                              persistence_threshold=self.zero.stage3_param_persistence_threshold) \
             if units is not None else plan_buckets(params, bucket_numel)
+        self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
+        self.reduce_every_mb = self.stage_no >= 2
+        self.uses = self._stage3_uses() if self.partitioned else None
         # this stage's forward FLOPs of one sample, shared by its parameters by element count
         self.stage_flops = stage_flops
         flops_mb = stage_flops * micro_batch / self.tp
         self.step_plan = build_step_plan(
             params, world_size=self.dp, gradient_accumulation_steps=micro_batches,
             micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
-            comm_elem_size=comm_elem, forward_flops=flops_mb, buckets=buckets)
-        self.buckets: tuple[BucketPlan, ...] = self.step_plan.buckets
+            comm_elem_size=comm_elem, forward_flops=flops_mb, buckets=buckets,
+            reduce_every_micro_batch=self.reduce_every_mb, stage=stage, stages=self.pp,
+            stage3=(self.uses, self.trace) if self.uses is not None else None)
         # a bucket's gradients are complete after the backward of its earliest-forward segment
         self.ready_after: dict[int, list[BucketPlan]] = {}
         for b in self.buckets:
@@ -213,8 +217,6 @@ class _StageBuilder:
         self.tp_s = 2 * costs.collective_seconds("all_reduce", self.act_bytes, self.tp, hw,
                                                  nodes=1) if self.tp > 1 else 0.0
         self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
-        self.reduce_every_mb = self.stage_no >= 2
-        self.uses = self._stage3_uses() if self.partitioned else None
 
     def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
                        cfg: Any) -> None:
@@ -339,33 +341,33 @@ class _StageBuilder:
         s, plan = self.stage, self.plan
         last: int | None = None
         reduces: list[int] = []
-        for op, k in one_f_one_b(self.pp, s, self.m):
-            if op == "F":
-                refs = [(s - 1, f"send_act/mb{k}")] if s > 0 else []
+        for op, k in self.step_plan.pass_order():
+            if op == "forward":
+                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
                 last, refs = self._handoff("forward", k, last, refs)
                 last = self._forward(k, last, refs)
                 if self.micro_batch_s:
-                    last = plan.add(s, f"overhead/loss/mb{k}", "overhead", "compute",
+                    last = plan.add(s, names.overhead("loss", k), "overhead", "compute",
                                     self.micro_batch_s, [last])
                 if s < self.pp - 1:
-                    plan.add(s, f"send_act/mb{k}", "send", "comm:pp",
+                    plan.add(s, names.pipe_op("send_act", k), "send", "comm:pp",
                              costs.p2p_seconds(self.send_bytes, self.hw,
                                                self.layout.pipe_link_inter_node(s))
                              + self.message_s, [last], nbytes=self.send_bytes)
             else:
-                refs = [(s + 1, f"send_grad/mb{k}")] if s < self.pp - 1 else []
+                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < self.pp - 1 else []
                 last, refs = self._handoff("backward", k, last, refs)
                 last = self._backward(k, last, refs, reduces)
                 if s > 0:
-                    plan.add(s, f"send_grad/mb{k}", "send", "comm:pp",
+                    plan.add(s, names.pipe_op("send_grad", k), "send", "comm:pp",
                              costs.p2p_seconds(self.recv_bytes, self.hw,
                                                self.layout.pipe_link_inter_node(s - 1))
                              + self.message_s, [last], nbytes=self.recv_bytes)
         if self.step_s:
-            last = plan.add(s, "overhead/step", "overhead", "compute", self.step_s,
+            last = plan.add(s, names.overhead("step"), "overhead", "compute", self.step_s,
                             [last, reduces[-1] if reduces else None])
         if self.loss_broadcast_s:
-            last = plan.add(s, "overhead/loss-broadcast", "overhead", "compute",
+            last = plan.add(s, names.overhead("loss-broadcast"), "overhead", "compute",
                             self.loss_broadcast_s, [last])
         self._step(last, reduces[-1] if reduces else None)
 
@@ -377,7 +379,7 @@ class _StageBuilder:
         compute, as the engine records it. Returns the pass's new predecessor and refs."""
         if not self.op_s:
             return last, refs
-        return self.plan.add(self.stage, f"handoff/{kind}/mb{k}", "handoff", "compute",
+        return self.plan.add(self.stage, names.handoff(kind, k), "handoff", "compute",
                              self.op_s, [last], refs), []
 
     def _pass_chunked(self, k: int, backward: bool) -> bool:
@@ -389,18 +391,18 @@ class _StageBuilder:
     def _forward(self, k: int, last: int | None, refs: list[tuple[int, str]]) -> int:
         s, plan = self.stage, self.plan
         if not self._pass_chunked(k, backward=False):
-            return plan.add(s, f"forward/mb{k}", "forward", "compute",
+            return plan.add(s, names.forward(k), "forward", "compute",
                             sum(g.forward_s for g in self.segments), [last], refs,
-                            flops=self.step_plan.tasks[0].flops)
+                            flops=self.step_plan.task(names.forward(k)).flops)
         for j, seg in enumerate(self.segments):
             first = refs if j == 0 else []
             last, first = self._fetch("forward", k, j, last, first)
             waits = self._gathers(k, j, "fwd", last)
-            last = plan.add(s, f"forward/mb{k}/{seg.label}", "forward", "compute", seg.forward_s,
+            last = plan.add(s, names.forward(k, seg.label), "forward", "compute", seg.forward_s,
                             [last, *waits], first)
             if self.tp_s and seg.layer is not None and (
                     j == len(self.segments) - 1 or self.segments[j + 1].layer != seg.layer):
-                last = plan.add(s, f"tp/fwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
+                last = plan.add(s, names.tp("fwd", k, seg.layer), "tp", "comm:tp",
                                 self.tp_s, [last], nbytes=2 * self.act_bytes)
         assert last is not None
         return last
@@ -409,15 +411,15 @@ class _StageBuilder:
                   reduces: list[int]) -> int:
         s, plan = self.stage, self.plan
         reduce_now = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
-        suffix = f"/mb{k}" if self.reduce_every_mb and self.m > 1 else ""
+        mb = k if self.reduce_every_mb and self.m > 1 else None
         if not self._pass_chunked(k, backward=True):
-            last = plan.add(s, f"backward/mb{k}", "backward", "compute",
+            last = plan.add(s, names.backward(k), "backward", "compute",
                             sum(g.backward_s for g in self.segments), [last], refs,
-                            flops=self.step_plan.tasks[1].flops)
+                            flops=self.step_plan.task(names.backward(k)).flops)
             if reduce_now:
                 for b in self.buckets:
                     last = self._hand_off(k, b, last)
-                    reduces.append(self._reduce(b, suffix, last, reduces))
+                    reduces.append(self._reduce(b, mb, last, reduces))
             return last
         n = len(self.segments)
         for j in range(n - 1, -1, -1):
@@ -425,21 +427,21 @@ class _StageBuilder:
             first = refs if j == n - 1 else []
             last, first = self._fetch("backward", k, j, last, first)
             waits = self._gathers(k, j, "bwd", last)
-            last = plan.add(s, f"backward/mb{k}/{seg.label}", "backward", "compute",
+            last = plan.add(s, names.backward(k, seg.label), "backward", "compute",
                             seg.backward_s, [last, *waits], first)
             chunk = last
             if self.release_s and self.bucket_of_seg[j] is not None:
-                last = plan.add(s, f"backward/mb{k}/{seg.label}/release", "backward", "compute",
+                last = plan.add(s, names.release(k, seg.label), "backward", "compute",
                                 self.release_s, [last])
             if self.tp_s and seg.layer is not None and (
                     j == 0 or self.segments[j - 1].layer != seg.layer):
-                last = plan.add(s, f"tp/bwd/mb{k}/layer{seg.layer}", "tp", "comm:tp",
+                last = plan.add(s, names.tp("bwd", k, seg.layer), "tp", "comm:tp",
                                 self.tp_s, [last], nbytes=2 * self.act_bytes)
             if reduce_now:
                 for b in self.ready_after.get(j, []):
                     if self.bucket_s:
                         chunk = last = self._hand_off(k, b, last)
-                    reduces.append(self._reduce(b, suffix, chunk, reduces))
+                    reduces.append(self._reduce(b, mb, chunk, reduces))
         assert last is not None
         return last
 
@@ -448,10 +450,11 @@ class _StageBuilder:
         the backward, ``bucket_s``), before the bucket's reduce can start."""
         if not self.bucket_s:
             return last
-        return self.plan.add(self.stage, f"backward/mb{k}/bucket{bucket.index}/hand_off",
+        return self.plan.add(self.stage, names.hand_off(k, bucket.index),
                              "backward", "compute", self.bucket_s, [last])
 
-    def _reduce(self, bucket: BucketPlan, suffix: str, after: int, reduces: list[int]) -> int:
+    def _reduce(self, bucket: BucketPlan, mb: int | None, after: int,
+                reduces: list[int]) -> int:
         nbytes = bucket.numel * self.comm_elem
         seconds = costs.channel_seconds(self.reduce_op, nbytes, self.dp, self.hw) \
             if self.channel else None
@@ -467,7 +470,7 @@ class _StageBuilder:
             scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
             seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
         seconds += self.reduce_s
-        return self.plan.add(self.stage, f"{bucket.task_name}{suffix}", "reduce", "comm:dp",
+        return self.plan.add(self.stage, names.reduce(bucket.index, mb), "reduce", "comm:dp",
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
                              interference=share, slowdown=slowed)
 
@@ -482,7 +485,7 @@ class _StageBuilder:
         pos = self.use_pos[("fwd" if kind == "forward" else "bwd", self.bucket_of_seg[j])]
         if not (self.uses.launched[pos] or self.uses.gathered_for[pos]):
             return last, refs
-        return self.plan.add(self.stage, f"{kind}/mb{k}/{self.segments[j].label}/fetch", kind,
+        return self.plan.add(self.stage, names.fetch(kind, k, self.segments[j].label), kind,
                              "compute", self.fetch_s, [last], refs), []
 
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
@@ -499,13 +502,14 @@ class _StageBuilder:
             deps: list[int | None] = [before, self.last_gather]
             if self.offload_param:
                 shard = math.ceil(self.buckets[b].numel / self.dp) * self.param_elem
-                deps.append(plan.add(s, f"copy/h2d/bucket{b}/{tag}/mb{k}", "copy", "copy:h2d",
-                                     costs.copy_seconds(shard, self.hw), [before], nbytes=shard))
+                deps.append(plan.add(s, names.copy("h2d", b, tag, names.micro_batch(k)), "copy",
+                                     "copy:h2d", costs.copy_seconds(shard, self.hw), [before],
+                                     nbytes=shard))
             nbytes = self.buckets[b].numel * self.param_elem
-            self.last_gather = plan.add(s, f"gather/bucket{b}/{tag}/mb{k}", "gather", "comm:dp",
+            self.last_gather = plan.add(s, names.gather(b, tag, k), "gather", "comm:dp",
                                         self._collective("all_gather", nbytes), deps,
                                         nbytes=nbytes)
-        return [plan.index[(s, f"gather/bucket{b}/{direction}/mb{k}")]
+        return [plan.index[(s, names.gather(b, direction, k))]
                 for b in self.uses.gathered_for[pos]]
 
     # -- optimizer -----------------------------------------------------------------------------
@@ -543,25 +547,25 @@ class _StageBuilder:
                 shard = self._shard(b.numel)
                 deps: list[int | None] = list(after)
                 if self.gpu:
-                    deps = [plan.add(s, f"copy/d2h/bucket{b.index}", "copy", "copy:d2h",
+                    deps = [plan.add(s, names.copy("d2h", b.index), "copy", "copy:d2h",
                                      costs.copy_seconds(shard * self.comm_elem, self.hw), after,
                                      nbytes=shard * self.comm_elem)]
-                stepped = plan.add(s, f"optimizer/step/bucket{b.index}", "optimizer", host,
+                stepped = plan.add(s, names.optimizer_step(b.index), "optimizer", host,
                                    costs.optimizer_seconds(shard, self.hw, on_host=True), deps,
                                    nbytes=shard * 16)
                 if self.gpu:
-                    stepped = plan.add(s, f"copy/h2d/bucket{b.index}", "copy", "copy:h2d",
+                    stepped = plan.add(s, names.copy("h2d", b.index), "copy", "copy:h2d",
                                        costs.copy_seconds(shard * self.param_elem, self.hw),
                                        [stepped], nbytes=shard * self.param_elem)
                 finished.append(stepped)
         else:
             numel = sum(self._shard(b.numel) for b in self.buckets)
-            finished = [plan.add(s, "optimizer/step", "optimizer", "compute",
+            finished = [plan.add(s, names.OPTIMIZER_STEP, "optimizer", "compute",
                                  self._optimizer_seconds(numel), after, nbytes=numel * 16)]
         if self.stage_no >= 1 and self.dp > 1:
             for b in whole:
                 nbytes = b.numel * self.param_elem
-                plan.add(s, f"allgather/bucket{b.index}", "allgather", "comm:dp",
+                plan.add(s, names.allgather(b.index), "allgather", "comm:dp",
                          self._collective("all_gather", nbytes), finished, nbytes=nbytes)
 
 

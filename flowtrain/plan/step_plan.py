@@ -1,7 +1,10 @@
-"""Gradient buckets and the task graph of a data-parallel step.
+"""The task graph of one optimizer step on one rank: its passes in schedule order, pipeline
+sends and receives, ZeRO-3's parameter gathers, the gradient reduces and the optimizer step,
+each a named ``Task`` with its resource, size and dependencies.
 
-Bucket membership and order are decided here, once, from the parameters' sizes and the order in
-which their gradients become ready; the engine's BucketReducer and the simulator both read them.
+The engine builds it to lay out its buckets and records its spans under its task names; the
+simulator builds the same plan for each pipeline stage and prices it (``sims.planner``), cutting
+a task into pieces named below it where it needs finer grain (``flowtrain.plan.names``).
 """
 
 from __future__ import annotations
@@ -9,42 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# The first bucket is kept small so that the first all-reduce starts early in backward (the
-# same reasoning as DDP's 1 MiB first bucket).
-FIRST_BUCKET_BYTES = 1 << 20
+from flowtrain.plan import names
+from flowtrain.plan.buckets import BucketPlan, plan_buckets
+from flowtrain.plan.schedule import stage_ops
+from flowtrain.plan.stage3 import Stage3Uses
+from flowtrain.plan.workload import ParamSpec
 
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One parameter's place in its bucket."""
-
-    index: int  # position in model.parameters()
-    name: str
-    shape: tuple[int, ...]
-    numel: int
-    offset: int  # element offset inside the bucket's flat buffer
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """A flat buffer of gradients reduced by one collective."""
-
-    index: int
-    dtype: str  # the gradients' dtype, e.g. "float32"
-    slots: tuple[ParamSlot, ...]
-    numel: int
-    group: int = 0  # the optimizer parameter group of every slot (ZeRO shards step per group)
-    # ZeRO stage 3: the bucket is one module's parameters, partitioned between uses (False:
-    # kept whole on every rank, like stages 1-2)
-    partitioned: bool = False
-
-    @property
-    def task_name(self) -> str:
-        return f"reduce/bucket{self.index}"
-
-    @property
-    def param_indices(self) -> tuple[int, ...]:
-        return tuple(s.index for s in self.slots)
+# a pipeline instruction's task kind and resource
+_PIPE_KINDS = {"recv_act": ("recv", "comm:pp"), "recv_grad": ("recv", "comm:pp"),
+               "send_act": ("send", "comm:pp"), "send_grad": ("send", "comm:pp")}
 
 
 @dataclass(frozen=True)
@@ -52,16 +28,19 @@ class Task:
     """A unit of work of the step, as both executors name it."""
 
     name: str
-    kind: str  # "forward" | "backward" | "reduce" | "optimizer"
-    resource: str  # "compute" | "comm:dp" | "host"
+    kind: str  # forward | backward | recv | send | gather | reduce | wait | optimizer
+    resource: str  # compute | comm:dp | comm:pp | host
     deps: tuple[str, ...] = ()
     flops: float = 0.0
     bytes: int = 0
+    micro_batch: int | None = None
+    bucket: int | None = None  # the gradient or parameter bucket a collective moves
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Everything one optimizer step does, in order, with its dependencies."""
+    """Everything one optimizer step does on a rank of pipeline stage ``stage``, in order, with
+    its dependencies. ``world_size`` is the data-parallel group's."""
 
     world_size: int
     gradient_accumulation_steps: int
@@ -69,6 +48,10 @@ class StepPlan:
     comm_dtype: str
     buckets: tuple[BucketPlan, ...]
     tasks: tuple[Task, ...] = field(default=())
+    stage: int = 0
+    stages: int = 1
+    schedule: str = "1f1b"
+    reduce_every_micro_batch: bool = False
 
     def bucket_of(self) -> dict[int, int]:
         """Parameter index -> bucket index."""
@@ -80,111 +63,31 @@ class StepPlan:
                 return t
         raise KeyError(f"no task named {name!r} in the step plan")
 
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
 
-def plan_buckets(
-    params: Sequence[tuple[str, tuple[int, ...], str, int]],
-    bucket_numel: int,
-    order: Sequence[int] | None = None,
-    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-    groups: Sequence[int] | None = None,
-) -> tuple[BucketPlan, ...]:
-    """Groups parameters into buckets.
-
-    Args:
-        params: (name, shape, dtype name, element size in bytes) of each trainable parameter,
-            in ``model.parameters()`` order.
-        bucket_numel: the most elements a bucket holds (``reduce_bucket_size``); a parameter
-            larger than that gets a bucket of its own.
-        order: parameter indices in gradient-ready order (observed on a first step); by default
-            the reverse of ``model.parameters()``, which is roughly when backward produces them.
-        first_bucket_bytes: the first bucket's cap in bytes, so communication starts early.
-        groups: each parameter's optimizer group; a bucket never mixes groups (ZeRO steps
-            a bucket's shard with one group's hyper-parameters).
-    """
-    if bucket_numel < 1:
-        raise ValueError(f"reduce_bucket_size must be at least 1 element, got {bucket_numel}")
-    n = len(params)
-    order = list(range(n - 1, -1, -1)) if order is None else list(order)
-    if sorted(order) != list(range(n)):
-        raise ValueError(f"gradient order must be a permutation of 0..{n - 1}, got {order}")
-    buckets: list[BucketPlan] = []
-    slots: list[ParamSlot] = []
-    filled = 0
-    dtype = None
-    group = 0
-
-    def close() -> None:
-        nonlocal slots, filled
-        if slots:
-            buckets.append(BucketPlan(len(buckets), str(dtype), tuple(slots), filled, group))
-        slots, filled = [], 0
-
-    for index in order:
-        name, shape, param_dtype, elem_size = params[index]
-        numel = 1
-        for d in shape:
-            numel *= d
-        cap = bucket_numel if buckets else min(bucket_numel, max(1, first_bucket_bytes // elem_size))
-        # Buckets hold one dtype: a single flat buffer and one collective per bucket.
-        param_group = groups[index] if groups is not None else 0
-        if slots and (param_dtype != dtype or param_group != group or filled + numel > cap):
-            close()
-        dtype, group = param_dtype, param_group
-        slots.append(ParamSlot(index, name, tuple(shape), numel, filled))
-        filled += numel
-    close()
-    return tuple(buckets)
+    def pass_order(self) -> list[tuple[str, int]]:
+        """The stage's passes in the order they run: (``forward`` | ``backward``, micro-batch)."""
+        return [(t.kind, t.micro_batch) for t in self.tasks
+                if t.kind in names.PASSES and t.micro_batch is not None]
 
 
-def plan_units(
-    params: Sequence[tuple[str, tuple[int, ...], str, int]],
-    units: Sequence[Sequence[int]],
-    *,
-    bucket_numel: int,
-    persistence_threshold: int,
-    groups: Sequence[int] | None = None,
-) -> tuple[BucketPlan, ...]:
-    """ZeRO stage 3's buckets: each module's own parameters (``units``, in module order) form
-    one partitioned bucket, gathered before the module runs and released after; a module's
-    parameters of at most ``persistence_threshold`` elements each stay whole on every rank and
-    are packed into ordinary buckets. Buckets follow backward order (last module first)."""
-    def numel_of(index: int) -> int:
-        n = 1
-        for d in params[index][1]:
-            n *= d
-        return n
-
-    buckets: list[BucketPlan] = []
-    resident: list[int] = []
-    for unit in reversed(units):
-        # a unit splits by dtype and optimizer group, like any bucket
-        keyed: dict[tuple[str, int], list[int]] = {}
-        for index in unit:
-            if numel_of(index) <= persistence_threshold:
-                resident.append(index)
-            else:
-                key = (params[index][2], groups[index] if groups is not None else 0)
-                keyed.setdefault(key, []).append(index)
-        for (dtype, group), members in keyed.items():
-            slots, filled = [], 0
-            for index in members:
-                name, shape = params[index][0], tuple(params[index][1])
-                slots.append(ParamSlot(index, name, shape, numel_of(index), filled))
-                filled += numel_of(index)
-            buckets.append(BucketPlan(len(buckets), dtype, tuple(slots), filled, group, True))
-    if resident:
-        sub = [params[i] for i in resident]
-        packed = plan_buckets(sub, bucket_numel, order=range(len(sub)), first_bucket_bytes=1 << 62,
-                              groups=[groups[i] for i in resident] if groups is not None else None)
-        for b in packed:
-            slots = tuple(ParamSlot(resident[s.index], s.name, s.shape, s.numel, s.offset)
-                          for s in b.slots)
-            buckets.append(BucketPlan(len(buckets), b.dtype, slots, b.numel, b.group, False))
-    return tuple(buckets)
+def gather_uses(uses: Stage3Uses, trace: Sequence[int]) -> list[list[tuple[int, str]]]:
+    """ZeRO-3: at each use position of one micro-batch, the (bucket, direction) of each
+    all-gather launched there, the direction being that of the use the gather serves (its
+    bucket's next use from there on: a forward use in the trace's first half)."""
+    out = []
+    for pos, launched in enumerate(uses.launched):
+        here = []
+        for b in launched:
+            use = next(p for p in range(pos, len(trace)) if trace[p] == b)
+            here.append((b, "fwd" if use < len(trace) // 2 else "bwd"))
+        out.append(here)
+    return out
 
 
 def build_step_plan(
-    params: Sequence[tuple[str, tuple[int, ...], str, int]],
+    params: Sequence[ParamSpec],
     *,
     world_size: int,
     gradient_accumulation_steps: int,
@@ -196,31 +99,73 @@ def build_step_plan(
     forward_flops: float = 0.0,
     groups: Sequence[int] | None = None,
     buckets: Sequence[BucketPlan] | None = None,
+    reduce_every_micro_batch: bool = False,
+    stage: int = 0,
+    stages: int = 1,
+    schedule: str = "1f1b",
+    stage3: tuple[Stage3Uses, Sequence[int]] | None = None,
 ) -> StepPlan:
-    """The plan of one data-parallel step: forward/backward per micro-batch, the reduce of each
-    bucket after the last micro-batch's backward (none inside the accumulation window), then the
-    optimizer step once every bucket is reduced. ``buckets`` overrides the bucketing (ZeRO
-    stage 3 passes ``plan_units``'s)."""
+    """The plan of one step of a rank of pipeline stage ``stage`` of ``stages`` (its
+    instructions in ``schedule`` order) in a data-parallel group of ``world_size``.
+
+    Gradients are reduced after the last micro-batch's backward (none inside the accumulation
+    window) or, with ``reduce_every_micro_batch`` (ZeRO 2-3), after each backward; then the step
+    waits for the reduces (``comm/wait``) and the optimizer steps. ``buckets`` overrides the
+    bucketing (ZeRO stage 3 passes ``plan_units``'s); ``stage3`` is ZeRO-3's gathers of one
+    micro-batch (``stage3_uses`` over the bucket use order, and that order), each named for the
+    use it serves."""
     buckets = tuple(buckets) if buckets is not None else \
         plan_buckets(params, bucket_numel, order, groups=groups)
+    gas = gradient_accumulation_steps
+    every = reduce_every_micro_batch and world_size > 1
     tasks: list[Task] = []
     previous: tuple[str, ...] = ()
-    gas = gradient_accumulation_steps
-    for mb in range(gas):
-        fwd = Task(f"forward/mb{mb}", "forward", "compute", previous, forward_flops)
-        bwd = Task(f"backward/mb{mb}", "backward", "compute", (fwd.name,), 2 * forward_flops)
-        tasks += [fwd, bwd]
-        previous = (bwd.name,)
     reduces: list[str] = []
-    if world_size > 1:
-        after = previous  # the last backward; buckets launch as it produces them
+    gathers = gather_uses(*stage3) if stage3 is not None else None
+    half = len(gathers) // 2 if gathers is not None else 0
+
+    def add(task: Task) -> str:
+        tasks.append(task)
+        return task.name
+
+    def add_gathers(mb: int, positions: range, before: tuple[str, ...]) -> tuple[str, ...]:
+        out: list[str] = []
+        for pos in positions:
+            for b, direction in (gathers or [])[pos]:
+                chain = before + ((out[-1],) if out else ())
+                out.append(add(Task(names.gather(b, direction, mb), "gather", "comm:dp", chain,
+                                    bytes=buckets[b].numel * params[0][3] if params else 0,
+                                    micro_batch=mb, bucket=b)))
+        return tuple(out)
+
+    def add_reduces(mb: int | None, after: tuple[str, ...]) -> None:
         for bucket in buckets:
             deps = after + ((reduces[-1],) if reduces else ())  # launched in bucket order
-            task = Task(bucket.task_name, "reduce", "comm:dp", deps,
-                        bytes=bucket.numel * comm_elem_size)
-            tasks.append(task)
-            reduces.append(task.name)
+            reduces.append(add(Task(names.reduce(bucket.index, mb), "reduce", "comm:dp", deps,
+                                    bytes=bucket.numel * comm_elem_size, micro_batch=mb,
+                                    bucket=bucket.index)))
+
+    for op in stage_ops(schedule, stage, stages, gas):
+        mb = op.mb
+        if op.kind in _PIPE_KINDS:
+            kind, resource = _PIPE_KINDS[op.kind]
+            name = add(Task(names.pipe_op(op.kind, mb), kind, resource, previous,
+                            micro_batch=mb))
+            if kind == "recv":
+                previous = (name,)
+            continue
+        forward = op.kind == "forward"
+        positions = range(0, half) if forward else range(half, 2 * half)
+        waits = add_gathers(mb, positions, previous) if gathers is not None else ()
+        flops = forward_flops if forward else 2 * forward_flops
+        previous = (add(Task(names.pass_task(op.kind, mb), op.kind, "compute", previous + waits,
+                             flops, micro_batch=mb)),)
+        if not forward and world_size > 1 and (every or mb == gas - 1):
+            # buckets launch as the backward produces them
+            add_reduces(mb if every and gas > 1 else None, previous)
+    if world_size > 1:
+        previous = (add(Task(names.COMM_WAIT, "wait", "compute", previous + tuple(reduces[-1:]))),)
     total = sum(b.numel for b in buckets)
-    tasks.append(Task("optimizer/step", "optimizer", "compute", previous + tuple(reduces),
-                      bytes=total * 16))
-    return StepPlan(world_size, gas, micro_batch_size, comm_dtype, buckets, tuple(tasks))
+    add(Task(names.OPTIMIZER_STEP, "optimizer", "compute", previous, bytes=total * 16))
+    return StepPlan(world_size, gas, micro_batch_size, comm_dtype, buckets, tuple(tasks), stage,
+                    stages, schedule, every)

@@ -1,4 +1,5 @@
-"""ZeRO-3's parameter gathers over one micro-batch, replayed as the engine decides them."""
+"""ZeRO-3's parameter gathers over one micro-batch, replayed as the engine's ``Stage3Params``
+decides them (prefetch window, keep-for-backward, live limit)."""
 
 from __future__ import annotations
 
