@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowtrain.plan import names
 from sims.executor import Timeline
 
 CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
@@ -108,7 +109,7 @@ def _read_stages(root: Path) -> tuple[dict[str, Any], ...]:
 
 
 def _class_of(name: str) -> str:
-    return name.split("/", 1)[0]
+    return names.task_class(name)
 
 
 def measured_classes(run: RunRecord) -> tuple[dict[str, float], int]:
@@ -165,7 +166,7 @@ def _stage_classes(timeline: Timeline, stage: int, own_start: bool) -> dict[str,
     passes: dict[str, list[float]] = {}
     for i, t in enumerate(tasks):
         if t.stage == stage and t.kind in ("forward", "backward"):
-            key = "/".join(t.name.split("/")[:2])
+            key = names.span_key(t.name)
             span = passes.setdefault(key, [start[i], end[i]])
             span[0], span[1] = min(span[0], start[i]), max(span[1], end[i])
     # the engine's own work between passes (the loss, the step's bookkeeping, pipeline
@@ -188,9 +189,10 @@ def _stage_classes(timeline: Timeline, stage: int, own_start: bool) -> dict[str,
             finish = end[i]
             out[t.kind] = out.get(t.kind, 0.0) + finish - min(ready, start[i])
     post = [i for i, t in enumerate(tasks[:timeline.planned]) if t.stage == stage and
-            t.kind in _AFTER_STEP and "/mb" not in t.name]
-    first_step = [i for i in post if tasks[i].kind == "optimizer" or tasks[i].name.startswith(
-        "copy/d2h/")]
+            t.kind in _AFTER_STEP and names.micro_batch_of(t.name) is None]
+    # the step starts with the optimizer, or with an offloaded gradient's copy down
+    first_step = [i for i in post if tasks[i].kind == "optimizer" or
+                  tasks[i].resource == "copy:d2h"]
     if first_step:
         out["optimizer"] = max(end[i] for i in post) - min(start[i] for i in first_step)
     return out

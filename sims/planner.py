@@ -598,7 +598,8 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
     else:
         split = split_stages(work.params, layout.pp)
     for s, indices in enumerate(split):
-        params = [tp_shard(work.params[i], layout.tp) for i in indices]
+        params = [work.params[i] if work.split_for_tp else tp_shard(work.params[i], layout.tp)
+                  for i in indices]
         weights = [weights_all[i] for i in indices]
         if work.stage_flops_per_sample:
             flops = work.stage_flops_per_sample[s]

@@ -18,7 +18,7 @@ LANES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("reduce", ("reduce",), "▓", "blue"),
     ("gather", ("gather",), "▒", "cyan"),
     ("optimizer", ("optimizer",), "█", "magenta"),
-    ("wait", ("comm/wait", "comm"), "░", "yellow"),
+    ("wait", ("comm",), "░", "yellow"),
 )
 OTHER = ("other", (), "·", "white")
 LABEL_WIDTH = 10

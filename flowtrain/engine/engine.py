@@ -30,7 +30,7 @@ from flowtrain.engine.surface import EngineSurface
 from flowtrain.engine.timing import StepTimer
 from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger
-from flowtrain.plan import StepPlan, build_step_plan
+from flowtrain.plan import StepPlan, build_step_plan, names
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
 
 log = get_logger("flowtrain.engine")
@@ -219,7 +219,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             gradient_accumulation_steps=self.config.gradient_accumulation_steps,
             micro_batch_size=self.config.train_micro_batch_size_per_gpu,
             bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
-            comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order)
+            comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order,
+            reduce_every_micro_batch=self.transient)
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         buckets = GradBuckets(self.trainable, plan.buckets,
@@ -256,12 +257,12 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
-        if self.stage3 is not None and torch.is_grad_enabled():
-            self.stage3.start_micro_batch()
         mb = self.micro_steps % self.config.gradient_accumulation_steps
+        if self.stage3 is not None and torch.is_grad_enabled():
+            self.stage3.start_micro_batch(mb)
         if self._plan_pending:
             return self._forward_counting_flops(args, kwargs, mb)
-        with self.timer.span("forward", f"forward/mb{mb}"):
+        with self.timer.span("forward", names.forward(mb)):
             return self._run_module(args, kwargs)
 
     def _run_module(self, args: Any, kwargs: Any) -> Any:
@@ -278,7 +279,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
         self._plan_pending = False
         census = OpCensus()
-        with census, self.timer.span("forward", f"forward/mb{mb}"):
+        with census, self.timer.span("forward", names.forward(mb)):
             out = self._run_module(args, kwargs)
         summary = census.summary()
         self.health.forward_flops = summary["matmul_flops"] + summary["attention_flops"]
@@ -337,7 +338,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.buckets.on_bucket_ready = self._bucket_ready if reduce_now else None
         self.buckets.record_order = reduce_now and not self._order_settled
         mb = self.micro_steps % self.config.gradient_accumulation_steps
-        with self.timer.span("backward", name or f"backward/mb{mb}"):
+        if self.stage3 is not None:
+            self.stage3.start_backward()
+        with self.timer.span("backward", name or names.backward(mb)):
             run()
         self.buckets.on_bucket_ready = None
         self.buckets.record_order = False
@@ -347,10 +350,19 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 if index not in self._handed:
                     self._bucket_ready(index)
             if not boundary:
-                self.reducer.send_from_thread(EndMicroBatch(self.global_steps))
+                self.reducer.send_from_thread(EndMicroBatch(self.global_steps,
+                                                            self._reduce_micro_batch()))
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._send_stage("micro_batch", MicroBatchEnd(self.global_steps, self.micro_steps))
+
+    def _reduce_micro_batch(self, micro_step: int | None = None) -> int | None:
+        """The micro-batch a reduce belongs to when every micro-batch reduces (ZeRO 2-3 with
+        accumulation: the plan names each micro-batch's reduce), else None (once a step)."""
+        gas = self.config.gradient_accumulation_steps
+        if not self.transient or gas == 1:
+            return None
+        return (self.micro_steps if micro_step is None else micro_step) % gas
 
     def _bucket_ready(self, index: int) -> None:
         if not self.transient:
@@ -358,7 +370,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             return
         self._handed.add(index)
         self.reducer.send_from_thread(BucketReady(index, self.global_steps,
-                                                  self.buckets.take(index)))
+                                                  self.buckets.take(index),
+                                                  self._reduce_micro_batch()))
         if self.stage3 is not None:
             self.stage3.backward_done(index)
 
@@ -370,8 +383,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if not boundary:
             return
         if self.reducer is not None and not self._no_sync:
-            with self.timer.span("comm", "comm/wait"):
-                report = self.reducer.ask_from_thread(Flush(self.global_steps))
+            with self.timer.span("comm", names.COMM_WAIT):
+                report = self.reducer.ask_from_thread(
+                    Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
             self.timer.record_spans(report.spans)
         elif self.stages["bucket_full"] or self.stages["after_reduce"]:
             # One rank has no reducer; the stages still see every bucket, in the same order.
@@ -380,7 +394,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                     ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
                 for ref in self.stages["after_reduce"]:
                     ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
-        with self.timer.span("optimizer", "optimizer/step"):
+        with self.timer.span("optimizer", names.OPTIMIZER_STEP):
             skipped = self._optimizer_step()
         if self.stage3 is not None:
             self.stage3.end_step()

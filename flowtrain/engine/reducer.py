@@ -15,6 +15,7 @@ from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.stages import BucketFull, BucketReduced, Stages
 from flowtrain.engine.timing import completion_stamp, stamped_end
+from flowtrain.plan import names
 from flowtrain.runtime.actor import Actor, handler
 
 
@@ -24,6 +25,9 @@ class BucketReady:
     step: int
     # ZeRO stages 2-3: the bucket's transient buffer, handed over (None: buckets.flat[index])
     buffer: torch.Tensor | None = None
+    # the micro-batch whose gradients these are, when every micro-batch reduces (the plan
+    # names such a reduce by its micro-batch); None: once a step
+    micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,13 @@ class EndMicroBatch:
     bucket was handed over) without the optimizer waiting for them."""
 
     step: int
+    micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
 class Flush:
     step: int
+    micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class BucketReducer(Actor):
         self._spans: list[tuple[str, float, float]] = []
         self._comm_buffers: dict[int, torch.Tensor] = {}
         self._step = 0
+        self._micro_batch: int | None = None  # of the buckets now launching
+        self._task_names: dict[int, str] = {}  # in-flight bucket -> its plan task name
 
     def use_buckets(self, buckets: GradBuckets) -> None:
         """Switches to a new bucket layout (after the gradient order was observed)."""
@@ -91,6 +99,7 @@ class BucketReducer(Actor):
     @handler
     async def ready(self, msg: BucketReady) -> None:
         self._step = msg.step
+        self._micro_batch = msg.micro_batch
         self._ready[msg.index] = msg.buffer
         while self._next in self._ready:
             await self._launch(self._next, self._ready.pop(self._next))
@@ -110,7 +119,7 @@ class BucketReducer(Actor):
             await self._await(index, work, buffer)
             self._finish(index, buffer)
             self.buckets.release(source)
-            self._spans.append((f"reduce/bucket{index}", launched, stamped_end(stamp)))
+            self._spans.append((self._task_names.pop(index), launched, stamped_end(stamp)))
             done += 1
         del self._inflight[:done]
 
@@ -128,11 +137,13 @@ class BucketReducer(Actor):
     @handler
     async def end_micro_batch(self, msg: EndMicroBatch) -> None:
         self._step = msg.step
+        self._micro_batch = msg.micro_batch
         await self._drain(final=False)
 
     @handler
     async def flush(self, msg: Flush) -> ReduceReport:
         self._step = msg.step
+        self._micro_batch = msg.micro_batch
         await self._drain(final=True)
         report = ReduceReport(tuple(self._spans))
         self._spans.clear()
@@ -149,7 +160,7 @@ class BucketReducer(Actor):
             self._finish(index, buffer)
             if self.buckets.transient:
                 self.buckets.release(source)
-            self._spans.append((f"reduce/bucket{index}", launched, stamped_end(stamp)))
+            self._spans.append((self._task_names.pop(index), launched, stamped_end(stamp)))
             if not final:
                 continue
             if self.on_reduced is not None:
@@ -176,6 +187,7 @@ class BucketReducer(Actor):
         pre = 1.0 / self.world_size if self.prescale else 1.0 / self.predivide
         if pre != 1.0:
             buffer.mul_(pre)
+        self._task_names[index] = names.reduce(index, self._micro_batch)
         launched = time.perf_counter()
         if self.shards is not None:
             work, buffer = self._launch_scatter(index, buffer)

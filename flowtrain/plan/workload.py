@@ -97,6 +97,9 @@ class Workload:
     # stage order), which the planner uses for that stage instead of a share of the model's.
     # Empty: stages share the model's census by their FLOPs.
     stage_census: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
+    # The parameters are one tensor-parallel rank's own (a run's record of a split model),
+    # not the whole model's: the planner takes them as they are instead of splitting them.
+    split_for_tp: bool = False
 
     @staticmethod
     def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
@@ -130,7 +133,11 @@ class Workload:
         params = tuple((str(n), tuple(int(d) for d in s), str(dt), int(e))
                        for n, s, dt, e in plan["param_specs"])
         flops = float(plan["forward_flops_per_micro_batch"]) / micro_batch_size
-        return cls(name, params, flops, **cls.census_fields(
+        tp_section = plan.get("config", {}).get("tensor_parallel") or {}
+        tp = int(tp_section.get("tp_size") or tp_section.get("autotp_size") or 1)
+        # a tensor-parallel rank recorded its own parameters and FLOPs; the planner divides a
+        # stage's FLOPs among the tp ranks, so it is given the group's
+        return cls(name, params, flops * tp, split_for_tp=tp > 1, **cls.census_fields(
             plan.get("forward_ops_per_micro_batch"), micro_batch_size))
 
     @classmethod

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from flowtrain.plan import names
 from flowtrain.telemetry.files import TELEMETRY_FILE, TelemetryDamage, find_run, read_records
 
 TRACE_FILE = "trace.json"
@@ -85,7 +86,7 @@ def place_steps(steps: list[tuple[int, list[Span]]], anchors: dict[int, float]) 
 
 
 def track_of(name: str) -> str:
-    head = name.split("/", 1)[0]
+    head = names.task_class(name)
     return TRACKS.get(head, head)
 
 

@@ -20,6 +20,7 @@ import torch
 from flowtrain import comm
 from flowtrain.engine.timing import completion_stamp, stamped_end
 from flowtrain.log import get_logger
+from flowtrain.plan import names
 from flowtrain.runtime.actor import Actor, handler
 
 log = get_logger("flowtrain.zero")
@@ -29,6 +30,9 @@ log = get_logger("flowtrain.zero")
 class Gather:
     need: tuple[int, ...]  # buckets needed now, in this order
     prefetch: tuple[int, ...] = ()  # buckets to start gathering for the coming uses
+    # the use that needs them (the plan names a gather by the pass and micro-batch it serves)
+    direction: str = "fwd"
+    micro_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ class ParamFetcher(Actor):
             work, full, launched, stamp = self._inflight.pop(b)
             await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} "
                                   f"({full.numel()} x {full.dtype})", self.timeout)
-            spans.append((f"gather/bucket{b}", launched, stamped_end(stamp)))
+            spans.append((names.gather(b, msg.direction, msg.micro_batch), launched,
+                          stamped_end(stamp)))
             out.append(full)
         return Gathered(tuple(out), tuple(spans))
 
@@ -103,6 +108,8 @@ class Stage3Params:
         self._pos = 0
         self._in_micro_batch = False
         self._keep: set[int] = set()  # kept after forward: backward needs them, no hook saw it
+        self._direction = "fwd"  # the pass now running, and its micro-batch
+        self._micro_batch = 0
         self.spans: list[tuple[str, float, float]] = []
         self._numel = [b.numel for b in zero.plan]
         index = {id(p): i for i, p in enumerate(params)}
@@ -155,7 +162,9 @@ class Stage3Params:
         need = tuple(b for b in units if b not in self.live)
         if not need and not prefetch:
             return
-        reply = self.fetcher.ask_from_thread(Gather(need, tuple(prefetch)), timeout=self.timeout)
+        reply = self.fetcher.ask_from_thread(
+            Gather(need, tuple(prefetch), self._direction, self._micro_batch),
+            timeout=self.timeout)
         self.spans.extend(reply.spans)
         for b, full in zip(need, reply.buffers):
             self.zero.attach(b, full)
@@ -222,12 +231,18 @@ class Stage3Params:
 
     # -- micro-batches and steps -------------------------------------------------------------------
 
-    def start_micro_batch(self) -> None:
-        """A training forward begins (the engine's forward with grad enabled)."""
+    def start_micro_batch(self, micro_batch: int = 0) -> None:
+        """A training forward of micro-batch ``micro_batch`` (of the step) begins (the engine's
+        forward with grad enabled)."""
         self._in_micro_batch = True
         self._pos = 0
+        self._direction, self._micro_batch = "fwd", micro_batch
         if self.trace is None and self._recording is None:
             self._recording = []
+
+    def start_backward(self) -> None:
+        """The micro-batch's backward begins: the gathers from here on serve it."""
+        self._direction = "bwd"
 
     def end_backward(self) -> None:
         """Backward is over: whatever is still gathered goes, and the first pass's order becomes
