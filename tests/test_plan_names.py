@@ -1,7 +1,7 @@
 """One plan, two executors: the spans a launched run records are, name for name, the tasks of
-the step plan that ``flowtrain simulate`` builds for it with ``flowtrain.plan``, for data
-parallel, ZeRO-3 (reduce-scatters every micro-batch, gathers around each use), a 2-stage pipeline and tensor x data parallel; and every task the
-simulator prices belongs to one of those plan tasks."""
+the step plan that ``flowtrain simulate`` builds for it with ``flowtrain.plan`` (data parallel,
+ZeRO-3 with its per-micro-batch reduce-scatters and gathers, a 2-stage pipeline, tensor x data
+parallel); and every task the simulator prices belongs to one of those plan tasks."""
 
 from __future__ import annotations
 
