@@ -51,6 +51,7 @@ from flowtrain.plan.workload import numel as _numel
 from sims import costs
 from sims.executor import SimTask
 from sims.plan_tasks import Tasks, one_f_one_b, pipeline_tasks, segments
+from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
            "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan", "config_bucket_numel",
@@ -60,8 +61,6 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISI
 # The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
 # DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-# ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
-PIPELINE_JOB_RANKS = 2
 
 
 @dataclass(frozen=True)
@@ -96,91 +95,18 @@ def config_bucket_numel(zero: Any, elem_size: int) -> int:
     return DEFAULT_BUCKET_BYTES // elem_size
 
 
-class _StageBuilder:
-    """Builds one pipeline stage's tasks into a shared ``Tasks``."""
+class _StageBuilder(StageCosts):
+    """Builds one pipeline stage's tasks into a shared ``Tasks``, each task priced by the
+    stage's ``StageCosts``."""
 
     def __init__(self, plan: Tasks, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  work: Workload, params: list[ParamSpec], weights: list[int], total_weight: int,
                  stage_flops: float, micro_batches: int, micro_batch: int, dtype: str,
                  comm_elem: int, comm_dtype: str) -> None:
-        self.plan, self.stage, self.layout, self.hw = plan, stage, layout, hw
-        self.zero = cfg.zero_optimization
-        self.m, self.mb = micro_batches, micro_batch
-        self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
-        self.stage_no = self.zero.stage
-        self.partitioned = self.stage_no == 3 and self.dp > 1
-        self.params = params
-        self.comm_elem = comm_elem
-        self.param_elem = params[0][3] if params else 2
-        self.gpu = getattr(hw, "kind", "gpu") == "gpu"
-        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
-        self.fp16 = cfg.precision == "fp16"
-        # A CPU host calibrated with the engine's own costs (float32: what was measured)
-        self.engine = None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
-        ranks_here = layout.devices_per_node
-        self.threads = costs.rank_threads(ranks_here, hw) if not self.gpu else 1
-        # ranks sharing this host's cores compute, and stream memory, slower (1 on GPUs)
-        self.slowdown = costs.compute_slowdown(ranks_here, hw) if not self.gpu else 1.0
-        self.memory_slowdown = costs.compute_slowdown(ranks_here, hw, memory=True) \
-            if not self.gpu else 1.0
-        # what a launched engine job on this many ranks took over the isolated measurements
-        # ... and what its other work takes from each step's forwards and backwards, spread
-        # over the step's micro-batches
-        engine = self.engine
-        self.forward_factor = engine.factor(ranks_here, "forward") if engine else 1.0
-        self.backward_factor = engine.factor(ranks_here, "backward") if engine else 1.0
-        self.forward_extra_s = engine.factor(ranks_here, "forward_s") / micro_batches \
-            if engine else 0.0
-        self.backward_extra_s = engine.factor(ranks_here, "backward_s") / micro_batches \
-            if engine else 0.0
-        self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
-            if self.engine else 1.0
-        # between a micro-batch's forward and backward, and per step (flush, bookkeeping),
-        # as the launched job showed; a pipeline engine computes the loss inside its forward
-        self.micro_batch_s = self.engine.factor(ranks_here, "micro_batch_s") \
-            if self.engine is not None and self.pp == 1 else 0.0
-        self.step_s = self.engine.factor(ranks_here, "step_s") \
-            if self.engine is not None and self.pp == 1 else 0.0
-        self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
-            if self.engine is not None and self.dp > 1 else 0.0
-        # ZeRO-3's hooks: each module use handed to the parameter fetcher, and each
-        # partitioned module's backward bookkeeping, as the launched ZeRO-3 job showed them
-        self.fetch_s = self.engine.factor(ranks_here, "zero3_fetch_s") \
-            if self.engine is not None and self.partitioned else 0.0
-        self.release_s = self.engine.factor(ranks_here, "zero3_backward_s") \
-            if self.engine is not None and self.partitioned else 0.0
-        # each full bucket's hand-off to the reducer, and each reduce's own overhead, as the
-        # launched job's small-bucket run showed them
-        self.bucket_s, self.reduce_s = (
-            self.engine.factor(ranks_here, kind) if self.engine is not None and self.dp > 1
-            else 0.0 for kind in ("bucket_s", "reduce_s"))
-        # calibration timed a data-parallel group's collectives with only its ranks on the
-        # host; where more ranks share it (pipeline stages, tensor-parallel groups), the
-        # collective's copying and summing wait for cores as compute does
-        self.comm_crowding = self.slowdown / costs.compute_slowdown(self.dp, hw) \
-            if self.engine is not None and 1 < self.dp < ranks_here else 1.0
-        # a pipeline stage's hand-offs per instruction, and per message delivered, as the
-        # 2-rank pipeline job measured them: thread hand-offs that wait for a core, so with more
-        # ranks sharing the host they take as much longer as its compute does
-        pipelined = self.engine is not None and self.pp > 1
-        crowding = self.slowdown / costs.compute_slowdown(PIPELINE_JOB_RANKS, hw) \
-            if pipelined else 1.0
-        self.op_s = self.engine.pipeline_op_s * crowding if pipelined else 0.0
-        self.message_s = self.engine.pipeline_message_s * crowding if pipelined else 0.0
-        # model-parallel clipping sums the gradient norm over every rank (one all-reduce of
-        # the world), and the pipeline broadcasts the step's loss from the last stage
-        self.world_norm_s = costs.collective_seconds(
-            "all_reduce", 8, layout.world_size, hw) + self.engine.factor(ranks_here, "gloo_s") \
-            if pipelined and self.clip else 0.0
-        self.loss_broadcast_s = costs.collective_seconds("broadcast", 4, self.pp, hw) \
-            if pipelined else 0.0
-        # the engine reduces over its shared-memory channel when every rank of a
-        # data-parallel-only job is a CPU rank on one host (flowtrain.engine.FlowtrainEngine)
-        self.channel = (self.engine is not None and bool(self.engine.channel)
-                        and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
-                        and cfg.flowtrain.data_channel != "torch")
-        self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
-        self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
+        super().__init__(stage, layout=layout, hw=hw, cfg=cfg, params=params,
+                         micro_batches=micro_batches, micro_batch=micro_batch, dtype=dtype,
+                         comm_elem=comm_elem)
+        self.plan = plan
         self.segments = segments(params, self.partitioned)
         seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         units = [seg.params for seg in self.segments] if self.partitioned else None
@@ -216,93 +142,6 @@ class _StageBuilder:
                 if stage > 0 else 0.0
         self.tp_s = 2 * costs.collective_seconds("all_reduce", self.act_bytes, self.tp, hw,
                                                  nodes=1) if self.tp > 1 else 0.0
-        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
-
-    def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
-                       cfg: Any) -> None:
-        """Each segment's forward and backward seconds: one roofline op per parameter (so the
-        efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count.
-        On a host with the engine's measured costs, one op per module instead (a Linear's
-        weight and bias are one call), timed as the engine runs it."""
-        scale = self.stage_flops * self.mb / max(1, sum(weights)) / self.tp
-        act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
-        recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
-        if self.engine is not None:
-            self._cost_engine_segments(work, weights, recompute)
-            return
-        for seg in self.segments:
-            for i in seg.params:
-                numel = _numel(self.params[i][1])
-                flops = weights[i] * scale
-                moved = numel * self.param_elem + weights[i] * act_scale
-                fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
-                bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
-                seg.forward_s += fwd
-                seg.backward_s += bwd + (fwd if recompute else 0.0)
-
-    def _cost_engine_segments(self, work: Workload, weights: list[int], recompute: bool) -> None:
-        """Forward and backward per module at the rank's measured pass rates (its thread count,
-        slowed by the ranks sharing the host). ZeRO 2-3 backward also adds each gradient into a
-        pooled bucket buffer (``GradBuckets`` transient mode): a zeroed buffer, then a read of
-        the gradient and a read-modify-write of the buffer, 16 bytes per element. The forward's
-        other ops (its census: norms, activations, attention, ...) at their measured costs are
-        shared among the modules as their FLOPs are."""
-        census = self._stage_census(work)
-        scale = (self.stage_flops - census["attention_flops_per_sample"]) * self.mb / \
-            max(1, sum(weights)) / self.tp
-        stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
-        other = self._other_ops(census)
-        for seg in self.segments:
-            modules: dict[str, list[int]] = {}
-            for i in seg.params:
-                modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
-            for members in modules.values():
-                share = sum(weights[i] for i in members) / max(1, sum(weights))
-                flops = sum(weights[i] for i in members) * scale
-                numel = sum(_numel(self.params[i][1]) for i in members)
-                weight_bytes = 4.0 * numel  # the engine's costs are float32's
-                fwd = (costs.pass_seconds("forward", flops, self.threads, self.hw,
-                                          weight_bytes) +
-                       other["forward"] * share) * self.slowdown * self.forward_factor
-                bwd = (costs.pass_seconds("backward", 2 * flops, self.threads, self.hw,
-                                          weight_bytes) +
-                       other["backward"] * share) * self.slowdown * self.backward_factor + \
-                    numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
-                seg.forward_s += fwd
-                seg.backward_s += bwd + (fwd if recompute else 0.0)
-        if self.segments:
-            self.segments[0].forward_s += self.forward_extra_s
-            self.segments[-1].backward_s += self.backward_extra_s
-
-    def stage_share(self, work: Workload) -> float:
-        """This stage's part of the model's forward FLOPs (1 without pipeline stages)."""
-        total = work.forward_flops_per_sample
-        return self.stage_flops / total if total > 0 else 1.0
-
-    def _stage_census(self, work: Workload) -> dict[str, Any]:
-        """This pipeline stage's census of one sample's forward (``Workload.census_fields``):
-        its own where the run recorded one per stage, else its FLOPs' share of the model's."""
-        if work.stage_census:
-            return {"op_census": (), "attention_calls": 0.0, "attention_flops_per_sample": 0.0,
-                    **work.stage_census[self.stage]}
-        share = self.stage_share(work)
-        return {"op_census": tuple((cls, calls * share, elements * share)
-                                   for cls, calls, elements in work.op_census),
-                "attention_calls": work.attention_calls * share,
-                "attention_flops_per_sample": work.attention_flops_per_sample * share}
-
-    def _other_ops(self, stage: dict[str, Any]) -> dict[str, float]:
-        """Seconds of this stage's census ops (``_stage_census``) in one micro-batch, per pass
-        kind, at the rank's thread count (split evenly over tensor-parallel ranks)."""
-        if not (stage["op_census"] or stage["attention_calls"]) or self.engine is None:
-            return {"forward": 0.0, "backward": 0.0}
-        census = [(cls, calls / self.tp, elements * self.mb / self.tp)
-                  for cls, calls, elements in stage["op_census"]]
-        if stage["attention_calls"]:
-            census.append(("attention", stage["attention_calls"] / self.tp,
-                           stage["attention_flops_per_sample"] * self.mb / self.tp))
-        return {kind: self.engine.op_seconds(self.threads, kind, census)
-                for kind in ("forward", "backward")}
 
     def _stage3_uses(self) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -324,17 +163,6 @@ class _StageBuilder:
 
     # -- durations ---------------------------------------------------------------------------
 
-    def _collective(self, op: str, nbytes: float) -> float:
-        """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
-        what such a call took beside a live engine over the bare ranks' figure, and slowed
-        as compute is where more ranks than the group's share the host."""
-        return costs.collective_seconds(op, nbytes, self.dp, self.hw,
-                                        nodes=self.layout.dp_nodes) * self.comm_crowding + \
-            self.gloo_s
-
-    def _shard(self, numel: int) -> int:
-        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
-
     # -- passes ------------------------------------------------------------------------------
 
     def build(self) -> None:
@@ -351,18 +179,16 @@ class _StageBuilder:
                                     self.micro_batch_s, [last])
                 if s < self.pp - 1:
                     plan.add(s, names.pipe_op("send_act", k), "send", "comm:pp",
-                             costs.p2p_seconds(self.send_bytes, self.hw,
-                                               self.layout.pipe_link_inter_node(s))
-                             + self.message_s, [last], nbytes=self.send_bytes)
+                             self.send_seconds(self.send_bytes, s), [last],
+                             nbytes=self.send_bytes)
             else:
                 refs = [(s + 1, names.pipe_op("send_grad", k))] if s < self.pp - 1 else []
                 last, refs = self._handoff("backward", k, last, refs)
                 last = self._backward(k, last, refs, reduces)
                 if s > 0:
                     plan.add(s, names.pipe_op("send_grad", k), "send", "comm:pp",
-                             costs.p2p_seconds(self.recv_bytes, self.hw,
-                                               self.layout.pipe_link_inter_node(s - 1))
-                             + self.message_s, [last], nbytes=self.recv_bytes)
+                             self.send_seconds(self.recv_bytes, s - 1), [last],
+                             nbytes=self.recv_bytes)
         if self.step_s:
             last = plan.add(s, names.overhead("step"), "overhead", "compute", self.step_s,
                             [last, reduces[-1] if reduces else None])
@@ -456,20 +282,7 @@ class _StageBuilder:
     def _reduce(self, bucket: BucketPlan, mb: int | None, after: int,
                 reduces: list[int]) -> int:
         nbytes = bucket.numel * self.comm_elem
-        seconds = costs.channel_seconds(self.reduce_op, nbytes, self.dp, self.hw) \
-            if self.channel else None
-        share = slowed = None
-        if seconds is None:
-            seconds = self._collective(self.reduce_op, nbytes)
-        else:
-            assert self.engine is not None
-            share, slowed = self.engine.channel_interference, self.engine.channel_slowdown
-        if self.engine is not None:
-            # the reducer then scales the sum by 1 / dp: a multiply over the bucket (read +
-            # write), or an add of the scattered shard into the gradient shard (2 reads + write)
-            scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
-            seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
-        seconds += self.reduce_s
+        seconds, share, slowed = self.reduce_seconds(nbytes)
         return self.plan.add(self.stage, names.reduce(bucket.index, mb), "reduce", "comm:dp",
                              seconds, [after, reduces[-1] if reduces else None], nbytes=nbytes,
                              interference=share, slowdown=slowed)
@@ -513,27 +326,6 @@ class _StageBuilder:
                 for b in self.uses.gathered_for[pos]]
 
     # -- optimizer -----------------------------------------------------------------------------
-
-    def _optimizer_seconds(self, numel: int) -> float:
-        """The optimizer step over ``numel`` stepped elements. With the engine's measured costs
-        it is what the engine's step does: its fused Adam called once per parameter (stage 0)
-        or per bucket shard (ZeRO), a gradient-norm pass and a clip multiply when clipping
-        (read, then read + write), and zeroing the gradients (whole buckets at stages 0-1, the
-        shards at 2-3), at the compute slowdown of ranks sharing the host."""
-        if self.engine is None:
-            return costs.optimizer_seconds(numel, self.hw)
-        calls = len(self.params) if self.stage_no == 0 else len(self.buckets)
-        kernel = costs.optimizer_seconds(numel, self.hw, calls=calls,
-                                         memory_slowdown=self.memory_slowdown)
-        whole = sum(b.numel for b in self.buckets)
-        zeroed = whole if self.stage_no <= 1 or self.dp == 1 else numel
-        passes = zeroed * self.comm_elem + (numel * 12 if self.clip else 0)
-        seconds = (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
-            self.optimizer_factor
-        if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
-            # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
-            seconds += self._collective("all_reduce", 8)
-        return seconds + self.world_norm_s
 
     def _step(self, last: int | None, last_reduce: int | None) -> None:
         s, plan = self.stage, self.plan

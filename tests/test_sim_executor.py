@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from flowtrain.config import load_config
-from sims import planner
+from sims import planner, stage_costs
 from sims.executor import SimTask, execute, step_figures
 from sims.planner import Layout, Workload, build_plan, one_f_one_b, pipeline_tasks, stage3_uses
 from sims.trace import trace_events, write_trace
@@ -132,6 +132,13 @@ def test_pipeline_sends_lengthen_fill_and_drain(p: int, m: int) -> None:
 
 # -- planner over a cost model whose figures are easy to add up by hand ------------------------
 
+def fake_costs(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    """Prices every task of the planner (and the stage's costs it lays them out with) by
+    ``fake`` instead of the cost model."""
+    monkeypatch.setattr(planner, "costs", fake)
+    monkeypatch.setattr(stage_costs, "costs", fake)
+
+
 def _fake_costs(reduce_s: float) -> Any:
     return SimpleNamespace(
         compute_seconds=lambda flops, nbytes, dtype, hw: flops / 1e12,
@@ -162,7 +169,7 @@ def _config(stage: int, gas: int = 1, dp: int = 2, **zero: Any) -> Any:
 ])
 def test_reduce_overlap_with_backward(monkeypatch: pytest.MonkeyPatch, reduce_s: float,
                                       step: float, exposed: float, overlap: float) -> None:
-    monkeypatch.setattr(planner, "costs", _fake_costs(reduce_s))
+    fake_costs(monkeypatch, _fake_costs(reduce_s))
     plan = build_plan(_four_layers(), _config(0), Layout(1, 2), SimpleNamespace(kind="gpu"))
     timeline = execute(plan.tasks)
     spans = {t.name: (a, b) for t, a, b in timeline.spans()}
@@ -176,7 +183,7 @@ def test_reduce_overlap_with_backward(monkeypatch: pytest.MonkeyPatch, reduce_s:
 
 
 def test_zero_stages_add_the_engines_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "costs", _fake_costs(1.0))
+    fake_costs(monkeypatch, _fake_costs(1.0))
     hw = SimpleNamespace(kind="gpu")
 
     def names(cfg: Any) -> list[str]:
@@ -243,7 +250,7 @@ def _llama_like(layers: int) -> Workload:
 
 def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """One representative rank per stage: 1,024 ranks simulate about as fast as 8."""
-    monkeypatch.setattr(planner, "costs", _fake_costs(0.01))
+    fake_costs(monkeypatch, _fake_costs(0.01))
     work = _llama_like(16)
     hw = SimpleNamespace(kind="gpu")
 
@@ -264,7 +271,7 @@ def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatc
 
 
 def test_trace_has_a_track_per_resource(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "costs", _fake_costs(0.5))
+    fake_costs(monkeypatch, _fake_costs(0.5))
     plan = build_plan(_llama_like(4), _config(1, gas=4, dp=2), Layout(1, 8, tp=2, pp=2),
                       SimpleNamespace(kind="gpu"))
     timeline = execute(plan.tasks)

@@ -1,0 +1,245 @@
+"""What one pipeline stage's tasks cost: the factors a step's tasks are priced with (compute and
+memory slowdown of ranks sharing a host, a calibrated CPU host's measured engine costs, the
+collective and channel each reduce goes over), and the seconds of each pass, collective and
+optimizer step. The planner (``sims.planner``) lays out the tasks; this prices them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flowtrain.plan.workload import Layout, ParamSpec, Workload
+from flowtrain.plan.workload import numel as _numel
+from sims import costs
+
+# ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
+PIPELINE_JOB_RANKS = 2
+
+
+class StageCosts:
+    """The prices of one pipeline stage's tasks on hardware ``hw``."""
+
+    def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
+                 params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
+                 comm_elem: int) -> None:
+        self.stage, self.layout, self.hw = stage, layout, hw
+        self.zero = cfg.zero_optimization
+        self.m, self.mb = micro_batches, micro_batch
+        self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
+        self.stage_no = self.zero.stage
+        self.partitioned = self.stage_no == 3 and self.dp > 1
+        self.params = params
+        self.comm_elem = comm_elem
+        self.param_elem = params[0][3] if params else 2
+        self.gpu = getattr(hw, "kind", "gpu") == "gpu"
+        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
+        self.fp16 = cfg.precision == "fp16"
+        # A CPU host calibrated with the engine's own costs (float32: what was measured)
+        self.engine = None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
+        ranks_here = layout.devices_per_node
+        self.threads = costs.rank_threads(ranks_here, hw) if not self.gpu else 1
+        # ranks sharing this host's cores compute, and stream memory, slower (1 on GPUs)
+        self.slowdown = costs.compute_slowdown(ranks_here, hw) if not self.gpu else 1.0
+        self.memory_slowdown = costs.compute_slowdown(ranks_here, hw, memory=True) \
+            if not self.gpu else 1.0
+        # what a launched engine job on this many ranks took over the isolated measurements
+        # ... and what its other work takes from each step's forwards and backwards, spread
+        # over the step's micro-batches
+        engine = self.engine
+        self.forward_factor = engine.factor(ranks_here, "forward") if engine else 1.0
+        self.backward_factor = engine.factor(ranks_here, "backward") if engine else 1.0
+        self.forward_extra_s = engine.factor(ranks_here, "forward_s") / micro_batches \
+            if engine else 0.0
+        self.backward_extra_s = engine.factor(ranks_here, "backward_s") / micro_batches \
+            if engine else 0.0
+        self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
+            if self.engine else 1.0
+        # between a micro-batch's forward and backward, and per step (flush, bookkeeping),
+        # as the launched job showed; a pipeline engine computes the loss inside its forward
+        self.micro_batch_s = self.engine.factor(ranks_here, "micro_batch_s") \
+            if self.engine is not None and self.pp == 1 else 0.0
+        self.step_s = self.engine.factor(ranks_here, "step_s") \
+            if self.engine is not None and self.pp == 1 else 0.0
+        self.gloo_s = self.engine.factor(ranks_here, "gloo_s") \
+            if self.engine is not None and self.dp > 1 else 0.0
+        # ZeRO-3's hooks: each module use handed to the parameter fetcher, and each
+        # partitioned module's backward bookkeeping, as the launched ZeRO-3 job showed them
+        self.fetch_s = self.engine.factor(ranks_here, "zero3_fetch_s") \
+            if self.engine is not None and self.partitioned else 0.0
+        self.release_s = self.engine.factor(ranks_here, "zero3_backward_s") \
+            if self.engine is not None and self.partitioned else 0.0
+        # each full bucket's hand-off to the reducer, and each reduce's own overhead, as the
+        # launched job's small-bucket run showed them
+        self.bucket_s, self.reduce_s = (
+            self.engine.factor(ranks_here, kind) if self.engine is not None and self.dp > 1
+            else 0.0 for kind in ("bucket_s", "reduce_s"))
+        # calibration timed a data-parallel group's collectives with only its ranks on the
+        # host; where more ranks share it (pipeline stages, tensor-parallel groups), the
+        # collective's copying and summing wait for cores as compute does
+        self.comm_crowding = self.slowdown / costs.compute_slowdown(self.dp, hw) \
+            if self.engine is not None and 1 < self.dp < ranks_here else 1.0
+        # a pipeline stage's hand-offs per instruction, and per message delivered, as the
+        # 2-rank pipeline job measured them: thread hand-offs that wait for a core, so with more
+        # ranks sharing the host they take as much longer as its compute does
+        pipelined = self.engine is not None and self.pp > 1
+        crowding = self.slowdown / costs.compute_slowdown(PIPELINE_JOB_RANKS, hw) \
+            if pipelined else 1.0
+        self.op_s = self.engine.pipeline_op_s * crowding if pipelined else 0.0
+        self.message_s = self.engine.pipeline_message_s * crowding if pipelined else 0.0
+        # model-parallel clipping sums the gradient norm over every rank (one all-reduce of
+        # the world), and the pipeline broadcasts the step's loss from the last stage
+        self.world_norm_s = costs.collective_seconds(
+            "all_reduce", 8, layout.world_size, hw) + self.engine.factor(ranks_here, "gloo_s") \
+            if pipelined and self.clip else 0.0
+        self.loss_broadcast_s = costs.collective_seconds("broadcast", 4, self.pp, hw) \
+            if pipelined else 0.0
+        # the engine reduces over its shared-memory channel when every rank of a
+        # data-parallel-only job is a CPU rank on one host (flowtrain.engine.FlowtrainEngine)
+        self.channel = (self.engine is not None and bool(self.engine.channel)
+                        and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
+                        and cfg.flowtrain.data_channel != "torch")
+        self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
+        self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
+        # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards
+        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
+
+    def send_seconds(self, nbytes: float, sender: int) -> float:
+        """A pipeline send of ``nbytes`` from stage ``sender`` to the next one."""
+        return costs.p2p_seconds(nbytes, self.hw, self.layout.pipe_link_inter_node(sender)) + \
+            self.message_s
+
+    def reduce_seconds(self, nbytes: float) -> tuple[float, float | None, float | None]:
+        """A gradient bucket's reduce of ``nbytes``: its seconds, and the interference and
+        slowdown of its channel where they differ from the plan's (the shared-memory channel's)."""
+        seconds = costs.channel_seconds(self.reduce_op, nbytes, self.dp, self.hw) \
+            if self.channel else None
+        share = slowed = None
+        if seconds is None:
+            seconds = self._collective(self.reduce_op, nbytes)
+        else:
+            assert self.engine is not None
+            share, slowed = self.engine.channel_interference, self.engine.channel_slowdown
+        if self.engine is not None:
+            # the reducer then scales the sum by 1 / dp: a multiply over the bucket (read +
+            # write), or an add of the scattered shard into the gradient shard (2 reads + write)
+            scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
+            seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
+        return seconds + self.reduce_s, share, slowed
+
+    def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
+                       cfg: Any) -> None:
+        """Each segment's forward and backward seconds: one roofline op per parameter (so the
+        efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count.
+        On a host with the engine's measured costs, one op per module instead (a Linear's
+        weight and bias are one call), timed as the engine runs it."""
+        scale = self.stage_flops * self.mb / max(1, sum(weights)) / self.tp
+        act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
+        recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
+        if self.engine is not None:
+            self._cost_engine_segments(work, weights, recompute)
+            return
+        for seg in self.segments:
+            for i in seg.params:
+                numel = _numel(self.params[i][1])
+                flops = weights[i] * scale
+                moved = numel * self.param_elem + weights[i] * act_scale
+                fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
+                bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
+                seg.forward_s += fwd
+                seg.backward_s += bwd + (fwd if recompute else 0.0)
+
+    def _cost_engine_segments(self, work: Workload, weights: list[int], recompute: bool) -> None:
+        """Forward and backward per module at the rank's measured pass rates (its thread count,
+        slowed by the ranks sharing the host). ZeRO 2-3 backward also adds each gradient into a
+        pooled bucket buffer (``GradBuckets`` transient mode): a zeroed buffer, then a read of
+        the gradient and a read-modify-write of the buffer, 16 bytes per element. The forward's
+        other ops (its census: norms, activations, attention, ...) at their measured costs are
+        shared among the modules as their FLOPs are."""
+        census = self._stage_census(work)
+        scale = (self.stage_flops - census["attention_flops_per_sample"]) * self.mb / \
+            max(1, sum(weights)) / self.tp
+        stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
+        other = self._other_ops(census)
+        for seg in self.segments:
+            modules: dict[str, list[int]] = {}
+            for i in seg.params:
+                modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
+            for members in modules.values():
+                share = sum(weights[i] for i in members) / max(1, sum(weights))
+                flops = sum(weights[i] for i in members) * scale
+                numel = sum(_numel(self.params[i][1]) for i in members)
+                weight_bytes = 4.0 * numel  # the engine's costs are float32's
+                fwd = (costs.pass_seconds("forward", flops, self.threads, self.hw,
+                                          weight_bytes) +
+                       other["forward"] * share) * self.slowdown * self.forward_factor
+                bwd = (costs.pass_seconds("backward", 2 * flops, self.threads, self.hw,
+                                          weight_bytes) +
+                       other["backward"] * share) * self.slowdown * self.backward_factor + \
+                    numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
+                seg.forward_s += fwd
+                seg.backward_s += bwd + (fwd if recompute else 0.0)
+        if self.segments:
+            self.segments[0].forward_s += self.forward_extra_s
+            self.segments[-1].backward_s += self.backward_extra_s
+
+    def stage_share(self, work: Workload) -> float:
+        """This stage's part of the model's forward FLOPs (1 without pipeline stages)."""
+        total = work.forward_flops_per_sample
+        return self.stage_flops / total if total > 0 else 1.0
+
+    def _stage_census(self, work: Workload) -> dict[str, Any]:
+        """This pipeline stage's census of one sample's forward (``Workload.census_fields``):
+        its own where the run recorded one per stage, else its FLOPs' share of the model's."""
+        if work.stage_census:
+            return {"op_census": (), "attention_calls": 0.0, "attention_flops_per_sample": 0.0,
+                    **work.stage_census[self.stage]}
+        share = self.stage_share(work)
+        return {"op_census": tuple((cls, calls * share, elements * share)
+                                   for cls, calls, elements in work.op_census),
+                "attention_calls": work.attention_calls * share,
+                "attention_flops_per_sample": work.attention_flops_per_sample * share}
+
+    def _other_ops(self, stage: dict[str, Any]) -> dict[str, float]:
+        """Seconds of this stage's census ops (``_stage_census``) in one micro-batch, per pass
+        kind, at the rank's thread count (split evenly over tensor-parallel ranks)."""
+        if not (stage["op_census"] or stage["attention_calls"]) or self.engine is None:
+            return {"forward": 0.0, "backward": 0.0}
+        census = [(cls, calls / self.tp, elements * self.mb / self.tp)
+                  for cls, calls, elements in stage["op_census"]]
+        if stage["attention_calls"]:
+            census.append(("attention", stage["attention_calls"] / self.tp,
+                           stage["attention_flops_per_sample"] * self.mb / self.tp))
+        return {kind: self.engine.op_seconds(self.threads, kind, census)
+                for kind in ("forward", "backward")}
+
+    def _collective(self, op: str, nbytes: float) -> float:
+        """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
+        what such a call took beside a live engine over the bare ranks' figure, and slowed
+        as compute is where more ranks than the group's share the host."""
+        return costs.collective_seconds(op, nbytes, self.dp, self.hw,
+                                        nodes=self.layout.dp_nodes) * self.comm_crowding + \
+            self.gloo_s
+
+    def _shard(self, numel: int) -> int:
+        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
+
+    def _optimizer_seconds(self, numel: int) -> float:
+        """The optimizer step over ``numel`` stepped elements. With the engine's measured costs
+        it is what the engine's step does: its fused Adam called once per parameter (stage 0)
+        or per bucket shard (ZeRO), a gradient-norm pass and a clip multiply when clipping
+        (read, then read + write), and zeroing the gradients (whole buckets at stages 0-1, the
+        shards at 2-3), at the compute slowdown of ranks sharing the host."""
+        if self.engine is None:
+            return costs.optimizer_seconds(numel, self.hw)
+        calls = len(self.params) if self.stage_no == 0 else len(self.buckets)
+        kernel = costs.optimizer_seconds(numel, self.hw, calls=calls,
+                                         memory_slowdown=self.memory_slowdown)
+        whole = sum(b.numel for b in self.buckets)
+        zeroed = whole if self.stage_no <= 1 or self.dp == 1 else numel
+        passes = zeroed * self.comm_elem + (numel * 12 if self.clip else 0)
+        seconds = (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
+            self.optimizer_factor
+        if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
+            # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
+            seconds += self._collective("all_reduce", 8)
+        return seconds + self.world_norm_s
