@@ -132,7 +132,8 @@ def map_loader_state(saved: dict[str, Any], world_size: int,
     epoch's permutation at r, r + N, ..., so what N ranks took together is its first part,
     whatever N). Returns (state, None), or (state, why) when that count is not a whole number
     of batches here and the position was rounded down."""
-    state = {k: saved[k] for k in ("epoch", "batches_taken", "exhausted") if k in saved}
+    state: dict[str, Any] = {k: saved[k] for k in ("epoch", "batches_taken", "exhausted")
+                             if k in saved}
     old_world = int(saved.get("world_size", world_size))
     old_batch = int(saved.get("batch_size", batch_size))
     if (old_world, old_batch) == (world_size, batch_size) or state.get("exhausted"):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -46,4 +47,5 @@ def stored(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor key the DCP files hold, with its full shape and dtype."""
     metadata = dcp.FileSystemReader(str(directory)).read_metadata()
     return {k: (tuple(v.size), v.properties.dtype)
-            for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}

@@ -100,7 +100,7 @@ def holdings(engine: CheckpointableEngine, *, split: bool) -> Holdings:
     pieces: list[Piece] = []
     if engine.zero is None:
         shapes = [tuple(p.shape) for p in engine.trainable]
-        stepped = list(engine.master.master) if engine.master is not None \
+        stepped: list[torch.Tensor] = list(engine.master.master) if engine.master is not None \
             else list(engine.trainable)
         for i, shape in enumerate(shapes):
             numel = math.prod(shape)

@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -60,16 +64,19 @@ class _BlockReader(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         items = list(plan.items)
+        assert self.metadata is not None  # set_up_planner gave it, before any plan
         for key, blocks in self.blocks.items():
             chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape)
                       for o, t in blocks]
-            items += create_read_items_for_chunk_list(
-                key, self.metadata.state_dict_metadata[key], chunks)
+            stored_as = self.metadata.state_dict_metadata[key]
+            assert isinstance(stored_as, TensorStorageMetadata)  # blocks are only asked of tensors
+            items += create_read_items_for_chunk_list(key, stored_as, chunks)
         return LoadPlan(items, plan.storage_data, plan.planner_data)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         blocks = self.blocks.get(index.fqn)
         if blocks is not None:
+            assert index.index is not None  # the read items made above carry their block's index
             return blocks[index.index][1]
         return super().lookup_tensor(index)
 
