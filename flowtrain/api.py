@@ -23,7 +23,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      timeout: Any = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
-    """Initialises torch.distributed (and this rank's runtime) like ``deepspeed.init_distributed``."""
+    """Initialises torch.distributed (and this rank's runtime) like
+    ``deepspeed.init_distributed``."""
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
     if rank >= 0:
@@ -105,9 +106,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
 
-    from flowtrain import checkpointing
+    from flowtrain import activation_checkpointing
 
-    checkpointing.configure(deepspeed_config=cfg)
+    activation_checkpointing.configure(deepspeed_config=cfg)
     _warm_up_kernels(optimizer)
     bucket_numel = _bucket_numel(cfg, model)
     if pipeline:

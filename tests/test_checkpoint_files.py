@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowtrain.engine import checkpoint as ckpt
+from flowtrain.checkpoint import atomic as ckpt
 
 
 def _save(root: Path, tag: str, value: int) -> Path:
@@ -110,8 +110,8 @@ def test_checkpoint_barrier_spans_the_whole_job_not_the_data_parallel_group(
     class OneStage(EngineSurface):
         world_size = 1  # the data-parallel group
 
-    OneStage()._barrier("ckpt-x-written")
+    OneStage().job_barrier("ckpt-x-written")
     assert waited == ["ckpt-x-written"]
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-    OneStage()._barrier("ckpt-y-written")
+    OneStage().job_barrier("ckpt-y-written")
     assert waited == ["ckpt-x-written"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import flowtrain as deepspeed
-from flowtrain import checkpointing
+from flowtrain import activation_checkpointing, checkpointing
 
 
 class Block(torch.nn.Module):
@@ -30,7 +30,8 @@ def _run(use_checkpoint: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         h = deepspeed.checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
     loss = h.pow(2).mean()
     loss.backward()
-    return loss.detach(), [p.grad.clone() for p in blocks.parameters()], sum(b.calls for b in blocks)
+    grads = [p.grad.clone() for p in blocks.parameters()]
+    return loss.detach(), grads, sum(b.calls for b in blocks)
 
 
 def test_checkpoint_matches_plain_backward_and_recomputes() -> None:
@@ -49,9 +50,14 @@ def test_configure_reads_the_config_section() -> None:
     checkpointing.configure(deepspeed_config={"train_batch_size": 1, "activation_checkpointing": {
         "cpu_checkpointing": True, "number_checkpoints": 4}})
     assert checkpointing.is_configured()
-    assert checkpointing._settings.cpu_checkpointing is True
-    assert checkpointing._settings.number_checkpoints == 4
+    assert activation_checkpointing._settings.cpu_checkpointing is True
+    assert activation_checkpointing._settings.number_checkpoints == 4
     loss_plain, grads_plain, _ = _run(False)
     loss_ckpt, grads_ckpt, _ = _run(True)  # saved inputs go through save_on_cpu
     assert torch.equal(loss_plain, loss_ckpt)
     checkpointing.reset()
+
+
+def test_deepspeed_path_is_the_activation_checkpointing_api() -> None:
+    for name in ("checkpoint", "configure", "is_configured", "non_reentrant_checkpoint", "reset"):
+        assert getattr(deepspeed.checkpointing, name) is getattr(activation_checkpointing, name)

@@ -224,7 +224,7 @@ def test_pipeline_checkpoint_resumes_on_another_stage_count(tmp_path: Path) -> N
     assert loaded["resumed"] == pytest.approx(saved["straight"], rel=1e-6)
     assert loaded["global_steps"] == 10
 
-    from flowtrain.checkpoint_cli import consolidate
+    from flowtrain.checkpoint import consolidate
 
     state = consolidate(str(ckpt))
     import pipe_worker as pw

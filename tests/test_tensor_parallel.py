@@ -84,7 +84,7 @@ def test_indivisible_sizes_are_refused() -> None:
 
 import tp_ckpt_worker as tw  # noqa: E402
 
-from flowtrain.checkpoint_cli import consolidate  # noqa: E402
+from flowtrain.checkpoint import consolidate  # noqa: E402
 
 CKPT_WORKER = ec.DATA / "tp_ckpt_worker.py"
 FP32 = 1e-5
@@ -253,7 +253,7 @@ def test_blocks_put_any_range_of_any_slice_in_place() -> None:
     in the whole tensor, stored whole (format 2) or flattened (format 1)."""
     import random
 
-    from flowtrain.engine.dcp_state import Split, placed
+    from flowtrain.checkpoint.geometry import Split, placed
     from flowtrain.tp.layers import _ranges
 
     rng = random.Random(0)

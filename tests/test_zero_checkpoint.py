@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 import engine_common as ec  # noqa: E402
 import reshard_worker as rw  # noqa: E402
 
-from flowtrain.checkpoint_cli import consolidate  # noqa: E402
+from flowtrain.checkpoint import consolidate  # noqa: E402
+from flowtrain.checkpoint.checkpointer import map_loader_state  # noqa: E402
 from flowtrain.cli import main as cli_main  # noqa: E402
 from flowtrain.config.support import SUPPORTED_FEATURES  # noqa: E402
-from flowtrain.engine.engine_state import map_loader_state  # noqa: E402
 
 WORKER = ec.DATA / "reshard_worker.py"
 FP32, BF16 = 1e-5, 2e-2

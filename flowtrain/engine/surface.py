@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from flowtrain.engine.engine_state import load_engine, save_engine
+from flowtrain.checkpoint.checkpointer import load_engine, save_engine
 
 
 def job_world_size() -> int:
@@ -77,7 +77,7 @@ class EngineSurface:
         """Rank 0 writes the model's whole state_dict in its training dtype (DeepSpeed's
         name; under stage 3 this gathers, as stage3_gather_16bit_weights_on_model_save does).
         Every rank must call it; returns True where the file was written."""
-        from flowtrain.engine.checkpoint import save_file
+        from flowtrain.checkpoint.atomic import save_file
 
         state = self.module_state_dict()
         if exclude_frozen_parameters:
@@ -121,6 +121,11 @@ class EngineSurface:
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
+    @property
+    def param_names(self) -> list[str]:
+        """The name of each trainable parameter (``trainable``'s order), as the module names it."""
+        return self._names
+
     # -- checkpoints -------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
@@ -140,7 +145,7 @@ class EngineSurface:
         return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
                            load_lr_scheduler_states, load_module_only, custom_load_fn)
 
-    def _barrier(self, name: str) -> None:
+    def job_barrier(self, name: str) -> None:
         """Waits for every rank of the job, not only this rank's data-parallel group: with
         pipeline or tensor parallelism ``world_size`` is the group's size (1 when there is no
         data parallelism) while every stage still writes into the same checkpoint."""

@@ -2,7 +2,8 @@
 torch's ``FlopCounterMode``; ``engine_hook`` runs it from the ``flops_profiler`` config section."""
 
 from flowtrain.profiling.engine_hook import EngineProfile, engine_hook
-from flowtrain.profiling.profiler import FlopsProfiler, ModuleRow, get_model_profile
+from flowtrain.profiling.profiler import FlopsProfiler, get_model_profile
+from flowtrain.profiling.rows import ModuleRow
 from flowtrain.profiling.units import (
     duration_to_string,
     flops_to_string,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowtrain.profiling.profiler import FlopsProfiler, _check_output_file
+from flowtrain.profiling.profiler import FlopsProfiler, check_output_file
 
 
 class EngineProfile:
@@ -108,7 +108,7 @@ def engine_hook(engine: Any) -> EngineProfile | None:
             "(set flops_profiler.enabled false to silence this)")
         return None
     try:
-        _check_output_file(cfg.output_file)
+        check_output_file(cfg.output_file)
     except ValueError as exc:
         raise ValueError(f"flops_profiler.{exc}") from None
     return EngineProfile(engine, cfg)

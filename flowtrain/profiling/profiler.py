@@ -34,39 +34,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from flowtrain.profiling.peak import check_peak_tflops
+from flowtrain.profiling.rows import ModuleRow
 from flowtrain.profiling.units import (
     duration_to_string,
     macs_to_string,
     number_to_string,
     params_to_string,
 )
-
-
-@dataclass(frozen=True)
-class ModuleRow:
-    """One module's profile. ``flops``, ``macs`` and ``duration`` (seconds) include the module's
-    children and add up over all of its calls; ``params`` counts its parameters, children's
-    included."""
-
-    name: str  # the state-dict prefix ("" for the model itself)
-    type_name: str
-    depth: int  # 0 for the model itself
-    params: int
-    flops: int
-    macs: int
-    duration: float
-    calls: int
-
-    @property
-    def flops_per_s(self) -> float:
-        return self.flops / self.duration if self.duration > 0 else 0.0
 
 
 class _Stats:
@@ -140,7 +120,9 @@ def _check_int(name: str, value: Any, minimum: int, form: str) -> int:
     return value
 
 
-def _check_output_file(output_file: Any) -> str | None:
+def check_output_file(output_file: Any) -> str | None:
+    """``output_file`` as a path whose directory exists (None: print to stdout); raises
+    ValueError naming what is wrong, before any profiling runs."""
     if output_file is None:
         return None
     if not isinstance(output_file, (str, os.PathLike)) or not os.fspath(output_file):
@@ -161,7 +143,7 @@ def _check_print_args(module_depth: Any, top_modules: Any, detailed: Any,
     _check_int("top_modules", top_modules, 1, "an integer >= 1")
     if not isinstance(detailed, bool):
         raise ValueError(f"detailed must be True or False, got {detailed!r}")
-    return _check_output_file(output_file)
+    return check_output_file(output_file)
 
 
 def _check_ignore_list(ignore_list: Any) -> tuple[type, ...]:

@@ -5,13 +5,14 @@ sections as DeepSpeed's profile so its readers find their way around."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from flowtrain.profiling.peak import NO_PEAK, find_peak
+from flowtrain.profiling.rows import ModuleRow
 from flowtrain.profiling.units import (
     duration_to_string,
     flops_to_string,
@@ -21,8 +22,25 @@ from flowtrain.profiling.units import (
     percent,
 )
 
-if TYPE_CHECKING:
-    from flowtrain.profiling.profiler import FlopsProfiler, ModuleRow
+
+class Profile(Protocol):
+    """What the report reads of a profiler (``FlopsProfiler``): its model, settings, totals and
+    module rows."""
+
+    model: nn.Module
+    ds_engine: Any
+    recompute_fwd_factor: float
+    peak_tflops: float | None
+
+    def get_total_flops(self, as_string: bool = False) -> int | str: ...
+
+    def get_total_macs(self, as_string: bool = False) -> int | str: ...
+
+    def get_total_params(self, as_string: bool = False) -> int | str: ...
+
+    def get_total_duration(self, as_string: bool = False) -> float | str: ...
+
+    def module_rows(self, depth: int = -1) -> list[ModuleRow]: ...
 
 _WIDTH = 62  # column where summary values start
 
@@ -48,7 +66,7 @@ def _model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return torch.float32, torch.device("cpu")
 
 
-def _summary(prof: FlopsProfiler, profile_step: int) -> list[str]:
+def _summary(prof: Profile, profile_step: int) -> list[str]:
     engine = prof.ds_engine
     r = prof.recompute_fwd_factor
     flops = int(prof.get_total_flops())
@@ -141,20 +159,20 @@ def _aggregated(rows: list[ModuleRow], max_depth: int, top: int) -> list[str]:
             s[0] += r.params
             s[1] += r.macs
             s[2] += r.duration
-
-        def best(i: int, fmt: Any) -> str:
-            ranked = sorted(((v[i], k) for k, v in sums.items() if v[i] > 0),
-                            key=lambda kv: -kv[0])[:top]
-            return "{" + ", ".join(f"'{k}': '{fmt(v)}'" for v, k in ranked) + "}"
-
         out += [f"depth {depth}:",
-                f"    params      - {best(0, params_to_string)}",
-                f"    MACs        - {best(1, macs_to_string)}",
-                f"    fwd latency - {best(2, duration_to_string)}"]
+                f"    params      - {_best(sums, 0, params_to_string, top)}",
+                f"    MACs        - {_best(sums, 1, macs_to_string, top)}",
+                f"    fwd latency - {_best(sums, 2, duration_to_string, top)}"]
     return out
 
 
-def _detailed(prof: FlopsProfiler, rows: list[ModuleRow], max_depth: int) -> list[str]:
+def _best(sums: dict[str, list[float]], i: int, fmt: Any, top: int) -> str:
+    """The ``top`` classes by figure ``i`` of ``sums``, as DeepSpeed prints them."""
+    ranked = sorted(((v[i], k) for k, v in sums.items() if v[i] > 0), key=lambda kv: -kv[0])[:top]
+    return "{" + ", ".join(f"'{k}': '{fmt(v)}'" for v, k in ranked) + "}"
+
+
+def _detailed(prof: Profile, rows: list[ModuleRow], max_depth: int) -> list[str]:
     by_name = {r.name: r for r in rows}
     root = by_name[""]
     out = ["",
@@ -201,7 +219,7 @@ def _detailed(prof: FlopsProfiler, rows: list[ModuleRow], max_depth: int) -> lis
     return out
 
 
-def render(prof: FlopsProfiler, *, profile_step: int, module_depth: int, top_modules: int,
+def render(prof: Profile, *, profile_step: int, module_depth: int, top_modules: int,
            detailed: bool) -> str:
     rows = prof.module_rows()
     deepest = max(r.depth for r in rows)

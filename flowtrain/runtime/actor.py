@@ -9,14 +9,11 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio
 
 from flowtrain.runtime.mailbox import Mailbox, MailboxClosed
-
-if TYPE_CHECKING:
-    from flowtrain.runtime.system import Runtime
 
 DEFAULT_MAILBOX_SIZE = 1024
 DEFAULT_SEND_TIMEOUT = 60.0
@@ -24,6 +21,7 @@ DEFAULT_ASK_TIMEOUT = 60.0
 ON_STOP_TIMEOUT = 10.0
 
 R = TypeVar("R")
+T = TypeVar("T")
 Handler = Callable[[Any, Any], Awaitable[Any]]
 
 
@@ -92,6 +90,26 @@ def _set_async(future: asyncio.Future[Any], value: Any, error: BaseException | N
         future.set_result(value)
 
 
+class RuntimeHandle(Protocol):
+    """What actors and their references use of the rank's runtime
+    (``flowtrain.runtime.system.Runtime``, which builds on this module)."""
+
+    def on_loop_thread(self) -> bool: ...
+
+    def raise_if_failed(self) -> None: ...
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T: ...
+
+    def spawn(self, actor: Actor, name: str | None = None, *,
+              mailbox_size: int | None = None) -> ActorRef[Any]: ...
+
+    def lookup(self, name: str) -> ActorRef[Any]: ...
+
+    def stop_actor(self, name: str, timeout: float = 10.0) -> None: ...
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+
+
 class Actor:
     """Base class of every actor. Subclasses define ``@handler`` methods; the runtime runs
     each actor as one task that handles its messages one at a time, in mailbox order.
@@ -104,7 +122,7 @@ class Actor:
     _handler_table: ClassVar[dict[type, str] | None] = None
 
     name: str
-    runtime: Runtime
+    runtime: RuntimeHandle
     ref: ActorRef[Any]
 
     async def on_start(self) -> None:
@@ -154,7 +172,8 @@ class ActorRef(Generic[R]):
 
     __slots__ = ("name", "_actor", "_mailbox", "_runtime")
 
-    def __init__(self, name: str, actor: Actor, mailbox: Mailbox, runtime: Runtime) -> None:
+    def __init__(self, name: str, actor: Actor, mailbox: Mailbox,
+                 runtime: RuntimeHandle) -> None:
         self.name = name
         self._actor = actor
         self._mailbox = mailbox
@@ -172,7 +191,8 @@ class ActorRef(Generic[R]):
         if self._runtime.on_loop_thread() != on_loop:
             where = "the rank's event loop" if on_loop else "a thread other than the event loop"
             use = "await ref.send/ask" if not on_loop else "ref.send_from_thread/ask_from_thread"
-            raise RuntimeError(f"this call to actor {self.name!r} must come from {where}; use {use}")
+            raise RuntimeError(f"this call to actor {self.name!r} must come from {where}; "
+                               f"use {use}")
 
     async def send(self, message: Any, *, timeout: float | None = DEFAULT_SEND_TIMEOUT) -> None:
         """Queues the message, awaiting room while the mailbox is full (back-pressure)."""

@@ -27,8 +27,8 @@ from flowtrain.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    _rank,
-    _world,
+    group_rank,
+    group_size,
 )
 
 COLUMN = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "up", "up_proj", "gate_proj",
@@ -44,7 +44,7 @@ HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "n_heads", "num_key
 def parallelize(model: nn.Module, group: Any) -> dict[str, list[str]]:
     """Splits ``model`` in place for this rank of ``group``; every rank must hold the same
     whole weights first. Returns what was replaced, by kind (names)."""
-    tp = _world(group)
+    tp = group_size(group)
     done: dict[str, list[str]] = {"column": [], "row": [], "embedding": [], "head": [],
                                   "heads": []}
     if tp == 1:
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, group: Any) -> dict[str, list[str]]:
             new: nn.Module | None = None
             if isinstance(child, nn.Linear) and name in FUSED_QKV:
                 new = ColumnParallelLinear.from_linear(child, group,
-                                                       rows=_qkv_rows(child, tp, _rank(group)))
+                                                       rows=_qkv_rows(child, tp, group_rank(group)))
                 done["column"].append(full)
             elif isinstance(child, nn.Linear) and name in COLUMN:
                 new = ColumnParallelLinear.from_linear(child, group)

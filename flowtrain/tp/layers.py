@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _world(group: Any) -> int:
+def group_size(group: Any) -> int:
+    """How many ranks the tensor-parallel ``group`` has (1 without a process group)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _rank(group: Any) -> int:
+def group_rank(group: Any) -> int:
+    """This rank's index in ``group`` (0 without a process group)."""
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
@@ -43,7 +45,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        if _world(ctx.group) > 1:
+        if group_size(ctx.group) > 1:
             dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -54,7 +56,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous()
-        if _world(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(x, group=group)
         return x
 
@@ -69,7 +71,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        world = _world(group)
+        world = group_size(group)
         if world == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(world)]
@@ -78,10 +80,10 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        world = _world(ctx.group)
+        world = group_size(ctx.group)
         if world == 1:
             return grad, None
-        return grad.chunk(world, dim=-1)[_rank(ctx.group)].contiguous(), None
+        return grad.chunk(world, dim=-1)[group_rank(ctx.group)].contiguous(), None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -90,10 +92,10 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        world = _world(group)
+        world = group_size(group)
         if world == 1:
             return x
-        return x.chunk(world, dim=-1)[_rank(group)].contiguous()
+        return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -157,12 +159,12 @@ class ColumnParallelLinear(nn.Module):
                  dtype: Any = None) -> None:
         super().__init__()
         self.group = group
-        self.tp = _world(group)
+        self.tp = group_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.local_out = _divide(out_features, self.tp, "out_features")
         self.gather_output = gather_output
         kw = {"device": device, "dtype": dtype}
-        rows = ((_rank(group) * self.local_out, self.local_out),)
+        rows = ((group_rank(group) * self.local_out, self.local_out),)
         self.weight = _mark(nn.Parameter(torch.empty(self.local_out, in_features, **kw)), 0,
                             out_features, rows)
         self.bias = _mark(nn.Parameter(torch.zeros(self.local_out, **kw)), 0, out_features,
@@ -174,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
                     rows: torch.Tensor | None = None) -> ColumnParallelLinear:
         """This rank's slice of an existing (whole) linear layer; ``rows`` picks the output
         rows (e.g. whole heads of a fused qkv) instead of a contiguous block."""
-        tp, rank = _world(group), _rank(group)
+        tp, rank = group_size(group), group_rank(group)
         out = cls(linear.in_features, linear.out_features, linear.bias is not None,
                   group=group, gather_output=gather_output, device=linear.weight.device,
                   dtype=linear.weight.dtype)
@@ -207,19 +209,19 @@ class RowParallelLinear(nn.Module):
                  dtype: Any = None) -> None:
         super().__init__()
         self.group = group
-        self.tp = _world(group)
+        self.tp = group_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _divide(in_features, self.tp, "in_features")
         self.input_is_parallel = input_is_parallel
         kw = {"device": device, "dtype": dtype}
         self.weight = _mark(nn.Parameter(torch.empty(out_features, self.local_in, **kw)), 1,
-                            in_features, ((_rank(group) * self.local_in, self.local_in),))
+                            in_features, ((group_rank(group) * self.local_in, self.local_in),))
         self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any) -> RowParallelLinear:
-        rank = _rank(group)
+        rank = group_rank(group)
         out = cls(linear.in_features, linear.out_features, linear.bias is not None,
                   group=group, device=linear.weight.device, dtype=linear.weight.dtype)
         size = out.local_in
@@ -247,10 +249,10 @@ class VocabParallelEmbedding(nn.Module):
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         self.group = group
-        self.tp = _world(group)
+        self.tp = group_size(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.local = _divide(num_embeddings, self.tp, "num_embeddings (vocabulary size)")
-        self.start = _rank(group) * self.local
+        self.start = group_rank(group) * self.local
         self.weight = _mark(nn.Parameter(torch.empty(self.local, embedding_dim, device=device,
                                                      dtype=dtype)), 0, num_embeddings,
                             ((self.start, self.local),))
@@ -279,7 +281,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 start: int) -> torch.Tensor:
         logits = logits.float()
         local_max = logits.max(dim=-1).values
-        if _world(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
         exp = shifted.exp()
@@ -288,7 +290,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (local >= 0) & (local < logits.shape[-1])
         picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1))
         picked = picked.squeeze(-1).masked_fill(~inside, 0.0)
-        if _world(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(total, group=group)
             dist.all_reduce(picked, group=group)
         loss = total.log() - picked
@@ -310,7 +312,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """Cross-entropy of logits whose last dimension is this rank's slice of the vocabulary
     (a column-parallel head without gather_output): no rank ever holds the whole logits."""
     if vocab_start is None:
-        vocab_start = _rank(group) * logits.shape[-1]
+        vocab_start = group_rank(group) * logits.shape[-1]
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
     if reduction == "mean":
         return loss.mean()

@@ -240,7 +240,7 @@ def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> No
 
 
 def mode_crash(out: str, ckpt_dir: str, phase: str) -> None:
-    import flowtrain.engine.checkpoint as ckpt
+    import flowtrain.checkpoint.atomic as ckpt
 
     model = make_model(SEED)
     engine, _, _, _ = flowtrain.initialize(model=model, config=config())

@@ -13,8 +13,9 @@ the 1-rank ones may run inside the test process through ``run_phase``):
   four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (and 3) (1 -> 4)
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
                   w4_s2 into bf16 stage 2 and into stage 1 accumulating 2 micro-batches
-                  of 2 (the dataloader position maps from 4 to 8 batches); with stage 3: w4_s3 into stage 1, w4_s2 into
-                  stage 3, custom_load_fn at stage 3; stage 1 fp32 and bf16 save
+                  of 2 (the dataloader position maps from 4 to 8 batches); with stage 3:
+                  w4_s3 into stage 1, w4_s2 into stage 3, custom_load_fn at stage 3;
+                  stage 1 fp32 and bf16 save
   one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0,
                   w4_s2 into fp16 stage 0;
                   load_module_only, custom_load_fn, entries that do not match
@@ -138,7 +139,7 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
     there are any), gathered from the ranks' shards without flowtrain's checkpoint code."""
     if engine.zero is None:
         source = engine.master.master if engine.master is not None else engine.trainable
-        return {n: p.detach().float().clone() for n, p in zip(engine._names, source)}
+        return {n: p.detach().float().clone() for n, p in zip(engine.param_names, source)}
     zero = engine.zero
     plan = getattr(zero, "plan", None) or zero.buckets.plan
     mine = [(s.start, m.detach().float().cpu().clone()) for s, m in zip(zero.shards, zero.master)]
@@ -151,7 +152,7 @@ def full_params(engine: Any) -> dict[str, torch.Tensor]:
             start, values = rank[b]
             flat[start:start + values.numel()] = values
         for slot in bucket.slots:
-            out[engine._names[slot.index]] = flat[slot.offset:slot.offset + slot.numel].view(
+            out[engine.param_names[slot.index]] = flat[slot.offset:slot.offset + slot.numel].view(
                 slot.shape).clone()
     return out
 

@@ -4,7 +4,7 @@ leaves the previous checkpoint, and ``latest`` pointing at it.
 
 A checkpoint directory holds ``engine_state.pt`` (rank 0: everything that is not a big tensor),
 ``rank<R>_states.pt`` per rank (random generators) and ``tensors/``, the parameters and
-optimizer state as torch.distributed.checkpoint files (see ``dcp_state``)."""
+optimizer state as torch.distributed.checkpoint files (see ``save``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
-"""``flowtrain checkpoint consolidate``: one plain fp32 state dict from a checkpoint saved on any
-number of ranks with any ZeRO stage, for ``model.load_state_dict(torch.load(OUT))`` (what
-DeepSpeed's zero_to_fp32.py gives for its checkpoints)."""
+"""One plain fp32 state dict from a checkpoint saved on any number of ranks with any ZeRO stage,
+for ``model.load_state_dict(torch.load(OUT))`` (what DeepSpeed's zero_to_fp32.py gives for its
+checkpoints); ``flowtrain checkpoint consolidate`` writes it."""
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 import torch
 
-from flowtrain.engine.checkpoint import ENGINE_FILE, LATEST, TENSOR_DIR, resolve
+from flowtrain.checkpoint.atomic import ENGINE_FILE, LATEST, TENSOR_DIR, resolve
 
-__all__ = ["add_arguments", "consolidate", "consolidate_to_file"]
+__all__ = ["consolidate", "consolidate_to_file"]
 
 
 def _checkpoint_path(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
@@ -34,7 +33,7 @@ def consolidate(checkpoint_dir: str | os.PathLike[str],
     value in its shape, buffers and frozen parameters as fp32 (integer ones as saved), in the
     saved model's key order. ``checkpoint_dir`` is a save_dir (``tag`` or its ``latest``) or
     one checkpoint's directory. Needs no process group."""
-    from flowtrain.engine.dcp_load import full_state_dict
+    from flowtrain.checkpoint.load import full_state_dict
 
     path = _checkpoint_path(checkpoint_dir, tag)
     shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
@@ -59,26 +58,3 @@ def consolidate_to_file(checkpoint_dir: str | os.PathLike[str], out: str | os.Pa
     finally:
         tmp.unlink(missing_ok=True)
     return state
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True,
-                                    parser_class=type(parser))
-    p = actions.add_parser(
-        "consolidate", help="write one fp32 state dict from a checkpoint of any world size "
-        "and ZeRO stage", description="Write one plain fp32 state dict (parameters in their "
-        "shapes, buffers) from a checkpoint saved on any number of ranks with any ZeRO stage; "
-        "model.load_state_dict(torch.load(OUT)) loads it.")
-    p.add_argument("checkpoint_dir", metavar="DIR",
-                   help="the save_dir given to save_checkpoint, or one checkpoint's directory")
-    p.add_argument("output", metavar="OUT", help="the file to write (torch.save format, .pt)")
-    p.add_argument("--tag", default=None,
-                   help="which checkpoint of DIR (default: the one DIR/latest names)")
-
-
-def run(ns: argparse.Namespace) -> str:
-    """Runs the chosen action; returns the line to print. Raises FileNotFoundError or
-    ValueError for input the user must fix."""
-    state = consolidate_to_file(ns.checkpoint_dir, ns.output, tag=ns.tag)
-    count = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
-    return f"wrote {len(state)} tensors ({count} elements, fp32) to {ns.output}"

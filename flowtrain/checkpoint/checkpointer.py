@@ -1,26 +1,29 @@
 """Saving and loading a whole engine: the parameters and optimizer state through
-torch.distributed.checkpoint (``dcp_state``), and beside them the scheduler, loss scaler,
+torch.distributed.checkpoint (``save``, ``load``), and beside them the scheduler, loss scaler,
 counters, dataloader position and random generators; a checkpoint loads into any world size
 and ZeRO stage."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flowtrain.engine.checkpoint import TENSOR_DIR, load, resolve, save
+from flowtrain.checkpoint.atomic import TENSOR_DIR, load, resolve, save
 from flowtrain.engine.dataloader import rng_state, set_rng_state
 from flowtrain.log import get_logger
+
+if TYPE_CHECKING:
+    from flowtrain.checkpoint.protocol import CheckpointableEngine
 
 log = get_logger("flowtrain.checkpoint")
 
 
-def save_engine(engine: Any, save_dir: str, tag: str | None = None,
+def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = None,
                 client_state: dict[str, Any] | None = None, save_latest: bool = True,
                 exclude_frozen_parameters: bool = False) -> str:
     """Writes the parameters, optimizer, scheduler, loss scaler, counters, dataloader position
     and random generators; every rank must call it, and writes only what it holds."""
     # torch.distributed.checkpoint is imported on the first save or load, not with the engine
-    from flowtrain.engine.dcp_state import FORMAT, snapshot, write
+    from flowtrain.checkpoint.save import FORMAT, snapshot, write
 
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     tensors, description = snapshot(engine, exclude_frozen_parameters)
@@ -46,20 +49,20 @@ def save_engine(engine: Any, save_dir: str, tag: str | None = None,
         }
     per_rank = {"rng": rng_state(), "rank": engine.global_rank}
     path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
-                barrier=engine._barrier, save_latest=save_latest,
+                barrier=engine.job_barrier, save_latest=save_latest,
                 write_tensors=lambda directory: write(tensors, directory))
     return str(path)
 
 
-def load_engine(engine: Any, load_dir: str, tag: str | None = None,
+def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = None,
                 load_module_strict: bool = True, load_optimizer_states: bool = True,
                 load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                 custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
     """Loads a checkpoint saved by ``save_checkpoint`` on any number of ranks with any ZeRO
     stage; returns (path, client_state), or (None, None) when ``load_dir`` holds none, as
     DeepSpeed does. Every rank must call it."""
-    from flowtrain.engine.dcp_load import load as load_tensors
-    from flowtrain.engine.dcp_load import load_through
+    from flowtrain.checkpoint.load import load as load_tensors
+    from flowtrain.checkpoint.load import load_through
 
     path = resolve(load_dir, tag)
     if path is None:
@@ -105,11 +108,11 @@ def load_engine(engine: Any, load_dir: str, tag: str | None = None,
         else:
             log.info("no saved random generator state for this rank (the checkpoint has "
                      f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
-    engine._zero_grads()
+    engine.zero_grad()
     return str(path), shared.get("client_state", {})
 
 
-def _load_loss_scaler(engine: Any, shared: dict[str, Any]) -> None:
+def _load_loss_scaler(engine: CheckpointableEngine, shared: dict[str, Any]) -> None:
     """The saved loss scale, when this engine scales the same way (an fp32 or bf16 checkpoint
     has nothing for fp16's dynamic scaler, and the other way round)."""
     kind = type(engine.loss_scaler).__name__
@@ -129,7 +132,8 @@ def map_loader_state(saved: dict[str, Any], world_size: int,
     epoch's permutation at r, r + N, ..., so what N ranks took together is its first part,
     whatever N). Returns (state, None), or (state, why) when that count is not a whole number
     of batches here and the position was rounded down."""
-    state = {k: saved[k] for k in ("epoch", "batches_taken", "exhausted") if k in saved}
+    state: dict[str, Any] = {k: saved[k] for k in ("epoch", "batches_taken", "exhausted")
+                             if k in saved}
     old_world = int(saved.get("world_size", world_size))
     old_batch = int(saved.get("batch_size", batch_size))
     if (old_world, old_batch) == (world_size, batch_size) or state.get("exhausted"):

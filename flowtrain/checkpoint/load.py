@@ -1,4 +1,4 @@
-"""Reading a checkpoint's tensors (see ``dcp_state``) into an engine of any world size, ZeRO stage
+"""Reading a checkpoint's tensors (see ``save``) into an engine of any world size, ZeRO stage
 and tensor-parallel size: DCP fetches, by overlap, exactly the blocks each rank holds now; and
 the whole fp32 state dict, for ``custom_load_fn`` and ``flowtrain checkpoint consolidate``.
 
@@ -12,32 +12,38 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from flowtrain.engine.dcp_state import (
+from flowtrain.checkpoint.dcp_io import all_gather_objects, quiet, stored
+from flowtrain.checkpoint.geometry import (
     Block,
     Holdings,
     Piece,
-    _shape,
     aliases,
     flat_view,
     holdings,
     place,
     placed,
-    quiet,
+    shape_text,
     split_of,
-    stored,
     whole_shape,
 )
 from flowtrain.log import get_logger
+
+if TYPE_CHECKING:
+    from flowtrain.checkpoint.protocol import CheckpointableEngine
 
 log = get_logger("flowtrain.checkpoint")
 
@@ -58,22 +64,26 @@ class _BlockReader(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         items = list(plan.items)
+        assert self.metadata is not None  # set_up_planner gave it, before any plan
         for key, blocks in self.blocks.items():
             chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape)
                       for o, t in blocks]
-            items += create_read_items_for_chunk_list(
-                key, self.metadata.state_dict_metadata[key], chunks)
+            stored_as = self.metadata.state_dict_metadata[key]
+            assert isinstance(stored_as, TensorStorageMetadata)  # blocks are only asked of tensors
+            items += create_read_items_for_chunk_list(key, stored_as, chunks)
         return LoadPlan(items, plan.storage_data, plan.planner_data)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         blocks = self.blocks.get(index.fqn)
         if blocks is not None:
+            assert index.index is not None  # the read items made above carry their block's index
             return blocks[index.index][1]
         return super().lookup_tensor(index)
 
 
-def load(engine: Any, directory: Path, description: dict[str, Any], *, params: bool = True,
-         module: bool = True, optimizer: bool = True, strict: bool = True) -> None:
+def load(engine: CheckpointableEngine, directory: Path, description: dict[str, Any], *,
+         params: bool = True, module: bool = True, optimizer: bool = True,
+         strict: bool = True) -> None:
     """Parameters into the fp32 masters (then the model's own parameters from them), buffers and
     frozen parameters into the module, optimizer state into its entries (created when the
     optimizer has not stepped yet). Every rank calls it."""
@@ -122,7 +132,7 @@ def load(engine: Any, directory: Path, description: dict[str, Any], *, params: b
         sync_model(engine)
 
 
-def load_through(engine: Any, custom_load_fn: Any, directory: Path,
+def load_through(engine: CheckpointableEngine, custom_load_fn: Any, directory: Path,
                  description: dict[str, Any]) -> None:
     """``custom_load_fn(src=<the whole fp32 state dict>, dst=<the module>)`` writes the module
     (under ZeRO stage 3 while every parameter is gathered), then the fp32 masters are taken
@@ -143,7 +153,8 @@ def load_through(engine: Any, custom_load_fn: Any, directory: Path,
     sync_model(engine)
 
 
-def _this_slice(engine: Any, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _this_slice(engine: CheckpointableEngine,
+                src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole state dict with each tensor-parallel entry cut to this rank's slice, so
     ``custom_load_fn`` sees what the module holds."""
     out = dict(src)
@@ -156,7 +167,7 @@ def _this_slice(engine: Any, src: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def sync_model(engine: Any) -> None:
+def sync_model(engine: CheckpointableEngine) -> None:
     """The model's own parameters from the (just loaded) fp32 masters, on every rank."""
     zero = engine.zero
     if zero is not None:
@@ -173,14 +184,14 @@ def sync_model(engine: Any) -> None:
         engine.master.copy_to_model()
 
 
-def _module_entries(engine: Any, held: Holdings) -> dict[str, torch.Tensor]:
+def _module_entries(engine: CheckpointableEngine, held: Holdings) -> dict[str, torch.Tensor]:
     """The module's state-dict entries that are not trainable parameters: buffers and frozen
     parameters (the tensors themselves, so a load writes into them)."""
     skip = set(held.names) | set(aliases(engine, held.names))
     return {k: v for k, v in engine.module.state_dict(keep_vars=True).items() if k not in skip}
 
 
-def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
+def _check_keys(engine: CheckpointableEngine, held: Holdings, description: dict[str, Any],
                 on_disk: dict[str, tuple[tuple[int, ...], torch.dtype]], *, strict: bool,
                 params: bool, module: bool) -> None:
     """torch's load_state_dict rules: a size mismatch always fails; missing and unexpected
@@ -202,17 +213,15 @@ def _check_keys(engine: Any, held: Holdings, description: dict[str, Any],
                 local[k] = tuple(v.shape)
     missing = [k for k in wanted if k not in saved_shapes and
                k not in description.get("excluded_frozen", ())]
-    mismatched = [f"size mismatch for {k}: the checkpoint has shape {_shape(saved_shapes[k])}, "
-                  f"the model {_shape(s)}"
-                  + (f" (unsplit; this tensor-parallel rank holds {_shape(local[k])} of it)"
+    mismatched = [f"size mismatch for {k}: the checkpoint has shape {shape_text(saved_shapes[k])}, "
+                  f"the model {shape_text(s)}"
+                  + (f" (unsplit; this tensor-parallel rank holds {shape_text(local[k])} of it)"
                      if k in local else "")
                   for k, s in wanted.items()
                   if k in saved_shapes and tuple(saved_shapes[k]) != tuple(s)]
     mine = set(held.names) | set(entries) | set(aliases(engine, held.names))
     if getattr(engine, "model_parallel", False):  # other stages hold the rest of the model
-        from flowtrain.engine.dcp_state import _all_gather
-
-        mine = set().union(*_all_gather(sorted(mine)))
+        mine = set().union(*all_gather_objects(sorted(mine)))
     unexpected = [k for k in saved_shapes if k not in mine]
     if mismatched:
         raise RuntimeError("loading the checkpoint's tensors: " + "; ".join(mismatched))
