@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowtrain.engine.parts import ProfiledEngine
 from flowtrain.profiling.peak import check_peak_tflops
 from flowtrain.profiling.units import (
     duration_to_string,
@@ -140,7 +141,9 @@ def _check_int(name: str, value: Any, minimum: int, form: str) -> int:
     return value
 
 
-def _check_output_file(output_file: Any) -> str | None:
+def check_output_file(output_file: Any) -> str | None:
+    """``output_file`` as a path (None: stdout); ValueError when it is not a path or its
+    directory does not exist, so a bad path fails before the profiled run, not after."""
     if output_file is None:
         return None
     if not isinstance(output_file, (str, os.PathLike)) or not os.fspath(output_file):
@@ -161,7 +164,7 @@ def _check_print_args(module_depth: Any, top_modules: Any, detailed: Any,
     _check_int("top_modules", top_modules, 1, "an integer >= 1")
     if not isinstance(detailed, bool):
         raise ValueError(f"detailed must be True or False, got {detailed!r}")
-    return _check_output_file(output_file)
+    return check_output_file(output_file)
 
 
 def _check_ignore_list(ignore_list: Any) -> tuple[type, ...]:
@@ -190,8 +193,9 @@ class FlopsProfiler:
     ``peak_tflops`` (flowtrain's addition) is the device's peak for the MFU line when no
     calibrated profile or known GPU supplies one."""
 
-    def __init__(self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0,
-                 *, peak_tflops: float | None = None) -> None:
+    def __init__(self, model: nn.Module, ds_engine: ProfiledEngine | None = None,
+                 recompute_fwd_factor: float = 0.0, *, peak_tflops: float | None = None,
+                 ) -> None:
         self.model = _check_module(model, "model")
         if isinstance(recompute_fwd_factor, bool) or \
                 not isinstance(recompute_fwd_factor, (int, float)) or \
@@ -402,7 +406,7 @@ def walk(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     return out
 
 
-def _full_numels(engine: Any) -> dict[int, int]:
+def _full_numels(engine: ProfiledEngine | None) -> dict[int, int]:
     """Under ZeRO stage 3 a partitioned parameter holds an empty placeholder outside its
     module's forward; the engine's step plan still records its full size."""
     if engine is None or getattr(engine, "stage3", None) is None:

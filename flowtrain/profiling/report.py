@@ -22,6 +22,7 @@ from flowtrain.profiling.units import (
 )
 
 if TYPE_CHECKING:
+    from flowtrain.engine.parts import ProfiledEngine
     from flowtrain.profiling.profiler import FlopsProfiler, ModuleRow
 
 _WIDTH = 62  # column where summary values start
@@ -31,7 +32,7 @@ def _line(label: str, value: Any) -> str:
     return f"{label + ':':<{_WIDTH}} {value}"
 
 
-def _engine_step(engine: Any) -> dict[str, float]:
+def _engine_step(engine: ProfiledEngine | None) -> dict[str, float]:
     """The engine's last step, in seconds per phase (forward_s, backward_s, comm_s,
     optimizer_s, step_s); empty without an engine or before its first step."""
     timer = getattr(engine, "timer", None)
@@ -142,7 +143,8 @@ def _aggregated(rows: list[ModuleRow], max_depth: int, top: int) -> list[str]:
             s[1] += r.macs
             s[2] += r.duration
 
-        def best(i: int, fmt: Any) -> str:
+        # sums bound now: each depth's lines are built before the loop moves on
+        def best(i: int, fmt: Any, sums: dict[str, list[float]] = sums) -> str:
             ranked = sorted(((v[i], k) for k, v in sums.items() if v[i] > 0),
                             key=lambda kv: -kv[0])[:top]
             return "{" + ", ".join(f"'{k}': '{fmt(v)}'" for v, k in ranked) + "}"
