@@ -264,7 +264,7 @@ def _probe_rank(rank: int, port: int, nbytes: int, count: int, out: Any) -> None
     import torch.distributed as dist
 
     from flowtrain import comm
-    from flowtrain.pipe import engine as pe
+    from flowtrain.pipe import p2p
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -273,10 +273,10 @@ def _probe_rank(rank: int, port: int, nbytes: int, count: int, out: Any) -> None
     header, tensor = torch.zeros(64, dtype=torch.int64), torch.zeros(nbytes // 4)
 
     def streams() -> float:
-        out_tags, in_tags = ((pe.TAG_ACT, pe.TAG_ACT_DATA), (pe.TAG_GRAD, pe.TAG_GRAD_DATA))[
+        out_tags, in_tags = ((p2p.TAG_ACT, p2p.TAG_ACT_DATA), (p2p.TAG_GRAD, p2p.TAG_GRAD_DATA))[
             ::1 if rank == 0 else -1]
-        sender = pe._Sender(None, torch.device("cpu"), 60.0, "probe-send")
-        receiver = pe._Receiver(None, peer, in_tags, torch.device("cpu"), 60.0, "probe-recv")
+        sender = p2p.Sender(None, torch.device("cpu"), 60.0, "probe-send")
+        receiver = p2p.Receiver(None, peer, in_tags, torch.device("cpu"), 60.0, "probe-recv")
         futures = [receiver.expect(1, k, "probe") for k in range(count + 1)]
         start = 0.0
         for k in range(count + 1):

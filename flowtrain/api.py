@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+
+if TYPE_CHECKING:
+    from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.pipe.module import PipelineModule
 
 # Used when the config leaves zero_optimization.reduce_bucket_size unset: DeepSpeed's default
 # (5e8 elements) puts a whole model in one bucket, which leaves nothing to overlap.
@@ -84,7 +88,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
     pipeline = _is_pipeline(model)
-    grid = model.grid if pipeline else _tensor_parallel_grid(config, model)
+    grid = model.grid if _is_pipeline(model) else _tensor_parallel_grid(config, model)
     if grid is not None:  # the batch rule counts data-parallel ranks only
         world_size = grid.shape.dp
     micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
@@ -111,7 +115,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     activation_checkpointing.configure(deepspeed_config=cfg)
     _warm_up_kernels(optimizer)
     bucket_numel = _bucket_numel(cfg, model)
-    if pipeline:
+    if _is_pipeline(model):
         from flowtrain.pipe.engine import PipelineEngine
 
         _check_pipeline_config(cfg, model)
@@ -138,7 +142,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
 
 
-def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> Any:
+def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> ProcessGrid | None:
     """With tensor_parallel.tp_size > 1: the grid, and the model split across its
     tensor-parallel group (every rank first takes rank 0's whole weights)."""
     tp = _raw_tp_size(config)
@@ -174,7 +178,7 @@ def _raw_tp_size(config: Any) -> int:
     return max([int(v) for v in sizes if isinstance(v, int) and not isinstance(v, bool)] + [1])
 
 
-def _is_pipeline(model: Any) -> bool:
+def _is_pipeline(model: Any) -> TypeGuard[PipelineModule]:
     from flowtrain.pipe.module import PipelineModule
 
     return isinstance(model, PipelineModule)

@@ -139,8 +139,9 @@ def check_zero(zero: ZeroConfig, pipeline_stages: int | str,
     stage = zero.stage
     opt, par = zero.offload_optimizer, zero.offload_param
 
-    # DeepSpeed hands offload_param only to the stage-3 optimizer (engine._configure_zero_optimizer
-    # builds stages 1-2 without it): at stages 0-2 the parameters stay where they are, silently.
+    # DeepSpeed hands offload_param only to the stage-3 optimizer (its engine's
+    # _configure_zero_optimizer builds stages 1-2 without it): at stages 0-2 the parameters
+    # stay where they are, silently.
     if stage_ok and stage < 3 and par.device != "none" and not broken(f"{_Z}.offload_param"):
         problems.append(
             f"{_Z}.offload_param.device {show(par.device)} with {_Z}.stage {stage}: parameter "

@@ -3,8 +3,9 @@ full bucket is reduced in place by one collective with no gather copy."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -16,7 +17,9 @@ class GradBuckets:
 
     Autograd accumulates into ``param.grad`` in place because the view already exists with the
     parameter's layout; a post-accumulate hook per parameter counts arrivals per bucket and calls
-    ``on_bucket_ready(index)`` when the last gradient of a bucket has landed.
+    ``on_bucket_ready(index)`` when the last gradient of a bucket has landed. The engine hands
+    that callback in for one backward at a time (``watch``); the buckets know nothing of what
+    it does with a full bucket.
 
     With ``transient=True`` (ZeRO stages 2 and 3, which keep only a gradient shard) no buffer
     lives between uses: a bucket's buffer is taken from a pool when its first gradient lands,
@@ -110,7 +113,8 @@ class GradBuckets:
         for bucket, flat in zip(self.plan, self.flat):
             slot = bucket.slots[0]
             grad = self.params[slot.index].grad
-            if grad is None or grad.data_ptr() != flat.data_ptr() + slot.offset * flat.element_size():
+            if grad is None or \
+                    grad.data_ptr() != flat.data_ptr() + slot.offset * flat.element_size():
                 return False
         return True
 
@@ -137,6 +141,19 @@ class GradBuckets:
 
     def reset_arrivals(self) -> None:
         self._arrived = [0] * len(self.plan)
+
+    @contextlib.contextmanager
+    def watch(self, on_ready: Callable[[int], None] | None,
+              record_order: bool = False) -> Iterator[None]:
+        """For one backward: counts arrivals afresh and calls ``on_ready(index)`` as the last
+        gradient of bucket ``index`` lands (None: nobody is told); with ``record_order``,
+        appends each parameter's index to ``observed_order`` as its gradient arrives."""
+        self.reset_arrivals()
+        self.on_bucket_ready, self.record_order = on_ready, record_order
+        try:
+            yield
+        finally:
+            self.on_bucket_ready, self.record_order = None, False
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
+from flowtrain.engine.parts import EngineParts
 from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
 from flowtrain.engine.stages import (
     BucketFull,
@@ -30,8 +32,11 @@ from flowtrain.engine.surface import EngineSurface
 from flowtrain.engine.timing import StepTimer
 from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger
+from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.plan import StepPlan, build_step_plan, names
+from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
+from flowtrain.runtime.actor import Actor, ActorRef
 
 log = get_logger("flowtrain.engine")
 
@@ -41,10 +46,10 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class FlowtrainEngine(EngineSurface, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any, *,
-                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
-                 bucket_numel: int = 25 * 2**20 // 4, rank: Any = None, grid: Any = None,
-                 ) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 config: FlowtrainConfig, *, lr_scheduler: Any = None, training_data: Any = None,
+                 collate_fn: Any = None, bucket_numel: int = 25 * 2**20 // 4, rank: Any = None,
+                 grid: ProcessGrid | None = None) -> None:
         super().__init__()
         self.module = model
         self.config = config
@@ -104,6 +109,13 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
         self.comm_dtype = config.communication_dtype
         self.bucket_numel = int(bucket_numel)
+        # what ZeRO and the health figures are built from
+        self._parts = EngineParts(
+            config=config, module=model, trainable=self.trainable,
+            param_specs=self._param_specs(), grid=grid, dp_group=self.dp_group,
+            world_size=self.world_size, dp_rank=self.dp_rank, zero_stage=self.zero_stage,
+            model_parallel=self.model_parallel, bucket_numel=self.bucket_numel,
+            spawn=self._spawn)
         self._groups = None
         if self.zero_stage:
             from flowtrain.zero.build import param_groups
@@ -116,7 +128,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
 
-            self.zero, self.stage3 = build_zero(self, optimizer)
+            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         self.channel = None
@@ -137,7 +149,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._spans = None
         # the first forward counts its FLOPs (health figures; plan.json on rank 0 of a run)
         self._plan_pending = True
-        self.health = Health(self)
+        self.health = Health(self._parts, self.zero)
         if self._run_dir is not None:
             from flowtrain.engine.spans import SpanRecorder
 
@@ -162,6 +174,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
             self._rank = current_rank()
         return self._rank.runtime
+
+    def _spawn(self, actor: Actor) -> ActorRef[Any]:
+        """Starts ``actor`` on this rank's runtime (the pieces ZeRO builds use it)."""
+        return self._runtime.spawn(actor)
 
     def _broadcast_model(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
@@ -212,7 +228,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.zero_stage == 3 and self.world_size > 1:
             from flowtrain.zero.build import stage3_buckets
 
-            buckets = stage3_buckets(self, self._param_specs(), self._groups)
+            buckets = stage3_buckets(self._parts, self._groups)
         return build_step_plan(
             self._param_specs(), world_size=self.world_size, groups=self._groups,
             buckets=buckets,
@@ -220,7 +236,20 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             micro_batch_size=self.config.train_micro_batch_size_per_gpu,
             bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
             comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order,
-            reduce_every_micro_batch=self.transient)
+            reduce_every_micro_batch=self.transient, **self._pipeline_position())
+
+    def _pipeline_position(self) -> dict[str, Any]:
+        """This rank's pipeline stage, the number of stages and the schedule, as the plan takes
+        them (one stage without a pipeline)."""
+        stages = self.grid.shape.pp if self.grid is not None else 1
+        if stages == 1:
+            return {"stage": 0, "stages": 1}
+        schedule = str(getattr(self.config.pipeline, "schedule", "1f1b")).lower()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline.schedule {schedule!r}: choose one of "
+                             f"{', '.join(SCHEDULES)}")
+        assert self.grid is not None
+        return {"stage": self.grid.pp_rank, "stages": stages, "schedule": schedule}
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         buckets = GradBuckets(self.trainable, plan.buckets,
@@ -253,7 +282,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._reducer_actor.use_buckets(self.buckets)
         log.debug("buckets rebuilt in observed gradient order", buckets=len(self.plan.buckets))
 
-    # -- the DeepSpeed surface ----------------------------------------------------------------------
+    # -- the DeepSpeed surface --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
@@ -333,17 +362,14 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         reduce_now = (boundary or self.transient) and self.reducer is not None and \
             not self._no_sync
-        self.buckets.reset_arrivals()
         self._handed.clear()
-        self.buckets.on_bucket_ready = self._bucket_ready if reduce_now else None
-        self.buckets.record_order = reduce_now and not self._order_settled
         mb = self.micro_steps % self.config.gradient_accumulation_steps
         if self.stage3 is not None:
             self.stage3.start_backward()
-        with self.timer.span("backward", name or names.backward(mb)):
+        with self.buckets.watch(self._bucket_ready if reduce_now else None,
+                                record_order=reduce_now and not self._order_settled), \
+                self.timer.span("backward", name or names.backward(mb)):
             run()
-        self.buckets.on_bucket_ready = None
-        self.buckets.record_order = False
         if self.transient:
             # buckets that did not fill (unused parameters) go too, then the micro-batch ends
             for index in range(len(self.plan.buckets)):
@@ -411,7 +437,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self._spans is not None:
             self._spans.write_step(self.global_steps, *self.timer.last_step)
         self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
-                                                self._global_grad_norm, self.loss_scaler.loss_scale))
+                                                self._global_grad_norm,
+                                                self.loss_scaler.loss_scale))
         if self.global_rank == 0 and self.config.steps_per_print and \
                 self.global_steps % self.config.steps_per_print == 0:
             self._log_step(loss, lr)

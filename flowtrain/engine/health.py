@@ -12,15 +12,24 @@ on a known GPU, its builtin profile; without one the figure is None ("n/a")."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from flowtrain.engine.parts import EngineParts
+
+if TYPE_CHECKING:
+    from flowtrain.zero.sharded import ZeroOptimizer
 
 TARGETS = {"mfu": (">", 0.60), "mbu": (">", 0.75), "comm_share": ("<", 0.20)}
 ADAM_BYTES_PER_ELEMENT = 28
 
 
 class Health:
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    """An engine's health figures, from its parts and, under ZeRO, its optimizer's shard of
+    the master weights (what the optimizer steps on this rank)."""
+
+    def __init__(self, parts: EngineParts, zero: ZeroOptimizer | None = None) -> None:
+        self.parts = parts
+        self.zero = zero
         self.forward_flops: float | None = None  # one micro-batch, set by the engine
         self._peak: float | None | bool = False  # False: not looked up yet
         self._bandwidth: float | None = None
@@ -28,7 +37,7 @@ class Health:
     def _peaks(self) -> tuple[float | None, float | None]:
         if self._peak is False:
             self._peak, self._bandwidth = None, None
-            param = next(iter(self.engine.module.parameters()), None)
+            param = next(iter(self.parts.module.parameters()), None)
             if param is None:
                 return None, None
             try:
@@ -46,16 +55,14 @@ class Health:
         return self._peak, self._bandwidth  # type: ignore[return-value]
 
     def step_bytes(self) -> float:
-        engine = self.engine
-        if getattr(engine, "_specs", None):
-            weights = sum(e * _numel(shape) for _, shape, _, e in engine._specs)
+        parts = self.parts
+        # the specs keep full shapes where ZeRO stage 3 left placeholders
+        weights = sum(e * _numel(shape) for _, shape, _, e in parts.param_specs)
+        gas = parts.config.gradient_accumulation_steps
+        if self.zero is not None:
+            stepped = sum(m.numel() for m in self.zero.master)
         else:
-            weights = sum(p.numel() * p.element_size() for p in engine.trainable)
-        gas = engine.config.gradient_accumulation_steps
-        if engine.zero is not None:
-            stepped = sum(m.numel() for m in engine.zero.master)
-        else:
-            stepped = sum(p.numel() for p in engine.trainable)
+            stepped = sum(p.numel() for p in parts.trainable)
         return 3.0 * weights * gas + ADAM_BYTES_PER_ELEMENT * stepped
 
     def figures(self, step_s: float | None, comm_s: float | None) -> dict[str, float | None]:
@@ -64,7 +71,7 @@ class Health:
             return out
         out["comm_share"] = (comm_s or 0.0) / step_s
         peak, bandwidth = self._peaks()
-        gas = self.engine.config.gradient_accumulation_steps
+        gas = self.parts.config.gradient_accumulation_steps
         if peak and self.forward_flops:
             out["mfu"] = 3.0 * self.forward_flops * gas / (step_s * peak)
         if bandwidth:

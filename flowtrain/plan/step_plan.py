@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from flowtrain.plan import names
 from flowtrain.plan.buckets import BucketPlan, plan_buckets
-from flowtrain.plan.schedule import stage_ops
+from flowtrain.plan.schedule import Op, stage_ops
 from flowtrain.plan.stage3 import Stage3Uses
 from flowtrain.plan.workload import ParamSpec
 
@@ -65,6 +65,13 @@ class StepPlan:
 
     def task_names(self) -> list[str]:
         return [t.name for t in self.tasks]
+
+    def instructions(self) -> list[Op]:
+        """The pipeline stage's instructions in the order it runs them: its passes and its
+        sends and receives (what the engine's PipeStage executes)."""
+        kinds = (*names.PASSES, *names.PIPE_OPS)
+        return [Op(names.task_class(t.name), t.micro_batch) for t in self.tasks
+                if t.micro_batch is not None and names.task_class(t.name) in kinds]
 
     def pass_order(self) -> list[tuple[str, int]]:
         """The stage's passes in the order they run: (``forward`` | ``backward``, micro-batch)."""

@@ -17,16 +17,20 @@ started the next step and overwritten the timings.)"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flowtrain.config.sections import FlopsProfilerConfig
 from flowtrain.profiling.profiler import FlopsProfiler, check_output_file
+
+if TYPE_CHECKING:
+    from flowtrain.engine.engine import FlowtrainEngine
 
 
 class EngineProfile:
     """Profiles one forward of ``engine`` and prints it after its step; ``totals`` keeps the
     printed figures (flops, macs, params, fwd latency) once printed."""
 
-    def __init__(self, engine: Any, cfg: Any) -> None:
+    def __init__(self, engine: FlowtrainEngine, cfg: FlopsProfilerConfig) -> None:
         self.engine = engine
         self.cfg = cfg
         self.profiler = FlopsProfiler(engine.module, ds_engine=engine,
@@ -37,7 +41,7 @@ class EngineProfile:
         self._handles = [engine.register_forward_pre_hook(self._before_forward),
                          engine.register_forward_hook(self._after_forward, always_call=True)]
         self._engine_step = engine.step
-        engine.step = self._step  # an instance attribute: shadows the class's step()
+        engine.step = self._step  # type: ignore[method-assign]  # shadows the class's step()
 
     @property
     def printed(self) -> bool:
@@ -92,7 +96,7 @@ class EngineProfile:
             del self.engine.step
 
 
-def engine_hook(engine: Any) -> EngineProfile | None:
+def engine_hook(engine: FlowtrainEngine) -> EngineProfile | None:
     """Wires the FLOPs profiler into ``engine`` when its config enables it; on rank 0 only, as
     DeepSpeed profiles and prints there alone. Returns the hook, or None when nothing was
     wired. Called by ``flowtrain.initialize`` once the engine is built."""

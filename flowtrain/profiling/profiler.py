@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowtrain.engine.parts import ProfiledEngine
 from flowtrain.profiling.peak import check_peak_tflops
 from flowtrain.profiling.rows import ModuleRow
 from flowtrain.profiling.units import (
@@ -172,8 +173,9 @@ class FlopsProfiler:
     ``peak_tflops`` (flowtrain's addition) is the device's peak for the MFU line when no
     calibrated profile or known GPU supplies one."""
 
-    def __init__(self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0,
-                 *, peak_tflops: float | None = None) -> None:
+    def __init__(self, model: nn.Module, ds_engine: ProfiledEngine | None = None,
+                 recompute_fwd_factor: float = 0.0, *, peak_tflops: float | None = None,
+                 ) -> None:
         self.model = _check_module(model, "model")
         if isinstance(recompute_fwd_factor, bool) or \
                 not isinstance(recompute_fwd_factor, (int, float)) or \
@@ -384,7 +386,7 @@ def walk(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     return out
 
 
-def _full_numels(engine: Any) -> dict[int, int]:
+def _full_numels(engine: ProfiledEngine | None) -> dict[int, int]:
     """Under ZeRO stage 3 a partitioned parameter holds an empty placeholder outside its
     module's forward; the engine's step plan still records its full size."""
     if engine is None or getattr(engine, "stage3", None) is None:

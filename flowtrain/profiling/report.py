@@ -5,7 +5,7 @@ sections as DeepSpeed's profile so its readers find their way around."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from flowtrain.profiling.units import (
     params_to_string,
     percent,
 )
+
+if TYPE_CHECKING:
+    from flowtrain.engine.parts import ProfiledEngine
 
 
 class Profile(Protocol):
@@ -49,7 +52,7 @@ def _line(label: str, value: Any) -> str:
     return f"{label + ':':<{_WIDTH}} {value}"
 
 
-def _engine_step(engine: Any) -> dict[str, float]:
+def _engine_step(engine: ProfiledEngine | None) -> dict[str, float]:
     """The engine's last step, in seconds per phase (forward_s, backward_s, comm_s,
     optimizer_s, step_s); empty without an engine or before its first step."""
     timer = getattr(engine, "timer", None)

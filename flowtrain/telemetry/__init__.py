@@ -43,7 +43,7 @@ these may appear in later versions; readers ignore them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.telemetry.files import (
     LIVE_FILE,
@@ -81,8 +81,12 @@ from flowtrain.telemetry.schema import (
 )
 from flowtrain.telemetry.subscriber import Subscriber
 
+if TYPE_CHECKING:
+    from flowtrain.engine.parts import TelemetrySource
+    from flowtrain.runtime.actor import ActorRef
 
-def attach(engine: Any, *, force: bool = False) -> Any:
+
+def attach(engine: TelemetrySource, *, force: bool = False) -> ActorRef[Any] | None:
     """Wires the Telemetry actor into a training engine (see flowtrain.telemetry.actor.attach);
     imported on call because the actor needs torch and the schema readers do not."""
     from flowtrain.telemetry.actor import attach as attach_actor

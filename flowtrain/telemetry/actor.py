@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowtrain.engine.parts import TelemetrySource, TimedEngine
 from flowtrain.engine.stages import StepDone
 from flowtrain.log import get_logger
 from flowtrain.runtime.actor import Actor, ActorRef, handler
@@ -65,7 +66,7 @@ class TelemetryTap:
     ``--noop`` shows what a message per step costs). Woken by its own timer, the actor mostly
     runs while training is inside a torch kernel that released the GIL, on another core."""
 
-    def __init__(self, engine: Any, *, spans_every: int) -> None:
+    def __init__(self, engine: TimedEngine, *, spans_every: int) -> None:
         if spans_every < 1:
             raise ValueError(f"telemetry spans_every must be at least 1 step, got {spans_every}")
         self.engine = engine
@@ -159,7 +160,7 @@ class TelemetryActor(Actor):
 
     mailbox_size = 16  # only FlushTelemetry comes here (steps reach the tap)
 
-    def __init__(self, engine: Any, publish: Publish, *, rank: int, hz: float = 10.0,
+    def __init__(self, engine: TelemetrySource, publish: Publish, *, rank: int, hz: float = 10.0,
                  spans_every: int = 10) -> None:
         if not hz > 0:
             raise ValueError(f"telemetry hz must be > 0 records per second, got {hz!r}")
@@ -334,7 +335,7 @@ def _num(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _engine_summary(engine: Any) -> dict[str, Any]:
+def _engine_summary(engine: TelemetrySource) -> dict[str, Any]:
     cfg = engine.config
     return {"precision": getattr(engine, "precision", None),
             "zero_stage": getattr(engine, "zero_stage", None),
@@ -345,7 +346,7 @@ def _engine_summary(engine: Any) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in getattr(engine, "trainable", []))}
 
 
-def attach(engine: Any, *, force: bool = False) -> ActorRef[Any] | None:
+def attach(engine: TelemetrySource, *, force: bool = False) -> ActorRef[Any] | None:
     """Wires telemetry into ``engine``: a TelemetryActor on the rank's loop, and its tap at
     ``after_step`` (``ref._actor.tap`` is the stage the engine calls). Returns the actor's
     reference.

@@ -3,14 +3,20 @@ per-group bucketing, the ZeroOptimizer, and stage 3's fetcher actor and hooks.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.engine.buckets import GradBuckets
+from flowtrain.engine.parts import EngineParts
 from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
+
+if TYPE_CHECKING:
+    from flowtrain.zero.sharded import ZeroOptimizer
+    from flowtrain.zero.stage3 import Stage3Params
 
 log = get_logger("flowtrain.zero")
 
@@ -46,46 +52,47 @@ def module_units(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> l
     return units
 
 
-def stage3_buckets(engine: Any, specs: list[tuple[str, tuple[int, ...], str, int]],
-                   groups: list[int] | None) -> tuple[BucketPlan, ...]:
-    zcfg = engine.config.zero_optimization
-    return plan_units(specs, module_units(engine.module, engine.trainable),
-                      bucket_numel=engine.bucket_numel,
+def stage3_buckets(parts: EngineParts, groups: list[int] | None) -> tuple[BucketPlan, ...]:
+    """Stage 3's buckets: one per module's own parameters (what one gather fetches)."""
+    zcfg = parts.config.zero_optimization
+    return plan_units(parts.param_specs, module_units(parts.module, parts.trainable),
+                      bucket_numel=parts.bucket_numel,
                       persistence_threshold=zcfg.stage3_param_persistence_threshold,
                       groups=groups)
 
 
-def build_zero(engine: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
-    """The ZeroOptimizer (pointed at by ``optimizer``) and, for stage 3 on several ranks, the
-    Stage3Params that gathers parameters around each module."""
+def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.Optimizer,
+               ) -> tuple[ZeroOptimizer, Stage3Params | None]:
+    """The ZeroOptimizer over the engine's gradient ``buckets`` (pointed at by ``optimizer``)
+    and, for stage 3 on several ranks, the Stage3Params that gathers parameters around each
+    module."""
     from flowtrain.zero.sharded import ZeroOptimizer
 
-    zcfg = engine.config.zero_optimization
-    if engine.zero_stage == 3 and not zcfg.reduce_scatter and engine.world_size > 1:
+    zcfg = parts.config.zero_optimization
+    if parts.zero_stage == 3 and not zcfg.reduce_scatter and parts.world_size > 1:
         log.warning("zero_optimization.reduce_scatter false is not honoured with stage 3: "
                     "flowtrain's stage 3 always reduce-scatters gradients (the same sums, "
                     "half the traffic of an all-reduce)", console=True)
     offload_optimizer = zcfg.offload_optimizer if zcfg.offloads_optimizer else None
     offload_param = None
-    if zcfg.offloads_params and engine.zero_stage == 3:
+    if zcfg.offloads_params and parts.zero_stage == 3:
         offload_param = _Placement(torch.device("cpu"))
-    zero = ZeroOptimizer(engine.trainable, engine.buckets, stage=engine.zero_stage,
-                         world_size=engine.world_size, rank=engine.dp_rank,
-                         group=engine.dp_group, reduce_scatter=zcfg.reduce_scatter,
+    zero = ZeroOptimizer(parts.trainable, buckets, stage=parts.zero_stage,
+                         world_size=parts.world_size, rank=parts.dp_rank,
+                         group=parts.dp_group, reduce_scatter=zcfg.reduce_scatter,
                          offload_optimizer=offload_optimizer, offload_param=offload_param,
-                         norm_over_world=engine.model_parallel,
-                         tp=engine.grid.shape.tp if engine.grid is not None else 1)
+                         norm_over_world=parts.model_parallel, tp=parts.tp)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
         return zero, None
     from flowtrain.zero.stage3 import ParamFetcher, Stage3Params
 
     # all-gathers get their own group: they run while the reducer's reduces are in flight
-    group = dist.new_group(ranks=engine.grid.dp_ranks if engine.grid is not None else
-                           list(range(engine.world_size)), backend=dist.get_backend())
+    group = dist.new_group(ranks=parts.grid.dp_ranks if parts.grid is not None else
+                           list(range(parts.world_size)), backend=dist.get_backend())
     actor = ParamFetcher(zero, group, timeout=comm.DEFAULT_TIMEOUT)
-    fetcher = engine._runtime.spawn(actor)
-    stage3 = Stage3Params(engine.module, engine.trainable, zero, fetcher,
+    fetcher = parts.spawn(actor)
+    stage3 = Stage3Params(parts.module, parts.trainable, zero, fetcher,
                           prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                           max_live_numel=zcfg.stage3_max_live_parameters,
                           max_reuse_distance=zcfg.stage3_max_reuse_distance)

@@ -1,5 +1,5 @@
 """Worker for tests/test_pipeline.py: the pipeline engine's point-to-point streams
-(flowtrain.pipe.engine's _Sender and _Receiver) between two plain processes, no launcher, so
+(flowtrain.pipe.p2p's Sender and Receiver) between two plain processes, no launcher, so
 that one of them may die and the other report it. Rank 0 plays stage 0, rank 1 stage 1.
 
 argv: CASE RANK PORT OUT — rank 1 (and for "dead_receiver" rank 0) writes OUT as JSON.
@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flowtrain.pipe import engine as pe
+from flowtrain.pipe import p2p
 
-ACT, GRAD = (pe.TAG_ACT, pe.TAG_ACT_DATA), (pe.TAG_GRAD, pe.TAG_GRAD_DATA)
-_Receiver, _Sender = pe._Receiver, pe._Sender
+ACT, GRAD = (p2p.TAG_ACT, p2p.TAG_ACT_DATA), (p2p.TAG_GRAD, p2p.TAG_GRAD_DATA)
 
 
 def messages(seed: int) -> list[list[torch.Tensor]]:
@@ -53,8 +52,8 @@ def shapes(rank: int) -> dict[str, Any]:
     peer = 1 - rank
     out_tags, in_tags = (ACT, GRAD) if rank == 0 else (GRAD, ACT)
     out_kind, in_kind = ("act", "grad") if rank == 0 else ("grad", "act")
-    sender = _Sender(None, torch.device("cpu"), 30.0, "test-send")
-    receiver = _Receiver(None, peer, in_tags, torch.device("cpu"), 30.0, "test-recv")
+    sender = p2p.Sender(None, torch.device("cpu"), 30.0, "test-send")
+    receiver = p2p.Receiver(None, peer, in_tags, torch.device("cpu"), 30.0, "test-recv")
     sent, expected = messages(10 + rank), messages(10 + peer)
     futures = [receiver.expect(1, mb, what(f"recv_{in_kind}", mb, peer))
                for mb in range(len(expected))]
@@ -97,17 +96,17 @@ def main() -> None:
             if rank == 0:
                 time.sleep(4)
                 os._exit(0)
-            receiver = _Receiver(None, 0, ACT, torch.device("cpu"), 1.0, "test-recv")
+            receiver = p2p.Receiver(None, 0, ACT, torch.device("cpu"), 1.0, "test-recv")
             future = receiver.expect(1, 3, what("recv_act", 3, 0))
             result = failure(lambda: future.result(timeout=30))
         elif case == "dead_sender":
             if rank == 0:
-                sender = _Sender(None, torch.device("cpu"), 30.0, "test-send")
+                sender = p2p.Sender(None, torch.device("cpu"), 30.0, "test-send")
                 sender.send((torch.ones(4),), 1, ACT, 0, what("send_act", 0, 1))
                 sender.drain().result(timeout=30)
                 time.sleep(0.5)
                 os._exit(1)
-            receiver = _Receiver(None, 0, ACT, torch.device("cpu"), 60.0, "test-recv")
+            receiver = p2p.Receiver(None, 0, ACT, torch.device("cpu"), 60.0, "test-recv")
             first = receiver.expect(1, 0, what("recv_act", 0, 0))
             second = receiver.expect(1, 1, what("recv_act", 1, 0))
             result = {"first": first.result(timeout=30).__len__()}
@@ -117,7 +116,7 @@ def main() -> None:
                 time.sleep(0.5)
                 os._exit(1)
             time.sleep(1.5)
-            sender = _Sender(None, torch.device("cpu"), 60.0, "test-send")
+            sender = p2p.Sender(None, torch.device("cpu"), 60.0, "test-send")
 
             def send() -> None:
                 sender.send((torch.ones(4),), 1, ACT, 0, what("send_act", 0, 1))
