@@ -118,7 +118,7 @@ def _profile(name: str) -> Any:
 
 def _host_speed(ns: argparse.Namespace, hw: Any) -> float:
     """--host-speed as a factor: 1.0 without it, the probe's figure for auto."""
-    from sims.probe import check_speed, host_speed
+    from sims.calibrate.probe import check_speed, host_speed
 
     text = getattr(ns, "host_speed", None)
     if text is None:
