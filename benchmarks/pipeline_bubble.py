@@ -225,7 +225,7 @@ def profile_bubble(run_dir: Path, cluster: str) -> float | None:
     from sims.compare import read_run
     from sims.hardware import ProfileError, get_profile
     from sims.planner import Layout, Workload
-    from sims.predict import predict
+    from sims.prediction import predict
 
     try:
         hw = get_profile(cluster)

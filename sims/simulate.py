@@ -1,7 +1,7 @@
 """``flowtrain simulate``: predicts a training step (time, throughput, MFU, communication
 overlap, pipeline bubble, peak memory per rank) for a model + ds_config + cluster, sweeps config
 keys, and holds a prediction against a measured run (``--compare runs/<id>``). The command and
-its report; one prediction is ``sims.predict``, a sweep ``sims.sweep``."""
+its report; one prediction is ``sims.prediction``, a sweep ``sims.sweep``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from sims.predict import (
+from sims.prediction import (
     DEFAULT_CLUSTER,
     Prediction,
     SimulateError,

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from sims.predict import Prediction, SimulateError, predict_config
+from sims.prediction import Prediction, SimulateError, predict_config
 
 # Sweepable besides config keys: the cluster layout.
 LAYOUT_KEYS = ("nodes", "tp", "pp")

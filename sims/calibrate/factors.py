@@ -15,7 +15,7 @@ from sims.calibrate.probe import profile_probe_seconds
 from sims.compare import predicted_classes
 from sims.costs import collective_seconds
 from sims.planner import Layout, Workload
-from sims.predict import predict
+from sims.prediction import predict
 
 FIT_ROUNDS = 12
 BUCKET_PASSES = 8  # at most, fitting the small-bucket run's figures and the sizes' in turn
