@@ -225,7 +225,7 @@ def profile_bubble(run_dir: Path, cluster: str) -> float | None:
     from sims.compare import read_run
     from sims.hardware import ProfileError, get_profile
     from sims.planner import Layout, Workload
-    from sims.simulate import predict
+    from sims.prediction import predict
 
     try:
         hw = get_profile(cluster)
@@ -341,11 +341,11 @@ def delivery_probe(nbytes: int, count: int = 200) -> tuple[float, float, float]:
     pipeline message of ``nbytes`` between two processes of this host."""
     import multiprocessing as mp
 
-    from sims.calibrate_comm import _free_port
+    from sims.calibrate.collectives import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_probe_rank, args=(r, port, nbytes, count, out))
              for r in (0, 1)]
     for proc in procs:

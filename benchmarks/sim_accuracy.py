@@ -20,10 +20,10 @@ launched again (up to --attempts times), and only where no run was quiet do dist
 count.
 Each row reports how many cores other processes kept busy during the kept run ("others", from
 /proc/stat less this job's own CPU time) and how much longer the slowest run of the config was
-("spread"), and how slow the host computed around the kept run against
-its profile ("host": ``sims.probe.host_speed``, a calibration Linear pass timed just before and
-just after the run, over the profile's time, geometric mean; the host's speed drifts over
-minutes, and the profile holds its calibration's). "at host" is the step's error when the
+("spread"), and how slow the host computed around the kept run against its profile ("host":
+``sims.calibrate.probe.host_speed``, a calibration Linear pass timed just before and just after
+the run, over the profile's time, geometric mean; the host's speed drifts over minutes, and the
+profile holds its calibration's). "at host" is the step's error when the
 prediction is given that speed (``simulate --compare --host-speed``): what is left is the cost
 model's own error, and the difference from "error" is the host's drift since calibration.
 The project's host drifted 1.3-1.5x in speed over tens of minutes, in phases the probe reads
@@ -167,7 +167,7 @@ def gloo_worker(out: str, trials: int) -> None:
     import torch.distributed as dist
 
     import flowtrain
-    from sims.calibrate_comm import _agreed_repeats
+    from sims.calibrate.timing import agreed_repeats
 
     torch.set_num_threads(1)
     flowtrain.init_distributed()
@@ -176,7 +176,7 @@ def gloo_worker(out: str, trials: int) -> None:
         buffer = torch.ones(nbytes // 4)
         start = time.perf_counter()
         dist.all_reduce(buffer)
-        repeats = _agreed_repeats(time.perf_counter() - start, 0.05, None)
+        repeats = agreed_repeats(time.perf_counter() - start, 0.05, None)
         times = []
         for _ in range(trials):
             dist.barrier()
@@ -194,7 +194,7 @@ def gloo_worker(out: str, trials: int) -> None:
 def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
     """Waits until the host's CPUs are less than ``busy_below`` busy over one second, at most
     ``limit_s`` seconds; returns the busy fraction last seen."""
-    from sims.calibrate_jobs import host_busy_seconds
+    from sims.calibrate.timing import host_busy_seconds
 
     cores = os.cpu_count() or 1
     deadline = time.monotonic() + limit_s
@@ -207,10 +207,11 @@ def wait_for_quiet(limit_s: float, busy_below: float = 0.25) -> float:
 
 
 def host_speed(cluster: str) -> float:
-    """How slow this host computes now against its profile (``sims.probe.host_speed``): 1.15
-    means 15 % slower than at calibration; nan for a profile without engine costs."""
+    """How slow this host computes now against its profile
+    (``sims.calibrate.probe.host_speed``): 1.15 means 15 % slower than at calibration; nan for
+    a profile without engine costs."""
+    from sims.calibrate.probe import host_speed as probe
     from sims.hardware import get_profile
-    from sims.probe import host_speed as probe
 
     hw = get_profile(cluster)
     return probe(hw) if hw.engine is not None else float("nan")
@@ -240,7 +241,7 @@ def launch_quietly(args: argparse.Namespace, run: Callable[[], T], label: str,
     does not count, but the last attempt is kept whatever it saw. Returns its result, the cores
     others kept busy, and with ``cluster`` the host's speed over it (the probes on either side,
     geometric mean; nan without)."""
-    from sims.calibrate_jobs import ForeignLoad
+    from sims.calibrate.timing import ForeignLoad
 
     before = after = math.nan
     for attempt in range(args.attempts):

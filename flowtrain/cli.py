@@ -126,7 +126,7 @@ def _simulate_entry() -> tuple[AddArguments, Run]:
 
 def _calibrate_entry() -> tuple[AddArguments, Run]:
     def add(p: argparse.ArgumentParser) -> None:
-        from sims.calibrate import build_parser
+        from sims.calibrate.command import build_parser
 
         # calibrate's own parser defines its flags; they are copied here (all but -h) so that
         # `flowtrain calibrate --help` lists them and bad flags fail like every subcommand's
@@ -135,7 +135,7 @@ def _calibrate_entry() -> tuple[AddArguments, Run]:
                 p._add_action(action)
 
     def run(ns: argparse.Namespace, argv: list[str]) -> int:
-        from sims.calibrate import main as calibrate_main
+        from sims.calibrate.command import main as calibrate_main
 
         return calibrate_main(argv[argv.index("calibrate") + 1:])
 

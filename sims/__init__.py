@@ -20,7 +20,7 @@ _EXPORTS = {
     "Layout": "sims.planner", "Workload": "sims.planner", "SimPlan": "sims.planner",
     "build_plan": "sims.planner", "pipeline_tasks": "sims.planner",
     "trace_events": "sims.trace", "write_trace": "sims.trace",
-    "Prediction": "sims.simulate", "predict": "sims.simulate",
+    "Prediction": "sims.prediction", "predict": "sims.prediction",
 }
 
 __all__ = ["BUILTIN_PROFILES", "HardwareProfile", "Layout", "Link", "ModelSpec", "Prediction",

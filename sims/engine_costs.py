@@ -55,7 +55,7 @@ class EngineCosts:
     ``p2p``: one pipeline send (gloo isend/irecv of a header and a tensor). ``optimizer``:
     the engine's fused Adam kernel, ``latency_s`` per call and ``bandwidth`` in bytes/s of
     its 28-byte-per-parameter pass. ``factors[ranks]``: what a launched engine job on
-    ``ranks`` ranks (``sims.calibrate_job``) showed: how much longer its forwards and its
+    ``ranks`` ranks (``sims.calibrate.job``) showed: how much longer its forwards and its
     backwards took than these isolated measurements predict (``forward``, ``backward``:
     factors; the engine's own threads, the launcher, OpenMP threads that do not all get a
     core; a backward also shares the cores with the reduces it starts) plus what the engine's

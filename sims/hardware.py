@@ -1,7 +1,8 @@
 """Hardware profiles for the simulator: what one device computes, holds and moves per second.
 
-Builtin eight-GPU nodes carry published figures (each with its source); ``flowtrain calibrate``
-writes a measured profile of this host that loads through the same JSON schema.
+Builtin eight-GPU nodes carry published figures (each with its source, in
+``flowtrain.hardware.BUILTIN_NODES``, which the engine reads its peaks from); ``flowtrain
+calibrate`` writes a measured profile of this host that loads through the same JSON schema.
 """
 
 from __future__ import annotations
@@ -12,6 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowtrain.hardware import (
+    BUILTIN_NODES,
+    HOST_PROFILE_ENV,
+    KINDS,
+    PROFILE_VERSION,
+    THIS_HOST,
+    GpuNode,
+    host_profile_path,
+    read_profile_file,
+    resolve_profile,
+)
 from sims.engine_costs import ENGINE_FACTOR_KINDS, PASS_KINDS, EngineCosts, engine_from
 from sims.profile_fields import (
     Curve,
@@ -33,6 +45,7 @@ __all__ = [
     "THIS_HOST",
     "Curve",
     "EngineCosts",
+    "HOST_PROFILE_ENV",
     "HardwareProfile",
     "Link",
     "ProfileError",
@@ -41,11 +54,7 @@ __all__ = [
     "host_profile_path",
 ]
 
-PROFILE_VERSION = 1
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-KINDS = ("gpu", "cpu")
-HOST_PROFILE_ENV = "FLOWTRAIN_HOST_PROFILE"
-THIS_HOST = "this-host"
 
 
 @dataclass(frozen=True)
@@ -139,16 +148,7 @@ class HardwareProfile:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> HardwareProfile:
         """Reads a profile written by ``save`` (or by hand); errors name the file and field."""
-        p = Path(path).expanduser()
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ProfileError(f"cannot read hardware profile {str(p)!r}: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProfileError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data, origin=str(p))
+        return cls.from_dict(read_profile_file(path), origin=str(Path(path).expanduser()))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -256,15 +256,11 @@ def _from_dict(d: Any) -> HardwareProfile:
 
 # ----------------------------------------------------------------------------- builtins
 
-GB = 1e9
-TFLOPS = 1e12
-
 # GEMM efficiency by op size: the points of Calculon's systems/a100_80g.json
 # ("gflops_efficiency": 1 GFLOP 0.6, 16 GFLOP 0.9, 128 GFLOP 0.95); their "0 GFLOP -> 0.1"
 # entry is placed at 10 MFLOP here because the curve is interpolated in log(FLOPs).
 _GPU_EFFICIENCY = ((1e7, 0.1), (1e9, 0.6), (1.6e10, 0.9), (1.28e11, 0.95))
 
-_SRC_SIM = "/work/shared/reference/simulators.md (hardware table)"
 _SRC_CALCULON = "calculon-ai/calculon systems/a100_80g.json, h100_80g_nvl8.json"
 _COMMON_SOURCES = {
     "efficiency": f"{_SRC_CALCULON}: gflops_efficiency (lowest point placed at 1e7 FLOPs)",
@@ -276,115 +272,28 @@ _COMMON_SOURCES = {
 }
 
 
-def _gpu_node(name: str, *, fp32: float, tf32: float, bf16: float, hbm_bytes: float,
-              hbm_bw: float, nvlink_dir: float, ib_node: float, pcie_dir: float,
-              host_dram_node: float, sources: dict[str, str]) -> HardwareProfile:
+def _gpu_node(node: GpuNode) -> HardwareProfile:
     return HardwareProfile(
-        name=name, kind="gpu", devices_per_node=8, device_memory_bytes=int(hbm_bytes),
-        peak_flops={"float32": fp32, "tfloat32": tf32, "bfloat16": bf16, "float16": bf16},
-        memory_bandwidth=hbm_bw,
-        intra_node=Link(1e-6, nvlink_dir),
-        inter_node=Link(2e-6, ib_node),
-        host_to_device=Link(10e-6, pcie_dir),
+        name=node.name, kind="gpu", devices_per_node=8, device_memory_bytes=int(node.hbm_bytes),
+        peak_flops=node.peak_flops,
+        memory_bandwidth=node.hbm_bw,
+        intra_node=Link(1e-6, node.nvlink_dir),
+        inter_node=Link(2e-6, node.ib_node),
+        host_to_device=Link(10e-6, node.pcie_dir),
         efficiency=_GPU_EFFICIENCY,
-        sources={**_COMMON_SOURCES, **sources},
-        host_memory_bandwidth=host_dram_node / 8,
+        sources={**_COMMON_SOURCES, **node.sources},
+        host_memory_bandwidth=node.host_dram_node / 8,
     )
 
 
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
-    "a100-80g-x8": _gpu_node(
-        "a100-80g-x8", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS,
-        hbm_bytes=80 * GB, hbm_bw=2039 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
-        pcie_dir=32 * GB, host_dram_node=2 * 8 * 25.6 * GB,
-        sources={
-            "peak_flops.bfloat16": f"{_SRC_SIM}: A100 BF16 dense 312 TFLOPS (624 sparse)",
-            "peak_flops.float16": "A100 FP16 tensor core dense = BF16 rate (NVIDIA A100 "
-                                  "datasheet)",
-            "peak_flops.float32": "NVIDIA A100 datasheet: FP32 (non-tensor) 19.5 TFLOPS",
-            "peak_flops.tfloat32": "NVIDIA A100 datasheet: TF32 tensor core 156 TFLOPS dense",
-            "device_memory_bytes": f"{_SRC_SIM}: 80 GB HBM2e (decimal GB)",
-            "memory_bandwidth": f"{_SRC_SIM}: 80 GB HBM2e @ 2.039 TB/s",
-            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink3 600 GB/s bidirectional = 300 GB/s "
-                                    "per direction (NCCL achieves ~195 GB/s sendrecv)",
-            "inter_node.bandwidth": f"{_SRC_SIM}: InfiniBand HDR 200 Gb/s = 25 GB/s per port "
-                                    "per direction, 8 ports per node",
-            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen4 x16 32 GB/s per direction",
-            "host_memory_bandwidth": "DGX A100: 2x AMD EPYC 7742, 8 channels DDR4-3200 each "
-                                     "(25.6 GB/s per channel) = 409.6 GB/s per node, / 8 GPUs",
-        }),
-    "h100-x8": _gpu_node(
-        "h100-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
-        hbm_bytes=80 * GB, hbm_bw=3350 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
-        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
-        sources={
-            "peak_flops.bfloat16": f"{_SRC_SIM}: H100 SXM BF16 dense 989.4 TFLOPS "
-                                   "(1979 sparse)",
-            "peak_flops.float16": "glennklockwood.com/garden/processors/h100: FP16 matrix "
-                                  "989.4 TFLOPS dense",
-            "peak_flops.float32": "glennklockwood.com/garden/processors/h100: FP32 66.9 TFLOPS",
-            "peak_flops.tfloat32": "glennklockwood.com/garden/processors/h100: TF32 matrix "
-                                   "494.7 TFLOPS dense (989.4 is with sparsity)",
-            "device_memory_bytes": f"{_SRC_SIM}: 80 GB HBM3 (decimal GB)",
-            "memory_bandwidth": f"{_SRC_SIM}: 80 GB HBM3 @ 3.35 TB/s",
-            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink4 900 GB/s bidirectional (18x50) = "
-                                    "450 GB/s per direction (all-reduce reaches 741 of 900)",
-            "inter_node.bandwidth": f"{_SRC_SIM}: NDR 400 Gb/s = 50 GB/s per ConnectX-7, "
-                                    "8 per DGX H100 (3.2 Tb/s)",
-            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen5 x16 64 GB/s per direction",
-            "host_memory_bandwidth": "DGX H100: 2x Xeon Platinum 8480C, 8 channels DDR5-4800 "
-                                     "each (38.4 GB/s per channel) = 614.4 GB/s per node, / 8",
-        }),
-    "h200-x8": _gpu_node(
-        "h200-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
-        hbm_bytes=141 * GB, hbm_bw=4800 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
-        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
-        sources={
-            "peak_flops.bfloat16": f"{_SRC_SIM}: H200 same compute as H100, 989 TFLOPS dense "
-                                   "(1,979 listed elsewhere includes sparsity)",
-            "peak_flops.float16": f"{_SRC_SIM}: same compute as H100 (FP16 = BF16 dense)",
-            "peak_flops.float32": f"{_SRC_SIM}: same compute as H100; H100 FP32 66.9 TFLOPS "
-                                  "(glennklockwood.com/garden/processors/h100)",
-            "peak_flops.tfloat32": "same compute as H100: TF32 494.7 TFLOPS dense",
-            "device_memory_bytes": f"{_SRC_SIM}: 141 GB HBM3e (decimal GB)",
-            "memory_bandwidth": f"{_SRC_SIM}: 141 GB HBM3e @ 4.8 TB/s",
-            "intra_node.bandwidth": f"{_SRC_SIM}: NVLink 900 GB/s bidirectional = 450 GB/s "
-                                    "per direction",
-            "inter_node.bandwidth": f"{_SRC_SIM}: NDR 400 Gb/s = 50 GB/s per port, 8 per node "
-                                    "(as DGX H100)",
-            "host_to_device.bandwidth": f"{_SRC_SIM}: PCIe Gen5 x16 64 GB/s per direction",
-            "host_memory_bandwidth": "DGX H200 uses the DGX H100 CPUs: 2x Xeon Platinum "
-                                     "8480C, 614.4 GB/s DDR5 per node, / 8",
-        }),
-}
-
-
-def host_profile_path() -> Path:
-    """Where ``flowtrain calibrate`` writes and ``this-host`` reads the measured profile."""
-    env = os.environ.get(HOST_PROFILE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path("~/.cache/flowtrain/host_profile.json").expanduser()
+    name: _gpu_node(node) for name, node in BUILTIN_NODES.items()}
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
     """A builtin profile by name, a profile JSON file by path, or ``this-host`` (the profile
     ``flowtrain calibrate`` wrote). Unknown names raise ValueError listing the choices."""
-    if not isinstance(name_or_path, str) or not name_or_path:
-        raise ProfileError(f"hardware must be a profile name or a JSON path, got "
-                           f"{name_or_path!r}")
-    if name_or_path in BUILTIN_PROFILES:
-        return BUILTIN_PROFILES[name_or_path]
-    if name_or_path == THIS_HOST:
-        path = host_profile_path()
-        if not path.is_file():
-            raise ProfileError(f"no calibrated profile of this host at {str(path)!r}; run "
-                               f"`flowtrain calibrate` first (or set ${HOST_PROFILE_ENV})")
-        return HardwareProfile.load(path)
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return HardwareProfile.load(path)
-    looks_like_path = name_or_path.endswith(".json") or os.sep in name_or_path
-    what = "no such profile file" if looks_like_path else "unknown hardware profile"
-    raise ProfileError(f"{what} {name_or_path!r}; choices: {', '.join(BUILTIN_PROFILES)}, "
-                       f"{THIS_HOST} (after `flowtrain calibrate`), or a path to a profile JSON")
+    where = resolve_profile(name_or_path)
+    if isinstance(where, Path):
+        return HardwareProfile.load(where)
+    return BUILTIN_PROFILES[where]

@@ -1,17 +1,18 @@
 """The fields hardware profiles are made of, and their checks: every error names the field, the
-value seen and what is valid (``ProfileError``)."""
+value seen and what is valid (``ProfileError``; it and the number check are
+``flowtrain.hardware``'s, which reads a profile's peaks for the engine)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from flowtrain.hardware import ProfileError, check_number, is_number
+
 LINK_FIELDS = ("latency_s", "bandwidth")
 
-
-class ProfileError(ValueError):
-    """A hardware profile that cannot be used: names the field, the value seen and what is valid."""
+__all__ = ["LINK_FIELDS", "Curve", "Link", "ProfileError", "check_curve", "check_fields",
+           "check_int", "check_number", "count_keys", "is_number", "link_from"]
 
 
 @dataclass(frozen=True)
@@ -35,22 +36,6 @@ class Link:
 
 
 Curve = tuple[tuple[float, float], ...]  # (op FLOPs, FLOP/s) points, FLOPs increasing
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_number(name: str, value: Any, *, minimum: float | None = None,
-                  maximum: float | None = None, strict: bool = False) -> None:
-    """One numeric field: a finite number within bounds (``strict``: above ``minimum``)."""
-    if not is_number(value) or not math.isfinite(value):
-        raise ProfileError(f"field {name!r} must be a finite number, got {value!r}")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise ProfileError(f"field {name!r} must be {bound}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ProfileError(f"field {name!r} must be <= {maximum:g}, got {value!r}")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

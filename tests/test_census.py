@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from flowtrain.profiling.census import OpCensus, attention_flops, op_class
-from sims import calibrate_ops
+from sims.calibrate import ops as calibrate_ops
+from sims.calibrate.fits import fit_op_costs
 from sims.engine_costs import OP_COST_CLASSES
 from sims.hardware import HardwareProfile, Link, ProfileError
 from sims.planner import Layout, Workload, build_plan
@@ -103,7 +104,7 @@ def _records(latency: float, per_element: float, threads: int = 1) -> list[dict]
 
 
 def test_op_cost_fit_recovers_latency_and_rate_from_recorded_measurements() -> None:
-    fitted = calibrate_ops.fit_op_costs(_records(5e-6, 1e-9) + _records(4e-6, 5e-10, 2))
+    fitted = fit_op_costs(_records(5e-6, 1e-9) + _records(4e-6, 5e-10, 2))
     assert set(fitted) == {1, 2} and set(fitted[1]) == set(OP_COST_CLASSES)
     norm = fitted[1]["norm"]
     assert norm["forward"].latency_s == pytest.approx(5e-6)
@@ -114,7 +115,7 @@ def test_op_cost_fit_recovers_latency_and_rate_from_recorded_measurements() -> N
     assert fitted[1]["view"]["forward"].latency_s == pytest.approx(5e-6)
     # a disturbed large size (no slower than the small one): its own rate, no latency
     flat = [dict(r, forward_s=1e-5) for r in _records(5e-6, 1e-9) if r["class"] == "norm"]
-    link = calibrate_ops.fit_op_costs(flat)[1]["norm"]["forward"]
+    link = fit_op_costs(flat)[1]["norm"]["forward"]
     assert link.latency_s == 0 and link.bandwidth == pytest.approx(1e6 / 1e-5)
 
 
@@ -206,12 +207,14 @@ def test_weight_cost_fit_and_its_correction_of_a_linear_pass() -> None:
     """Equal-FLOP layers whose time grows 2e-11 s (forward) per byte of weights: the fit
     recovers the slope; a layer's pass is the curve's time plus the slope times its weights
     beyond the curve's own shapes' (log-interpolated by FLOPs), never below half the curve's."""
-    from sims import calibrate_engine, costs
+    from sims import costs
+    from sims.calibrate.fits import fit_weight_cost
+    from sims.calibrate.settings import WEIGHT_SHAPES
 
     records = [{"threads": 1, "rows": r, "in": i, "out": o, "flops": 2.0 * r * i * o,
                 "forward_s": 1e-3 + 2e-11 * 4 * i * o, "backward_s": 2e-3 + 5e-11 * 4 * i * o}
-               for r, i, o in calibrate_engine.WEIGHT_SHAPES]
-    fitted = calibrate_engine.fit_weight_cost(records)
+               for r, i, o in WEIGHT_SHAPES]
+    fitted = fit_weight_cost(records)
     assert fitted[1]["forward"] == pytest.approx(2e-11)
     assert fitted[1]["backward"] == pytest.approx(5e-11)
     hw = cpu_profile(weight_cost={1: {"forward": 2e-11, "backward": 5e-11}},

@@ -14,17 +14,12 @@ from typing import Any
 
 import pytest
 
-from sims import calibrate, calibrate_comm
-from sims.calibrate import (
-    CalibrationError,
-    fit_collectives,
-    fit_efficiency,
-    fit_link,
-    fit_profile,
-    fit_ring_link,
-    main,
-)
-from sims.calibrate_job import ROWS_BY_SIZE, SMALL_BUCKET
+from sims.calibrate import collectives, command, fits, settings
+from sims.calibrate.command import main
+from sims.calibrate.fits import fit_collectives, fit_efficiency, fit_link, fit_ring_link
+from sims.calibrate.job import ROWS_BY_SIZE, SMALL_BUCKET
+from sims.calibrate.profile_fit import fit_profile
+from sims.calibrate.settings import CalibrationError
 from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, ProfileError, get_profile
 
@@ -82,7 +77,7 @@ def test_fit_ring_link_survives_a_disturbed_small_size() -> None:
     records = [{"op": "all_reduce", "ranks": 2, "bytes": b, "seconds": t}
                for b, t in ((4096, 5e-3), (1 << 18, 4e-3), (2 << 20, 3e-3))]
     rows = [(2.0, float(r["bytes"]), r["seconds"]) for r in records]
-    assert calibrate._solve_relative(rows)[1] <= 0  # least squares finds no bandwidth
+    assert fits.solve_relative(rows)[1] <= 0  # least squares finds no bandwidth
     link = fit_ring_link({"collectives": records})
     # latency: 5 ms over the 2 ring steps of 2 ranks; the 2 MiB transfer's time less that
     # latency is nothing, so half its time is taken as the transfer's
@@ -94,7 +89,7 @@ def test_fit_ring_link_recovers_the_link_behind_every_op() -> None:
     alpha, bandwidth = 3e-5, 2e9
     records = [{"op": op, "ranks": n, "bytes": b,
                 "seconds": ring_steps(op, n) * alpha + ring_factor(op, n) * b / bandwidth}
-               for op in calibrate.MEASURED_OPS for n in (2, 4) for b in (4096, 1 << 20, 1 << 24)]
+               for op in settings.MEASURED_OPS for n in (2, 4) for b in (4096, 1 << 20, 1 << 24)]
     link = fit_ring_link({"collectives": records})
     assert link.latency_s == pytest.approx(alpha, rel=1e-9)
     assert link.bandwidth == pytest.approx(bandwidth, rel=1e-9)
@@ -114,9 +109,9 @@ def test_fit_efficiency_reproduces_every_matmul() -> None:
 # ----------------------------------------------------------------------------- recorded data
 
 def test_sample_was_recorded_on_this_kind_of_host(sample: dict[str, Any]) -> None:
-    assert sample["v"] == calibrate.MEASUREMENTS_VERSION
+    assert sample["v"] == settings.MEASUREMENTS_VERSION
     assert {r["ranks"] for r in sample["collectives"]} == {2, 4}
-    assert {r["op"] for r in sample["collectives"]} == set(calibrate.MEASURED_OPS)
+    assert {r["op"] for r in sample["collectives"]} == set(settings.MEASURED_OPS)
 
 
 def test_fitted_collectives_predict_the_recorded_points(sample: dict[str, Any]) -> None:
@@ -251,14 +246,14 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     tiny = dataclasses.replace(
-        calibrate.QUICK, matmul_sizes=(32, 128), low_precision_sizes=(64,),
+        settings.QUICK, matmul_sizes=(32, 128), low_precision_sizes=(64,),
         seconds_per_point=0.01, memory_elements=1 << 20,
         collective_bytes=(4 << 10, 256 << 10, 2 << 20),
         collective_trials=5, trial_seconds=0.005, interference_bytes=256 << 10,
         interference_window_s=0.1, pass_shapes=((8, 16, 16), (32, 64, 64)),
         optimizer_sets=((8, 1024), (2, 1 << 16)), p2p_bytes=(4 << 10, 64 << 10),
         concurrency_window_s=0.05, jobs=((2, 1),), job_steps=3)
-    monkeypatch.setattr(calibrate, "QUICK", tiny)  # `--quick`, smaller still
+    monkeypatch.setattr(command, "QUICK", tiny)  # `--quick`, smaller still
     out, raw = tmp_path / "p.json", tmp_path / "raw.json"
     code = main(["--quick", "--ranks", "2", "--out", str(out), "--save-measurements", str(raw),
                  "--timeout", "45"])
@@ -269,7 +264,7 @@ def test_tiny_calibration_measures_fits_and_loads(tmp_path: Path,
     measurements = json.loads(raw.read_text())
     records = measurements["collectives"]
     assert sorted((r["op"], r["bytes"]) for r in records) == sorted(
-        (op, b) for op in calibrate.MEASURED_OPS for b in tiny.collective_bytes)
+        (op, b) for op in settings.MEASURED_OPS for b in tiny.collective_bytes)
     assert all(r["ranks"] == 2 and r["seconds"] > 0 for r in records)
     assert 0.0 <= measurements["interference"]["fraction"] <= 1.0
     assert [r["n"] for r in measurements["matmul"] if r["dtype"] == "float32"] == [32, 128]
@@ -320,45 +315,45 @@ def test_a_failing_rank_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> 
 
     import torch.distributed as dist
 
-    real = calibrate_comm._time_collectives
+    real = collectives.time_collectives
 
-    def fail_on_rank_1(group: Any, ranks: int, settings: calibrate.Settings) -> Any:
+    def fail_on_rank_1(group: Any, ranks: int, settings: settings.Settings) -> Any:
         if dist.get_rank() == 1:
             raise RuntimeError("boom on rank 1")
         return real(group, ranks, settings)
 
-    monkeypatch.setattr(calibrate_comm, "_time_collectives", fail_on_rank_1)  # forked ranks see it
-    tiny = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10,), collective_trials=1)
+    monkeypatch.setattr(collectives, "time_collectives", fail_on_rank_1)  # forked ranks see it
+    tiny = dataclasses.replace(settings.QUICK, collective_bytes=(4 << 10,), collective_trials=1)
     start = time.monotonic()
     with pytest.raises(CalibrationError, match=r"(?s)calibration rank 1 failed:.*boom on rank 1"):
-        calibrate_comm.measure_collectives(tiny, (2,), timeout_s=30, start_method="fork")
+        collectives.measure_collectives(tiny, (2,), timeout_s=30, start_method="fork")
     assert time.monotonic() - start < 15  # not the 30 s its peer waits in the collective
 
 
 def test_collective_sizes_must_split_evenly() -> None:
-    bad = dataclasses.replace(calibrate.QUICK, collective_bytes=(4 << 10, 1000))
+    bad = dataclasses.replace(settings.QUICK, collective_bytes=(4 << 10, 1000))
     with pytest.raises(ValueError, match=r"multiples of 4 B x 4 ranks.*got 1000"):
-        calibrate_comm.measure_collectives(bad, (2, 4), timeout_s=5)
+        collectives.measure_collectives(bad, (2, 4), timeout_s=5)
 
 
 def test_host_speed_probe_holds_the_pass_against_the_profile(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's pass timed at exactly the profile's rate reads 1.0; 30 % longer reads 1.3;
     a profile without engine costs has nothing to hold it against."""
-    import sims.calibrate_engine as ce
+    from sims.calibrate import engine_pieces
+    from sims.calibrate.probe import host_speed
     from sims.costs import pass_seconds
-    from sims.probe import host_speed
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_sim_engine import cpu_profile
 
     hw = cpu_profile()
-    b, k, n = ce.CONCURRENCY_SHAPE
+    b, k, n = settings.CONCURRENCY_SHAPE
     flops = 2.0 * b * k * n
     expected = {"flops": flops, "forward_s": pass_seconds("forward", flops, 1, hw),
                 "backward_s": pass_seconds("backward", 2 * flops, 1, hw)}
     slower = [1.0]
-    monkeypatch.setattr(ce, "time_pass", lambda shape, seconds: {
+    monkeypatch.setattr(engine_pieces, "time_pass", lambda shape, seconds: {
         **expected, "forward_s": expected["forward_s"] * slower[0],
         "backward_s": expected["backward_s"] * slower[0]})
     assert host_speed(hw) == pytest.approx(1.0)

@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 from flowtrain.config import load_config
-from sims import calibrate, calibrate_engine, calibrate_jobs, costs
+from sims import costs
+from sims.calibrate import engine_pieces, fits
+from sims.calibrate import factors as factor_fits
+from sims.calibrate import jobs as job_runs
+from sims.calibrate.profile_fit import fit_profile
+from sims.calibrate.settings import CalibrationError
 from sims.compare import measured_classes, read_run
 from sims.hardware import HardwareProfile
 from sims.planner import Layout, Workload, build_plan
@@ -38,7 +43,7 @@ def _synthetic_engine_measurements() -> dict[str, Any]:
 
 
 def test_fit_engine_recovers_the_figures_behind_the_measurements() -> None:
-    engine, skipped = calibrate_engine.fit_engine(_synthetic_engine_measurements())
+    engine, skipped = fits.fit_engine(_synthetic_engine_measurements())
     assert skipped == []
     assert engine.pass_rates[1]["forward"] == tuple((f, pytest.approx(4e10))
                                                     for f in (1e4, 1e6, 1e8))
@@ -56,11 +61,11 @@ def test_fit_engine_recovers_the_figures_behind_the_measurements() -> None:
 def test_engine_measurements_are_checked_by_field(tmp_path: Path) -> None:
     sample = json.loads((DATA / "calibration_sample.json").read_text())
     broken = {**sample, "engine": {**_synthetic_engine_measurements(), "optimizer": []}}
-    with pytest.raises(calibrate.CalibrationError, match="'engine.optimizer' is empty"):
-        calibrate.fit_profile(broken)
+    with pytest.raises(CalibrationError, match="'engine.optimizer' is empty"):
+        fit_profile(broken)
     broken["engine"]["optimizer"] = [{"numel": 4}]
-    with pytest.raises(calibrate.CalibrationError, match=r"'engine.optimizer\[0\].seconds'"):
-        calibrate.fit_profile(broken)
+    with pytest.raises(CalibrationError, match=r"'engine.optimizer\[0\].seconds'"):
+        fit_profile(broken)
 
 
 def _size_from_run(run_dir: Path, ranks: int, pp: int) -> dict[str, Any]:
@@ -70,9 +75,9 @@ def _size_from_run(run_dir: Path, ranks: int, pp: int) -> dict[str, Any]:
     size = {"ranks": ranks, "pp": pp, "plan": record.plan, "stages": list(record.stages),
             "measured": measured, "steps": steps}
     if pp > 1:
-        size["gap_per_op_s"] = calibrate_jobs.gap_per_op(record.steps)
+        size["gap_per_op_s"] = job_runs.gap_per_op(record.steps)
     else:
-        size["micro_batch_gap_s"] = calibrate_jobs.micro_batch_gap(record.steps)
+        size["micro_batch_gap_s"] = job_runs.micro_batch_gap(record.steps)
     return size
 
 
@@ -85,16 +90,16 @@ def test_overheads_read_off_a_jobs_spans_by_hand() -> None:
     step = [("forward/mb0", 0.0, 1.0), ("backward/mb0", 1.5, 3.0), ("forward/mb1", 3.1, 4.0),
             ("backward/mb1", 4.3, 6.0), ("optimizer/step", 6.5, 7.0)]
     # gaps between each forward and its backward: 0.5 and 0.3; the first step is left out
-    assert calibrate_jobs.micro_batch_gap({0: [[], step, step, step]}) == pytest.approx(0.4)
+    assert job_runs.micro_batch_gap({0: [[], step, step, step]}) == pytest.approx(0.4)
     pipe = [("forward/mb0", 0.0, 1.0), ("send_act/mb0", 1.2, 1.3), ("recv_grad/mb0", 1.3, 2.0),
             ("backward/mb0", 2.4, 4.0), ("optimizer/step", 5.0, 6.0)]
     # from 0 to 4: spans cover 3.4, gaps 0.6 (1.0-1.2 and 2.0-2.4) over 4 spans
-    assert calibrate_jobs.gap_per_op({0: [pipe, pipe]}) == pytest.approx(0.15)
+    assert job_runs.gap_per_op({0: [pipe, pipe]}) == pytest.approx(0.15)
 
 
 def _base_profile() -> HardwareProfile:
     sample = json.loads((DATA / "calibration_sample.json").read_text())
-    return calibrate.fit_profile({**sample, "engine": _synthetic_engine_measurements()})
+    return fit_profile({**sample, "engine": _synthetic_engine_measurements()})
 
 
 def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None:
@@ -102,9 +107,9 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     assert base.engine is not None and base.engine.factors == {}
     # a data-parallel job (the recorded ZeRO-1 run) and the recorded pipeline run
     jobs = [_job(_size_from_run(RUN, 2, 1)), _job(_size_from_run(PIPELINE_RUN, 2, 2))]
-    fitted = dataclasses.replace(base, engine=calibrate_jobs.fit_factors(base, jobs))
+    fitted = dataclasses.replace(base, engine=factor_fits.fit_factors(base, jobs))
     size = jobs[0]["sizes"][0]
-    again = calibrate_jobs.predict_job(fitted, size)
+    again = factor_fits.predict_job(fitted, size)
     measured = size["measured"]
     assert again["forward"] == pytest.approx(measured["forward"], rel=0.02)
     assert again["backward"] == pytest.approx(measured["backward"], rel=0.02)
@@ -118,11 +123,11 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     pipeline = jobs[1]["sizes"][0]
     assert fitted.engine.pipeline_op_s == pipeline["gap_per_op_s"] > 0
     assert fitted.engine.pipeline_message_s > 0
-    assert calibrate_jobs.predict_job(fitted, pipeline)["step"] == \
+    assert factor_fits.predict_job(fitted, pipeline)["step"] == \
         pytest.approx(pipeline["measured"]["step"], rel=1e-3)
     # fitting through fit_profile gives the same profile, and it survives JSON
     sample = json.loads((DATA / "calibration_sample.json").read_text())
-    whole = calibrate.fit_profile({**sample, "engine": {**_synthetic_engine_measurements(),
+    whole = fit_profile({**sample, "engine": {**_synthetic_engine_measurements(),
                                                         "jobs": jobs}})
     assert whole == fitted
     assert HardwareProfile.from_dict(json.loads(json.dumps(whole.to_dict()))) == whole
@@ -158,8 +163,8 @@ def test_job_sizes_split_a_factor_from_a_time_per_step(scales: tuple[int, ...]) 
              "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001}
     host = _with_factors(base, truth)
     for size in (small, *larger):
-        size["measured"] = calibrate_jobs.predict_job(host, size)
-    fitted = calibrate_jobs.fit_factors(base, [_job(small, *larger)]).factors[2]
+        size["measured"] = factor_fits.predict_job(host, size)
+    fitted = factor_fits.fit_factors(base, [_job(small, *larger)]).factors[2]
     assert fitted == pytest.approx(truth, rel=0.01)
 
 
@@ -177,7 +182,7 @@ def test_each_job_size_keeps_its_median_quiet_run() -> None:
             _run_of((15.0, 20.0, 41.0), 0.05, zero3=28.0),
             _run_of((9.0, 18.0, 35.0), 0.5, zero3=20.0),  # others were busy: left out
             _run_of((11.0, 21.0, 39.0), 0.02)]
-    kept = calibrate_jobs.keep_typical(runs, busy_cores=0.1)
+    kept = job_runs.keep_typical(runs, busy_cores=0.1)
     # of the quiet runs 0, 1 and 3: sizes (10, 15, 11), (22, 20, 21), (40, 41, 39)
     assert [size["measured"]["step"] for size in kept["sizes"]] == [11.0, 21.0, 40.0]
     assert kept["size_runs"] == [3, 3, 0]
@@ -188,10 +193,10 @@ def test_each_job_size_keeps_its_median_quiet_run() -> None:
     assert runs[3]["sizes"][2]["measured"]["step"] == 39.0  # the runs are left as they were
     # no quiet run: all of them count
     busy = [_run_of((12.0, 30.0), 0.4), _run_of((14.0, 25.0), 0.3), _run_of((13.0, 26.0), 0.5)]
-    kept = calibrate_jobs.keep_typical(busy, busy_cores=0.1)
+    kept = job_runs.keep_typical(busy, busy_cores=0.1)
     assert [size["measured"]["step"] for size in kept["sizes"]] == [13.0, 26.0]
     with pytest.raises(ValueError, match="at least one run"):
-        calibrate_jobs.keep_typical([], busy_cores=0.1)
+        job_runs.keep_typical([], busy_cores=0.1)
 
 
 def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
@@ -201,7 +206,7 @@ def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
              "seconds": costs.collective_seconds(op, nbytes, 2, base) + extra}
             for (op, nbytes), extra in zip(model, (0.001, 0.002, 0.004))]
     job = {**_job(_size_from_run(RUN, 2, 1)), "gloo": gloo}
-    engine = calibrate_jobs.fit_factors(base, [job])
+    engine = factor_fits.fit_factors(base, [job])
     assert engine.factors[2]["gloo_s"] == pytest.approx(0.002)
     hw = dataclasses.replace(base, engine=engine)
     cfg = _cfg(2, flowtrain={"data_channel": "torch"})
@@ -213,11 +218,11 @@ def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
 
 
 def test_a_measured_layer_pass_is_the_engines() -> None:
-    timed = calibrate_engine.time_pass((8, 16, 16), 0.02)
+    timed = engine_pieces.time_pass((8, 16, 16), 0.02)
     assert timed["flops"] == 2 * 8 * 16 * 16
     assert 0 < timed["forward_s"] < 0.01 and 0 < timed["backward_s"] < 0.01
     # 4 MiB of weights: one copy of the layer
-    op = calibrate_engine.LinearPass(2, 1024, 1024)
+    op = engine_pieces.LinearPass(2, 1024, 1024)
     arrived: list[int] = []
     op.buckets.on_bucket_ready = arrived.append
     op.both()
@@ -227,7 +232,7 @@ def test_a_measured_layer_pass_is_the_engines() -> None:
     assert sorted(arrived) == list(range(len(op.buckets.plan))) and arrived
     assert math.isfinite(float(op.layer.weight.grad.sum()))
     # a small layer cycles through copies holding 4 MiB of weights, as a model's layers do
-    small = calibrate_engine.LinearPass(4, 8, 8)
+    small = engine_pieces.LinearPass(4, 8, 8)
     used = [id(small.layer) for _ in range(3) if small.forward() is not None]
     assert len(small.layers) == 16 and len(set(used)) == 3
     small.close()
@@ -250,15 +255,15 @@ def test_the_demo_factory_is_the_model_make_demo_trains(monkeypatch: pytest.Monk
 def test_job_speed_is_the_probe_over_the_profiles_probe_time() -> None:
     """A job run's recorded probe against the profile: 1.3x the profile's probe time reads 1.3;
     a record without a probe reads 1.0. The fit does not apply it (see fit_factors)."""
-    from sims.probe import profile_probe_seconds
+    from sims.calibrate.probe import profile_probe_seconds
 
     base = _base_profile()
     job = _job(_size_from_run(RUN, 2, 1))
-    assert calibrate_jobs.job_speed(base, job) == 1.0
+    assert factor_fits.job_speed(base, job) == 1.0
     job["probe_s"] = 1.3 * profile_probe_seconds(base)
-    assert calibrate_jobs.job_speed(base, job) == pytest.approx(1.3)
-    assert calibrate_jobs.fit_factors(base, [job]) == \
-        calibrate_jobs.fit_factors(base, [{k: v for k, v in job.items() if k != "probe_s"}])
+    assert factor_fits.job_speed(base, job) == pytest.approx(1.3)
+    assert factor_fits.fit_factors(base, [job]) == \
+        factor_fits.fit_factors(base, [{k: v for k, v in job.items() if k != "probe_s"}])
 
 
 def _zero3_size(size: dict[str, Any], prefetch: int = 0) -> dict[str, Any]:
@@ -281,11 +286,11 @@ def test_zero3_hand_offs_are_fitted_from_the_jobs_zero3_run() -> None:
              "zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
     host = _with_factors(base, truth)
     zero3 = _zero3_size(small)
-    small["measured"] = calibrate_jobs.predict_job(host, small)
-    zero3["measured"] = calibrate_jobs.predict_job(host, zero3)
-    without = calibrate_jobs.fit_factors(base, [_job(small)]).factors[2]
+    small["measured"] = factor_fits.predict_job(host, small)
+    zero3["measured"] = factor_fits.predict_job(host, zero3)
+    without = factor_fits.fit_factors(base, [_job(small)]).factors[2]
     assert "zero3_fetch_s" not in without
-    fitted = calibrate_jobs.fit_factors(base, [{**_job(small), "zero3": zero3}]).factors[2]
+    fitted = factor_fits.fit_factors(base, [{**_job(small), "zero3": zero3}]).factors[2]
     assert fitted["zero3_fetch_s"] == pytest.approx(0.0008, rel=0.01)
     assert fitted["zero3_backward_s"] == pytest.approx(0.0003, rel=0.01)
     assert {k: v for k, v in fitted.items() if not k.startswith("zero3_")} == without
@@ -303,8 +308,8 @@ def test_zero3_hand_offs_are_tasks_of_the_passes_they_lengthen() -> None:
     size["plan"]["config"].update(gradient_accumulation_steps=1, train_batch_size=128)
     factors = {"zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
     host = _with_factors(base, factors)
-    bare = calibrate_jobs.predict_job(base, size)
-    got = calibrate_jobs.predict_job(host, size)
+    bare = factor_fits.predict_job(base, size)
+    got = factor_fits.predict_job(host, size)
     work = Workload.from_run(size["plan"], 64)
     cfg = load_config(size["plan"]["config"], world_size=2, check_supported=False)
     tasks = build_plan(work, cfg, Layout(1, 2), host).tasks
@@ -349,10 +354,10 @@ def test_bucket_hand_offs_are_fitted_from_the_jobs_small_bucket_run() -> None:
     host = _with_factors(base, truth)
     buckets = _small_buckets(small)
     for size in (small, large, buckets):
-        size["measured"] = calibrate_jobs.predict_job(host, size)
-    fitted = calibrate_jobs.fit_factors(base, [{**_job(small, large), "buckets": buckets}])
+        size["measured"] = factor_fits.predict_job(host, size)
+    fitted = factor_fits.fit_factors(base, [{**_job(small, large), "buckets": buckets}])
     assert fitted.factors[2] == pytest.approx(truth, rel=0.02)
-    without = calibrate_jobs.fit_factors(base, [_job(small, large)]).factors[2]
+    without = factor_fits.fit_factors(base, [_job(small, large)]).factors[2]
     assert "bucket_s" not in without and "reduce_s" not in without
 
 

@@ -45,9 +45,9 @@ class Health:
 
                 found = find_peak(param.dtype, param.device)
                 self._peak = found.flops_per_s if found is not None else None
-                from sims.hardware import THIS_HOST, get_profile
+                from flowtrain.hardware import THIS_HOST, device_peaks
 
-                host = get_profile(THIS_HOST)
+                host = device_peaks(THIS_HOST)
                 if host.kind == ("gpu" if param.device.type == "cuda" else "cpu"):
                     self._bandwidth = float(host.memory_bandwidth)
             except Exception:  # no calibrated profile: the figures read "n/a"

@@ -4,13 +4,12 @@ Where the peak comes from, first match wins:
 
 1. ``peak_tflops`` given by the caller: the user knows the device best.
 2. The calibrated profile of this host (``flowtrain calibrate`` writes it; read through
-   ``sims.hardware.get_profile("this-host")``), when its kind (gpu/cpu) matches the device the
-   model runs on and it has a figure for the model's dtype.
+   ``flowtrain.hardware.device_peaks("this-host")``), when its kind (gpu/cpu) matches the device
+   the model runs on and it has a figure for the model's dtype.
 3. On CUDA, the device name matched against the builtin profiles (A100, H100, H200).
 
-Otherwise there is no peak and the report says so instead of guessing. ``sims`` is imported
-lazily and any failure there (module missing, unreadable profile) only means "no peak from it":
-the profiler must keep working while the simulator is changed.
+Otherwise there is no peak and the report says so instead of guessing. A profile that cannot
+be read only means "no peak from it": the profiler keeps working without one.
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-# CUDA device-name fragment -> builtin profile in sims.hardware (same compute per device).
+from flowtrain.hardware import THIS_HOST, device_peaks
+
+# CUDA device-name fragment -> builtin profile in flowtrain.hardware (same compute per device).
 _CUDA_NAMES = (("H200", "h200-x8"), ("H100", "h100-x8"), ("A100", "a100-80g-x8"))
 
 NO_PEAK = "MFU n/a (no peak known; pass peak_tflops or run flowtrain calibrate)"
@@ -58,11 +59,7 @@ def find_peak(dtype: torch.dtype, device: torch.device,
     key = dtype_key(dtype, device)
     kind = "gpu" if device.type == "cuda" else "cpu"
     try:
-        from sims.hardware import THIS_HOST, get_profile
-    except Exception:  # the simulator is optional here
-        return None
-    try:
-        host = get_profile(THIS_HOST)
+        host = device_peaks(THIS_HOST)
     except Exception:  # not calibrated (or unreadable): fall through to the device name
         host = None
     if host is not None and host.kind == kind and key in host.peak_flops:
@@ -72,7 +69,7 @@ def find_peak(dtype: torch.dtype, device: torch.device,
         for fragment, profile in _CUDA_NAMES:
             if fragment in name:
                 try:
-                    flops = get_profile(profile).peak_flops.get(key)
+                    flops = device_peaks(profile).peak_flops.get(key)
                 except Exception:
                     return None
                 if flops:

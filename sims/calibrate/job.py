@@ -3,13 +3,13 @@
 Timing an op in a quiet process undershoots what the same op takes inside a launched rank: the
 engine's helper threads (its actor event loop, the shared-memory channel's polling, telemetry)
 share the cores with the compute thread, the launcher and its other ranks run beside it, and a
-rank given several OpenMP threads rarely gets them all. On the project's 2-core host a forward
-ran 1.2x (2 ranks) to 2x (1 rank, 2 threads) slower in the engine than alone. So calibration
-launches this job (``flowtrain launch -m sims.calibrate_job``) at each rank count and holds its
-recorded spans against the simulator's prediction of the same job from the isolated
-measurements: the ratio, per rank count, is the profile's engine factor. A 2-stage pipeline
-run of the same model shows what each pipeline instruction costs beyond its compute and its
-send (handing it between the stage's actor, its compute thread and gloo's threads).
+rank given several OpenMP threads rarely gets them all, so a forward runs slower in the engine
+than alone. So calibration launches this job (``flowtrain launch -m sims.calibrate.job``, by
+``sims.calibrate.jobs``) at each rank count and holds its recorded spans against the
+simulator's prediction of the same job from the isolated measurements: the ratio, per rank
+count, is the profile's engine factor. A 2-stage pipeline run of the same model shows what each
+pipeline instruction costs beyond its compute and its send (handing it between the stage's
+actor, its compute thread and gloo's threads).
 
 The model is a calibration model of its own (widths, rows and depth that none of the
 benchmarks use), trained data parallel with the engine's defaults.
@@ -24,8 +24,8 @@ from typing import Any
 # The calibration model: residual MLP blocks, the structure of a transformer's MLP (the matmul
 # work of most models), at widths and rows no benchmark uses: an input layer IN_WIDTH -> WIDTH,
 # BLOCKS blocks x + proj(relu(fc(x))) of WIDTH -> HIDDEN -> WIDTH, a head WIDTH -> OUT_WIDTH.
-# (A plain chain of Linear+ReLU layers ran 1.3-1.6x slower per FLOP than its layers timed
-# alone; residual blocks run as fast as theirs, as the benchmark models and the demo's GPT do.)
+# (A plain chain of Linear+ReLU layers runs slower per FLOP than its layers timed alone;
+# residual blocks run as fast as theirs, as the benchmark models and the demo's GPT do.)
 ROWS = 48
 # the data-parallel job's sizes (rows per micro-batch): a line through three points, so that
 # one size measured in a slow spell of the host tilts it less than one of two did
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     directory), or data parallel at each of ROWS_BY_SIZE rows per micro-batch, each recorded
     in ``rows{n}/`` of the run directory, then (2 ranks or more) at ROWS rows with ZeRO stage
     3, recorded in ``zero3/``, and with SMALL_BUCKET-element buckets, in ``buckets/``."""
-    parser = argparse.ArgumentParser(prog="python -m sims.calibrate_job")
+    parser = argparse.ArgumentParser(prog="python -m sims.calibrate.job")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pp", type=int, default=1)
     args = parser.parse_args(argv)
@@ -161,14 +161,14 @@ def _time_gloo(out: Any) -> None:
 
     import torch.distributed as dist
 
-    from sims import calibrate, calibrate_comm
+    from sims.calibrate.collectives import time_collectives
+    from sims.calibrate.settings import QUICK
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world < 2:
         return
-    settings = dataclasses.replace(calibrate.QUICK, collective_bytes=GLOO_BYTES,
-                                   collective_trials=5)
-    records = calibrate_comm._time_collectives(None, world, settings)
+    settings = dataclasses.replace(QUICK, collective_bytes=GLOO_BYTES, collective_trials=5)
+    records = time_collectives(None, world, settings)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(records))
 

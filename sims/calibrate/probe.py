@@ -4,29 +4,31 @@ percent over minutes, and every prediction on it with it. ``host_speed`` times t
 own Linear pass for a moment and says how much slower (> 1) or faster (< 1) than the profile
 the host computes now; ``flowtrain simulate --host-speed auto`` scales a prediction by it.
 
-Known limit: on the project's 2-core VM the probe read 0.6-1.1 against profiles calibrated
-minutes before, mostly below 1 (the probe pass ran faster than the calibration's own
-measurement of the same shape), so ``auto`` there is a drift indicator, not a correction to
-trust blindly; a factor given by hand is applied exactly."""
+Known limit: the probe is one short pass held against a curve fitted from the least disturbed
+rounds of other shapes, so it can read below 1 on a host that has not changed; ``auto`` is a
+drift indicator, not a correction to trust blindly. A factor given by hand is applied exactly."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from sims.calibrate.settings import CONCURRENCY_SHAPE
+from sims.costs import pass_seconds
+
 
 def probe_seconds(seconds: float = 0.5) -> float:
     """The probe pass (the calibration's concurrency shape: forward plus backward of one
     ``nn.Linear`` with the engine's bucket hooks, one thread), median seconds over ``seconds``
     of timing now."""
-    import torch
+    import torch  # here, so that the simulator imports this module without torch
 
-    from sims.calibrate_engine import CONCURRENCY_SHAPE, time_pass
+    from sims.calibrate import engine_pieces
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        timed = time_pass(CONCURRENCY_SHAPE, seconds)
+        timed = engine_pieces.time_pass(CONCURRENCY_SHAPE, seconds)
     finally:
         torch.set_num_threads(previous)
     return timed["forward_s"] + timed["backward_s"]
@@ -35,9 +37,6 @@ def probe_seconds(seconds: float = 0.5) -> float:
 def profile_probe_seconds(hw: Any) -> float:
     """What ``hw`` says the probe pass takes. ValueError for a profile without engine costs
     (only a calibrated CPU host has them)."""
-    from sims.calibrate_engine import CONCURRENCY_SHAPE
-    from sims.costs import pass_seconds
-
     if hw.engine is None:
         raise ValueError(f"hardware profile {hw.name!r} has no engine costs, so there is no "
                          f"calibrated speed to hold this host against (`flowtrain calibrate` "

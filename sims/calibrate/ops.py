@@ -4,16 +4,15 @@ softmax, embedding lookups, views and attention, one representative op per cost 
 the launched ranks run with. Fitted per class into ``latency_s`` per call plus elements (for
 attention, FLOPs) over ``bandwidth``: the profile's ``engine.op_costs``.
 
-On this project's host these ops took a third of the demo GPT's step, which a matmul-only
-model could not see. The representatives are the ops models use most: ``a * b + c`` for
+In a small transformer these ops take a large share of the step, which a matmul-only model
+cannot see. The representatives are the ops models use most: ``a * b + c`` for
 elementwise work (two ops), GELU for activations, LayerNorm, softmax, an embedding lookup with a
 gradient for its table, a chain of views and transposes, and causal scaled dot-product
-attention.
+attention. ``sims.calibrate.fits.fit_op_costs`` fits the records.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sims.calibrate.timing import least_disturbed, pick, sample
 from sims.engine_costs import OP_COST_CLASSES
-from sims.profile_fields import Link
 
 # Elements per call of the two sizes each elementwise class is timed at (rows x WIDTH): one
 # dominated by the call, one by the elements, neither a shape of the benchmark models.
@@ -77,21 +76,20 @@ def _attention(shape: tuple[int, int, int]) -> tuple[Callable[[], torch.Tensor],
 def time_op(forward: Callable[[], torch.Tensor], leaves: Sequence[Any],
             seconds: float) -> tuple[float, float]:
     """Median forward and median backward seconds of one op, each pass timed on its own."""
-    y = forward()
-    grad = torch.ones_like(y)
-    forwards: list[float] = []
-    backwards: list[float] = []
-    end = time.perf_counter() + seconds
-    while len(forwards) < 5 or time.perf_counter() < end:
+    grad = torch.ones_like(forward())
+
+    def once() -> tuple[float, float]:
         start = time.perf_counter()
         y = forward()
         middle = time.perf_counter()
         y.backward(grad)
-        backwards.append(time.perf_counter() - middle)
-        forwards.append(middle - start)
+        timed = middle - start, time.perf_counter() - middle
         for leaf in leaves:
             leaf.grad = None
-    return statistics.median(forwards), statistics.median(backwards)
+        return timed
+
+    runs = sample(once, seconds, min_reps=5)
+    return pick([f for f, _ in runs], "median"), pick([b for _, b in runs], "median")
 
 
 def measure_ops(thread_counts: Sequence[int], seconds_per_point: float,
@@ -99,8 +97,6 @@ def measure_ops(thread_counts: Sequence[int], seconds_per_point: float,
     """Each class's op at its two sizes and each thread count, the fastest of ``rounds``
     rounds (other work only lengthens an op): records of (threads, class, calls, size,
     forward_s, backward_s)."""
-    from sims.calibrate_engine import least_disturbed
-
     previous = torch.get_num_threads()
     timed: dict[tuple[int, str, int], list[dict[str, float]]] = {}
     sized: dict[tuple[int, str, int], tuple[float, int]] = {}
@@ -126,34 +122,3 @@ def measure_ops(thread_counts: Sequence[int], seconds_per_point: float,
         records.append({"threads": threads, "class": cls, "calls": calls, "size": size,
                         **least_disturbed(runs, ("forward_s", "backward_s"))})
     return records
-
-
-def fit_op_costs(records: Sequence[dict[str, Any]]
-                 ) -> dict[int, dict[str, dict[str, Link]]]:
-    """Per thread count, class and pass: the line through the class's two sizes, seconds =
-    calls x latency + size / bandwidth. A view costs its calls only (size 0): its latency is
-    the time per call and its bandwidth unbounded in effect. A line that does not rise with
-    size (a disturbed point) keeps the larger size's time per element with no latency."""
-    grouped: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for r in records:
-        grouped.setdefault((int(r["threads"]), str(r["class"])), []).append(r)
-    out: dict[int, dict[str, dict[str, Link]]] = {}
-    for (threads, cls), rows in sorted(grouped.items()):
-        rows = sorted(rows, key=lambda r: r["size"])
-        kinds: dict[str, Link] = {}
-        for kind in ("forward", "backward"):
-            key = f"{kind}_s"
-            if cls == "view" or rows[0]["size"] <= 0:
-                per_call = statistics.median(r[key] / r["calls"] for r in rows)
-                kinds[kind] = Link(per_call, 1e18)
-                continue
-            small, large = rows[0], rows[-1]
-            per_element = (large[key] - small[key]) / (large["size"] - small["size"])
-            if per_element <= 0:
-                kinds[kind] = Link(0.0, large["size"] / large[key])
-                continue
-            latency = max(0.0, small[key] - per_element * small["size"]) / small["calls"]
-            # calls scale the latency; the elements of every call add up in size
-            kinds[kind] = Link(latency, 1.0 / per_element)
-        out.setdefault(threads, {})[cls] = kinds
-    return out

@@ -1,11 +1,10 @@
 """`flowtrain calibrate`'s measurements that need several processes: gloo's collectives over
 loopback for each rank count, how much a collective slows compute, and, on the same forked
 ranks, the engine's pieces that need peers (its shared-memory channel, ranks computing at once,
-a pipeline send; ``sims.calibrate_engine``)."""
+a pipeline send; ``sims.calibrate.engine_pieces``)."""
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -17,22 +16,19 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_pipes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flowtrain import comm
-from sims import calibrate_engine
-
-if TYPE_CHECKING:
-    from sims.calibrate import Settings
-
-MEASURED_OPS = ("all_reduce", "reduce_scatter", "all_gather")
-CHANNEL_OPS = ("all_reduce", "reduce_scatter")
+from sims.calibrate import engine_pieces
+from sims.calibrate.settings import CHANNEL_OPS, MEASURED_OPS, CalibrationError, Settings
+from sims.calibrate.timing import agreed_repeats, pick
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that is free now, for a process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -43,17 +39,16 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
                         ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Gloo collectives over loopback for each rank count, then the interference test on the
     smallest; every wait is bounded by ``timeout_s``. The same ranks also measure the
-    engine's pieces that need several processes (``sims.calibrate_engine``): its shared-memory
-    channel, how much ranks computing at once slow each other, and a pipeline send; they come
-    back as the third value, the measurements' ``engine`` record in the making.
+    engine's pieces that need several processes (``sims.calibrate.engine_pieces``): its
+    shared-memory channel, how much ranks computing at once slow each other, and a pipeline
+    send; they come back as the third value, the measurements' ``engine`` record in the
+    making.
 
     Where each rank runs one thread, the ranks are forked from this process: torch is imported
-    already, so they start in milliseconds (importing torch in each took 5-25 s on a busy
-    2-core host). Where ranks need more threads they come from a fork server that imported
+    already, so they start in milliseconds rather than the seconds importing torch takes on a
+    busy host. Where ranks need more threads they come from a fork server that imported
     torch once, since a child forked after the parent used OpenMP hangs in its first
     multi-threaded op (GNU libgomp)."""
-    from sims.calibrate import CalibrationError
-
     world = max(ranks)
     for nbytes in (*settings.collective_bytes, settings.interference_bytes):
         if nbytes <= 0 or nbytes % (4 * world):
@@ -64,8 +59,8 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
         start_method = "fork" if one_thread else "forkserver"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["sims.calibrate_comm"])
-    port = _free_port()
+        ctx.set_forkserver_preload(["sims.calibrate.collectives"])
+    port = free_port()
     from flowtrain import shm
 
     # the engine's shared-memory channel, where it would use one (CPU ranks of one host)
@@ -143,14 +138,14 @@ def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], setting
         for n, group in groups.items():
             if rank < n:
                 _set_threads(n)
-                result["collectives"] += _time_collectives(group, n, settings)
+                result["collectives"] += time_collectives(group, n, settings)
                 if shm_path is not None:
-                    channels[n] = calibrate_engine.open_channel(
+                    channels[n] = engine_pieces.open_channel(
                         f"{shm_path}-{n}", rank, n, max(settings.collective_bytes) + 64,
                         timeout_s, group)
-                    result["channel"] += _time_collectives(group, n, settings, channels[n],
-                                                           timeout_s)
-                result["concurrency"].append(calibrate_engine.time_concurrency(
+                    result["channel"] += time_collectives(group, n, settings, channels[n],
+                                                          timeout_s)
+                result["concurrency"].append(engine_pieces.time_concurrency(
                     rank, n, group, settings.concurrency_window_s))
             dist.barrier()
         smallest = min(ranks)
@@ -158,20 +153,20 @@ def _rank_main(rank: int, world: int, port: int, ranks: tuple[int, ...], setting
             _set_threads(smallest)
             result["interference"] = _interference(groups[smallest], smallest, settings)
             if smallest in channels:
-                call = calibrate_engine.channel_call(channels[smallest], "all_reduce", smallest,
-                                                     settings.interference_bytes, timeout_s)
+                call = engine_pieces.channel_call(channels[smallest], "all_reduce", smallest,
+                                                  settings.interference_bytes, timeout_s)
                 start = time.perf_counter()
                 call()
-                repeats = _agreed_repeats(time.perf_counter() - start,
-                                          settings.interference_window_s, groups[smallest],
-                                          cap=10_000)
+                repeats = agreed_repeats(time.perf_counter() - start,
+                                         settings.interference_window_s, groups[smallest],
+                                         cap=10_000)
                 result["channel_interference"] = {
-                    **calibrate_engine.background_interference(
+                    **engine_pieces.background_interference(
                         call, settings.interference_window_s, groups[smallest], repeats),
                     "bytes": settings.interference_bytes, "ranks": smallest}
         if rank < 2:
             _set_threads(2)
-            result["p2p"] = calibrate_engine.time_p2p(
+            result["p2p"] = engine_pieces.time_p2p(
                 rank, pair, settings.p2p_bytes, settings.collective_trials,
                 settings.trial_seconds, timeout_s)
         dist.barrier()
@@ -200,15 +195,7 @@ def _collective_call(op: str, group: Any, ranks: int, nbytes: int) -> Callable[[
     return lambda: comm.all_gather_single(full, shard, group=group)
 
 
-def _agreed_repeats(estimate_s: float, target_s: float, group: Any, cap: int = 16) -> int:
-    """How many back-to-back calls fill ``target_s``; every rank must issue the same number,
-    so the largest proposal wins."""
-    k = torch.tensor([max(1, min(cap, math.ceil(target_s / max(estimate_s, 1e-6))))])
-    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=group)
-    return int(k.item())
-
-
-def _time_collectives(group: Any, ranks: int, settings: Settings, channel: Any = None,
+def time_collectives(group: Any, ranks: int, settings: Settings, channel: Any = None,
                       timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """Gloo's collectives over ``group``, or with ``channel`` the engine's shared-memory
     channel's (all_reduce and reduce_scatter, what its reducer sends there)."""
@@ -217,10 +204,10 @@ def _time_collectives(group: Any, ranks: int, settings: Settings, channel: Any =
     for op in ops:
         for nbytes in settings.collective_bytes:
             call = _collective_call(op, group, ranks, nbytes) if channel is None else \
-                calibrate_engine.channel_call(channel, op, ranks, nbytes, timeout_s)
+                engine_pieces.channel_call(channel, op, ranks, nbytes, timeout_s)
             start = time.perf_counter()
             call()
-            k = _agreed_repeats(time.perf_counter() - start, settings.trial_seconds, group)
+            k = agreed_repeats(time.perf_counter() - start, settings.trial_seconds, group)
             trials = []
             for _ in range(settings.collective_trials):
                 dist.barrier(group=group)
@@ -229,11 +216,11 @@ def _time_collectives(group: Any, ranks: int, settings: Settings, channel: Any =
                     call()
                 trials.append((time.perf_counter() - start) / k)
             # The median trial: the engine's steps are held against the simulator by their
-            # median, and a gloo call's time varies 1.5-2x from call to call even on a quiet
-            # host (8.5 MB all-gathers over 2 ranks: fastest 3.3-4.3 ms, median 5-8.6 ms).
-            # Each trial averages back-to-back calls; all trials are kept.
+            # median, and a gloo call's time varies widely from call to call even on a quiet
+            # host, so its fastest is far from what a step sees. Each trial averages
+            # back-to-back calls; all trials are kept.
             records.append({"op": op, "ranks": ranks, "bytes": nbytes,
-                            "seconds": statistics.median(trials), "trials": trials})
+                            "seconds": pick(trials, "median"), "trials": trials})
     return records
 
 
@@ -244,10 +231,10 @@ def _interference(group: Any, ranks: int, settings: Settings) -> dict[str, float
     call = _collective_call("all_reduce", group, ranks, settings.interference_bytes)
     start = time.perf_counter()
     call()
-    repeats = _agreed_repeats(time.perf_counter() - start, settings.interference_window_s,
-                              group, cap=10_000)
-    share = calibrate_engine.background_interference(call, settings.interference_window_s,
-                                                     group, repeats)
+    repeats = agreed_repeats(time.perf_counter() - start, settings.interference_window_s,
+                             group, cap=10_000)
+    share = engine_pieces.background_interference(call, settings.interference_window_s,
+                                                  group, repeats)
     share["all_reduce_seconds_during"] = share.pop("collective_seconds_during")
     share["bytes"] = settings.interference_bytes
     return share

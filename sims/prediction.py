@@ -1,0 +1,232 @@
+"""One prediction of ``flowtrain simulate``: its inputs read and checked (profile, config,
+model, layout, host speed; a bad one raises ``SimulateError`` naming the flag), and ``predict``,
+which plans, executes and measures one configuration into a ``Prediction``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CLUSTER = "h100-x8"
+
+
+class SimulateError(ValueError):
+    """Bad input to ``flowtrain simulate``: one line naming the value and the valid choices."""
+
+
+@dataclass
+class Prediction:
+    """The figures of one simulated configuration."""
+
+    model: str
+    cluster: str
+    nodes: int
+    devices_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    precision: str
+    micro_batch_size: int
+    micro_batches: int
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    resource_s: dict[str, float]
+    comm_s: float
+    exposed_comm_s: float
+    overlap_pct: float | None
+    bubble_pct: float
+    peak_memory_bytes: float | None
+    device_memory_bytes: int
+    tasks: int
+    simulate_s: float
+    notes: list[str] = field(default_factory=list)
+    timeline: Any = field(default=None, repr=False)
+
+    @property
+    def oom(self) -> bool:
+        return self.peak_memory_bytes is not None and \
+            self.peak_memory_bytes > self.device_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "timeline"}
+        out["world_size"] = self.nodes * self.devices_per_node
+        out["oom"] = self.oom
+        return out
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def load_profile(name: str) -> Any:
+    """--cluster's hardware profile."""
+    from sims.hardware import get_profile
+
+    try:
+        return get_profile(name)
+    except ValueError as exc:
+        raise SimulateError(f"--cluster: {exc}") from None
+
+
+def host_speed_factor(ns: argparse.Namespace, hw: Any) -> float:
+    """--host-speed as a factor: 1.0 without it, the probe's figure for auto."""
+    from sims.calibrate.probe import check_speed, host_speed
+
+    text = getattr(ns, "host_speed", None)
+    if text is None:
+        return 1.0
+    if str(text).strip().lower() == "auto":
+        try:
+            return host_speed(hw)
+        except ValueError as exc:
+            raise SimulateError(f"--host-speed auto: {exc}") from None
+    try:
+        return check_speed(float(text), "--host-speed")
+    except ValueError as exc:
+        message = str(exc) if str(exc).startswith("--host-speed") else \
+            f"--host-speed: auto or a positive factor (1.2: the host is 20 % slower than " \
+            f"its profile), got {text!r}"
+        raise SimulateError(message) from None
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """--config's JSON object."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SimulateError(f"--config: cannot read {path!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SimulateError(f"--config: {path!r} is not valid JSON (line {exc.lineno} column "
+                            f"{exc.colno}: {exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise SimulateError(f"--config: {path!r} must hold a JSON object, got "
+                            f"{type(raw).__name__}")
+    return raw
+
+
+def validated_config(raw: dict[str, Any], dp: int, source: str) -> Any:
+    """The validated config for ``dp`` data-parallel ranks. The engine's support gate is off:
+    the simulator plans what flowtrain cannot run yet (pipeline, tensor parallel)."""
+    import warnings
+
+    from flowtrain.config import ConfigError, load_config
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecations are the engine's to report
+            return load_config(raw, world_size=dp, check_supported=False)
+    except ConfigError as exc:
+        raise SimulateError(f"{source}: " + "; ".join(exc.problems)) from None
+
+
+def _config_parallel(raw: dict[str, Any]) -> tuple[int, int]:
+    tp_section = raw.get("tensor_parallel") or {}
+    tp = max(int(tp_section.get("tp_size", 1) or 1), int(tp_section.get("autotp_size", 0) or 0))
+    stages = (raw.get("pipeline") or {}).get("stages", 1)
+    return tp, stages if isinstance(stages, int) and stages > 0 else 1
+
+
+def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> Any:
+    from sims.models import get_model, trace_module
+
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    try:
+        if ":" in name:
+            if seq_len is None:
+                raise SimulateError(f"--seq-len is needed to trace {name!r} (the token count "
+                                    f"of one sample)")
+            return trace_module(name, seq_len=seq_len, batch=micro_batch, dtype=dtype)
+        return get_model(name, seq_len)
+    except SimulateError:
+        raise
+    except (ValueError, ImportError, AttributeError, RuntimeError) as exc:
+        raise SimulateError(f"--model: {exc}") from None
+
+
+# -- one prediction ----------------------------------------------------------------------------
+
+def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
+            workload: Any = None, host_speed: float = 1.0) -> Prediction:
+    """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
+    estimated from it) or None with ``workload`` given (a measured run: no memory figure).
+    ``host_speed`` scales every task's duration (the host computes that much slower now than
+    its profile says; on a CPU host comm is CPU work too), so the step scales by it."""
+    from sims.executor import execute, step_figures
+    from sims.planner import Workload, build_plan
+
+    started = time.perf_counter()
+    work = workload if workload is not None else Workload.from_model(model, cfg.precision)
+    try:
+        plan = build_plan(work, cfg, layout, hw)
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
+    tasks = plan.tasks
+    if host_speed != 1.0:
+        tasks = [dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks]
+    timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
+    figures = step_figures(timeline)
+    elapsed = time.perf_counter() - started
+    notes = list(plan.notes)
+    if host_speed != 1.0:
+        notes.append(f"every task scaled by the host speed {host_speed:.3f} (the host "
+                     f"computes {abs(host_speed - 1) * 100:.1f} % "
+                     f"{'slower' if host_speed > 1 else 'faster'} than its profile says)")
+    peak = None
+    if model is not None:
+        from sims.memory import memory_per_rank
+
+        try:
+            peak = float(memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp,
+                                         pp=layout.pp)["peak"])
+        except (ValueError, KeyError) as exc:
+            notes.append(f"no memory estimate: {exc}")
+    step = figures.step_time
+    peak_flops = hw.peak_flops.get(plan.dtype) or max(hw.peak_flops.values())
+    return Prediction(
+        model=work.name, cluster=cluster, nodes=layout.nodes,
+        devices_per_node=layout.devices_per_node, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+        zero_stage=plan.zero_stage, precision=cfg.precision,
+        micro_batch_size=plan.micro_batch_size, micro_batches=plan.micro_batches,
+        step_time_s=step, samples_per_s=plan.samples_per_step / step if step else 0.0,
+        tokens_per_s=plan.tokens_per_step / step if step and plan.tokens_per_step else None,
+        mfu=plan.model_flops_per_step / (step * peak_flops * layout.world_size) if step else 0.0,
+        resource_s=figures.resource_seconds, comm_s=figures.comm_seconds,
+        exposed_comm_s=figures.exposed_comm_seconds, overlap_pct=figures.overlap_pct,
+        bubble_pct=figures.bubble_pct, peak_memory_bytes=peak,
+        device_memory_bytes=int(hw.device_memory_bytes), tasks=len(plan.tasks),
+        simulate_s=elapsed, notes=notes, timeline=timeline)
+
+
+def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
+    """The cluster layout; an impossible one raises SimulateError."""
+    from sims.planner import Layout
+
+    try:
+        return Layout(nodes, devices_per_node, tp, pp)
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
+
+
+def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+                   layout_over: dict[str, int], source: str,
+                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0) -> Prediction:
+    """One configuration of the command's flags (``layout_over``: a sweep's nodes, tp or pp in
+    their place); ``models`` caches traced models across a sweep."""
+    config_tp, config_pp = _config_parallel(raw)
+    tp = layout_over.get("tp", ns.tp if ns.tp is not None else config_tp)
+    pp = layout_over.get("pp", ns.pp if ns.pp is not None else config_pp)
+    nodes = layout_over.get("nodes", ns.nodes)
+    per_node = ns.devices_per_node or hw.devices_per_node
+    layout = make_layout(nodes, per_node, tp, pp)
+    cfg = validated_config(raw, layout.dp, source)
+    key = (ns.model, ns.seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
+    if key not in models:  # a traced model is traced once per micro-batch size and precision
+        models[key] = _model(ns.model, ns.seq_len, cfg.train_micro_batch_size_per_gpu,
+                             cfg.precision)
+    return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed)
