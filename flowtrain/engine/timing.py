@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ class StepTimer:
             self._current[phase] += end - start
             self.spans.append((name or phase, start, end))
 
-    def record_spans(self, spans: tuple[tuple[str, float, float], ...]) -> None:
+    def record_spans(self, spans: Sequence[tuple[str, float, float]]) -> None:
         self.spans.extend(spans)
 
     def end_step(self) -> None:
