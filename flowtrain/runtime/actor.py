@@ -24,7 +24,7 @@ DEFAULT_ASK_TIMEOUT = 60.0
 ON_STOP_TIMEOUT = 10.0
 
 R = TypeVar("R")
-Handler = Callable[[Any, Any], Awaitable[Any]]
+Handler = Callable[[Any], Awaitable[Any]]  # a bound handler method, called with the message
 
 
 class ActorFailed(Exception):
