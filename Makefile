@@ -1,9 +1,10 @@
-# make demo: the main job; make test: the test suite. Both install what they need first.
+# make demo: the main job; make test: the linters, then the test suite. Both install what they
+# need first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flowtrain-setup
 
-.PHONY: setup test demo bench clean
+.PHONY: setup lint test demo bench clean
 
 setup: $(STAMP)
 
@@ -11,7 +12,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
 
-test: setup
+lint: setup
+	$(PY) -m ruff check flowtrain sims tui cuda_numba tests benchmarks examples
+	$(PY) -m mypy flowtrain cuda_numba sims tui
+
+test: lint
 	$(PY) -m pytest -q
 
 demo: setup

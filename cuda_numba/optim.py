@@ -35,6 +35,8 @@ class _Fused(torch.optim.Optimizer):
 
 def _grad(opt: str, p: torch.Tensor) -> torch.Tensor:
     g = p.grad
+    if g is None:  # the step passes only parameters that have a grad
+        raise RuntimeError(f"{opt}: param of shape {tuple(p.shape)} has no grad")
     if g.is_sparse:
         raise RuntimeError(f"{opt}: param of shape {tuple(p.shape)} has a sparse grad; "
                            "only dense grads are supported")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from flowtrain import comm
 
 if TYPE_CHECKING:
+    from flowtrain.engine.engine import FlowtrainEngine
     from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.pipe.module import PipelineModule
 
@@ -87,8 +88,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
-    pipeline = _is_pipeline(model)
-    grid = model.grid if _is_pipeline(model) else _tensor_parallel_grid(config, model)
+    pipe_module = _pipeline_module(model)
+    grid = pipe_module.grid if pipe_module is not None else _tensor_parallel_grid(config, model)
     if grid is not None:  # the batch rule counts data-parallel ranks only
         world_size = grid.shape.dp
     micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
@@ -99,34 +100,38 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     params = list(model_parameters) if model_parameters is not None else \
         [p for p in model.parameters() if p.requires_grad]
-    if grid is not None and grid.shape.tp > 1 and not pipeline:
+    if grid is not None and grid.shape.tp > 1 and pipe_module is None:
         # the split replaced the layers: the parameters given before it are gone
         params = [p for p in model.parameters() if p.requires_grad]
+    optim: torch.optim.Optimizer
     if optimizer is None:
         if cfg.optimizer is None:
             raise ValueError("no optimizer: pass optimizer= or give the config an "
                              "'optimizer' section")
-        optimizer = build_optimizer(cfg.optimizer.type, params, dict(cfg.optimizer.params))
-    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
+        optim = build_optimizer(cfg.optimizer.type, params, dict(cfg.optimizer.params))
+    elif isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        optim = optimizer
+    else:
+        optim = optimizer(params)
 
     from flowtrain import activation_checkpointing
 
     activation_checkpointing.configure(deepspeed_config=cfg)
-    _warm_up_kernels(optimizer)
+    _warm_up_kernels(optim)
     bucket_numel = _bucket_numel(cfg, model)
-    if _is_pipeline(model):
+    engine: FlowtrainEngine
+    if pipe_module is not None:
         from flowtrain.pipe.engine import PipelineEngine
 
-        _check_pipeline_config(cfg, model)
-        engine = PipelineEngine(model, optimizer, cfg, training_data=training_data,
+        _check_pipeline_config(cfg, pipe_module)
+        engine = PipelineEngine(pipe_module, optim, cfg, training_data=training_data,
                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
     else:
         if grid is not None and cfg.zero_optimization.stage >= 2:
             raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with "
                              f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO stages 2 and 3 "
                              f"with tensor parallelism are not supported yet; use stage 0 or 1")
-        engine = FlowtrainEngine(model, optimizer, cfg, training_data=training_data,
+        engine = FlowtrainEngine(model, optim, cfg, training_data=training_data,
                                  collate_fn=collate_fn, bucket_numel=bucket_numel, grid=grid)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).
     if lr_scheduler is None and cfg.scheduler is not None:
@@ -178,10 +183,11 @@ def _raw_tp_size(config: Any) -> int:
     return max([int(v) for v in sizes if isinstance(v, int) and not isinstance(v, bool)] + [1])
 
 
-def _is_pipeline(model: Any) -> TypeGuard[PipelineModule]:
+def _pipeline_module(model: Any) -> PipelineModule | None:
+    """``model`` when it is a PipelineModule (run by the PipelineEngine), else None."""
     from flowtrain.pipe.module import PipelineModule
 
-    return isinstance(model, PipelineModule)
+    return model if isinstance(model, PipelineModule) else None
 
 
 def _check_pipeline_config(cfg: Any, model: Any) -> None:

@@ -11,9 +11,10 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
+from structlog.typing import EventDict
 
 _lock = threading.Lock()
 _configured = False
@@ -23,7 +24,7 @@ _json_file: TextIO | None = None
 _process_fields: dict[str, Any] = {}
 
 
-def _add_process_fields(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _add_process_fields(logger: Any, method: str, event: EventDict) -> EventDict:
     for key, value in _process_fields.items():
         event.setdefault(key, value)
     return event
@@ -39,13 +40,15 @@ class _Tee:
         self._human = structlog.dev.ConsoleRenderer(colors=console == "human" and sys.stderr.isatty())
         self._write_lock = threading.Lock()
 
-    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+    def __call__(self, logger: Any, method: str, event: EventDict) -> str:
         # The file gets everything; the console gets warnings and errors, plus the lines a
         # caller marked console=True (the job's progress), so a run's terminal stays readable.
         show = bool(event.pop("console", False))
         with self._write_lock:
             if self._json_file is not None:
-                self._json_file.write(self._json(logger, method, dict(event)) + "\n")
+                # str: JSONRenderer's default serializer is json.dumps (bytes need another one)
+                json_line = cast(str, self._json(logger, method, dict(event)))
+                self._json_file.write(json_line + "\n")
                 self._json_file.flush()
             if self._console != "off" and _level_no(method) >= (logging.INFO if show else
                                                                 _console_level()):

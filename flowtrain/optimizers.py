@@ -5,7 +5,7 @@ Adam semantics, and a foreach Lion for torch builds that do not ship one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -65,12 +65,19 @@ class Lion(Optimizer):
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"Lion lr must be >= 0, got {lr!r}")
-        betas = tuple(betas)  # JSON configs give lists
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lion betas must be two numbers in [0, 1), got {betas!r}")
+        pair = tuple(betas)  # JSON configs give lists
+        if len(pair) != 2 or not all(0.0 <= b < 1.0 for b in pair):
+            raise ValueError(f"Lion betas must be two numbers in [0, 1), got {pair!r}")
         if not weight_decay >= 0.0:
             raise ValueError(f"Lion weight_decay must be >= 0, got {weight_decay!r}")
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=pair, weight_decay=weight_decay))
+
+    # torch.optim.Optimizer.step's two forms: no closure returns None, a closure its loss
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

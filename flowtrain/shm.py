@@ -167,7 +167,7 @@ class ShmChannel:
         self._written[self.rank] = seq
         self._wait(self._written, seq, "write its contribution")
         views = [slot[:nbytes].view(chunk.dtype) for slot in self._slots]
-        target = chunk
+        target: torch.Tensor | None = chunk
         if part is not None:
             begin, end, target = part
             views = [v[begin:end] for v in views]

@@ -171,13 +171,14 @@ def _stage_classes(timeline: Timeline, stage: int, own_start: bool) -> dict[str,
             span[0], span[1] = min(span[0], start[i]), max(span[1], end[i])
     # the engine's own work between passes (the loss, the step's bookkeeping, pipeline
     # hand-offs) is in no span: a pass after it starts where it ends
-    marks = [(end[i], None, 0.0) for i, t in enumerate(tasks)
-             if t.stage == stage and t.kind in _BETWEEN_PASSES]
+    marks: list[tuple[float, str | None, float]] = [
+        (end[i], None, 0.0) for i, t in enumerate(tasks)
+        if t.stage == stage and t.kind in _BETWEEN_PASSES]
     previous = 0.0
-    for finish, key, first in sorted(marks + [(finish, key, first) for key, (first, finish)
-                                              in passes.items()], key=lambda m: m[0]):
-        if key is not None:
-            c = _class_of(key)
+    for finish, mark_key, first in sorted(marks + [(finish, key, first) for key, (first, finish)
+                                                   in passes.items()], key=lambda m: m[0]):
+        if mark_key is not None:
+            c = _class_of(mark_key)
             out[c] = out.get(c, 0.0) + finish - (max(previous, first) if own_start else previous)
         previous = finish
     for i, t in enumerate(tasks):

@@ -242,15 +242,15 @@ def validate_engine(e: EngineCosts) -> None:
         check_curve("engine.pass_weights", e.pass_weights, maximum=None)
     for threads, classes in e.op_costs.items():
         check_int("engine.op_costs thread count", threads, 1)
-        for cls, kinds in classes.items():
+        for cls, links in classes.items():
             if cls not in OP_COST_CLASSES:
                 raise ProfileError(f"field 'engine.op_costs.{threads}' has unknown op class "
                                    f"{cls!r}; valid classes: {', '.join(OP_COST_CLASSES)}")
-            for kind, link in kinds.items():
-                if kind not in PASS_KINDS or not isinstance(link, Link):
+            for kind, op_link in links.items():
+                if kind not in PASS_KINDS or not isinstance(op_link, Link):
                     raise ProfileError(f"field 'engine.op_costs.{threads}.{cls}' maps "
                                        f"{' and '.join(PASS_KINDS)} to links, got {kind!r}: "
-                                       f"{link!r}")
+                                       f"{op_link!r}")
 
 
 def _op_costs_from(d: Any) -> dict[int, dict[str, dict[str, Link]]]:

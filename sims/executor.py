@@ -212,10 +212,10 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
                     heapq.heappush(events, (end[i], i, 0))
                 if is_compute[rid] and stretch:
                     touched.add(all_tasks[i].stage)
-                c = companion.get(i)
-                if c is not None:
-                    heapq.heappush(ready[res_of[c]], (priority[c], c))
-                    dirty.add(res_of[c])
+                partner = companion.get(i)
+                if partner is not None:
+                    heapq.heappush(ready[res_of[partner]], (priority[partner], partner))
+                    dirty.add(res_of[partner])
         dirty.clear()
         for stage in touched:
             retime(stage)

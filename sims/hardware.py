@@ -244,7 +244,7 @@ def _from_dict(d: Any) -> HardwareProfile:
         intra_node=link_from("intra_node", d["intra_node"]),
         inter_node=link_from("inter_node", d["inter_node"]),
         host_to_device=link_from("host_to_device", d["host_to_device"]),
-        efficiency=curve,  # type: ignore[arg-type]  # checked by _validate
+        efficiency=curve,  # checked by _validate
         collectives=collectives,
         comm_compute_interference=d.get("comm_compute_interference", 0.0),
         compute_comm_slowdown=d.get("compute_comm_slowdown", 1.0),

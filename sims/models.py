@@ -433,7 +433,10 @@ def _layer_list(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer layers: the longest ModuleList whose entries hold parameters."""
     lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)
              and len(m) and all(any(True for _ in b.parameters()) for b in m)]
-    return list(max(lists, key=len)) if lists else []
+    if not lists:
+        return []
+    longest = max(lists, key=len)
+    return list(longest)
 
 
 def _storage_key(t: torch.Tensor) -> int:

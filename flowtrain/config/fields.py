@@ -1,12 +1,12 @@
-"""Strict value types for config fields, the base section model, and the config's error types.
-Each type's error says what was expected and what was seen, so messages need no pydantic jargon."""
+"""Strict value checks for config fields, the base section model, and the config's error types.
+Each check's error says what was expected and what was seen, so messages need no pydantic jargon."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
@@ -40,7 +40,7 @@ def show(value: Any) -> str:
         return repr(value)
 
 
-def _fail(expected: str, value: Any) -> None:
+def _fail(expected: str, value: Any) -> NoReturn:
     got = show(value)
     if value == AUTO:
         # "auto" left over after resolution: this key has no rule that could fill it in.
@@ -71,7 +71,14 @@ def _validator(desc: str, check: Callable[[Any], Any], optional: bool) -> Before
     return BeforeValidator(run)
 
 
-def Int(*, ge: int | None = None, le: int | None = None, optional: bool = False) -> Any:
+# Int, Float, Str and Choice build the validator that goes into a field's annotation next to the
+# type it checks, ``Annotated[int, Int(ge=1)]``, so that a type checker reads a plain ``int``.
+# ``optional=True`` goes with a ``X | None`` type: null passes, and without it null is an error in
+# flowtrain's words rather than pydantic's.
+
+
+def Int(*, ge: int | None = None, le: int | None = None,
+        optional: bool = False) -> BeforeValidator:
     """An integer; integral floats such as 5e8 are accepted because DeepSpeed configs use them."""
     desc = _bounds("an integer", ge, le, None)
 
@@ -86,12 +93,11 @@ def Int(*, ge: int | None = None, le: int | None = None, optional: bool = False)
             _fail(desc, value)
         return value
 
-    inner = Optional[int] if optional else int
-    return Annotated[inner, _validator(desc, check, optional)]
+    return _validator(desc, check, optional)
 
 
 def Float(*, ge: float | None = None, le: float | None = None, gt: float | None = None,
-          optional: bool = False) -> Any:
+          optional: bool = False) -> BeforeValidator:
     """A finite number (integers are accepted and converted)."""
     desc = _bounds("a number", ge, le, gt)
 
@@ -106,8 +112,7 @@ def Float(*, ge: float | None = None, le: float | None = None, gt: float | None 
             _fail(desc, value)
         return value
 
-    inner = Optional[float] if optional else float
-    return Annotated[inner, _validator(desc, check, optional)]
+    return _validator(desc, check, optional)
 
 
 def _bool_check(value: Any) -> bool:
@@ -120,7 +125,7 @@ def _bool_check(value: Any) -> bool:
 Bool = Annotated[bool, BeforeValidator(_bool_check)]
 
 
-def Str(*, optional: bool = False) -> Any:
+def Str(*, optional: bool = False) -> BeforeValidator:
     desc = "a string"
 
     def check(value: Any) -> str:
@@ -128,11 +133,11 @@ def Str(*, optional: bool = False) -> Any:
             _fail(desc, value)
         return value
 
-    inner = Optional[str] if optional else str
-    return Annotated[inner, _validator(desc, check, optional)]
+    return _validator(desc, check, optional)
 
 
-def Choice(*options: str, aliases: dict[str, str] | None = None, optional: bool = False) -> Any:
+def Choice(*options: str, aliases: dict[str, str] | None = None,
+           optional: bool = False) -> BeforeValidator:
     """One of ``options`` (case-insensitive); returns the canonical spelling."""
     canon = {o.lower(): o for o in options}
     canon.update({k.lower(): v for k, v in (aliases or {}).items()})
@@ -143,8 +148,7 @@ def Choice(*options: str, aliases: dict[str, str] | None = None, optional: bool 
             _fail(desc, value)
         return canon[value.lower()]
 
-    inner = Optional[str] if optional else str
-    return Annotated[inner, _validator(desc, check, optional)]
+    return _validator(desc, check, optional)
 
 
 def _dict_check(value: Any) -> dict[str, Any]:

@@ -3,7 +3,7 @@ values the engine asks for (precision, loss scaling, gradient communication dtyp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from pydantic import Field, PrivateAttr
@@ -48,17 +48,17 @@ class FlowtrainConfig(Section):
     """A validated config. Batch sizes are all set once ``load_config`` has applied the batch
     rule; ``dp_world_size`` is the data-parallel world size they were checked against."""
 
-    train_batch_size: Int(ge=1, optional=True) = None
-    train_micro_batch_size_per_gpu: Int(ge=1, optional=True) = None
-    gradient_accumulation_steps: Int(ge=1, optional=True) = None
+    train_batch_size: Annotated[int | None, Int(ge=1, optional=True)] = None
+    train_micro_batch_size_per_gpu: Annotated[int | None, Int(ge=1, optional=True)] = None
+    gradient_accumulation_steps: Annotated[int | None, Int(ge=1, optional=True)] = None
     # DeepSpeed's default became 1.0 in 2026 (PR #8068); it was 0.0 (off) before.
-    gradient_clipping: Float(ge=0) = 1.0
+    gradient_clipping: Annotated[float, Float(ge=0)] = 1.0
     # DeepSpeed's code default is null since late 2024; its docs (and flowtrain's log line) say 10.
-    steps_per_print: Int(ge=1, optional=True) = 10
+    steps_per_print: Annotated[int | None, Int(ge=1, optional=True)] = 10
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     prescale_gradients: Bool = False
-    gradient_predivide_factor: Float(gt=0) = 1.0
+    gradient_predivide_factor: Annotated[float, Float(gt=0)] = 1.0
     communication_data_type: DType = None
     seq_parallel_communication_data_type: DType = "fp32"
     dump_state: Bool = False

@@ -54,10 +54,10 @@ Betas = Annotated[list[float], BeforeValidator(_betas_check)]
 
 
 class AdamParams(Section):
-    lr: Float(ge=0) = 1e-3
+    lr: Annotated[float, Float(ge=0)] = 1e-3
     betas: Betas = [0.9, 0.999]
-    eps: Float(gt=0) = 1e-8
-    weight_decay: Float(ge=0) = 0.0
+    eps: Annotated[float, Float(gt=0)] = 1e-8
+    weight_decay: Annotated[float, Float(ge=0)] = 0.0
     amsgrad: Bool = False
     bias_correction: Bool = True
     adam_w_mode: Bool = True
@@ -65,17 +65,17 @@ class AdamParams(Section):
 
 
 class SGDParams(Section):
-    lr: Float(ge=0) = 1e-3
-    momentum: Float(ge=0) = 0.0
-    dampening: Float(ge=0) = 0.0
-    weight_decay: Float(ge=0) = 0.0
+    lr: Annotated[float, Float(ge=0)] = 1e-3
+    momentum: Annotated[float, Float(ge=0)] = 0.0
+    dampening: Annotated[float, Float(ge=0)] = 0.0
+    weight_decay: Annotated[float, Float(ge=0)] = 0.0
     nesterov: Bool = False
 
 
 class LionParams(Section):
-    lr: Float(ge=0) = 1e-4
+    lr: Annotated[float, Float(ge=0)] = 1e-4
     betas: Betas = [0.9, 0.99]
-    weight_decay: Float(ge=0) = 0.0
+    weight_decay: Annotated[float, Float(ge=0)] = 0.0
 
 
 OPTIMIZER_PARAMS: dict[str, type[BaseModel]] = {
@@ -103,52 +103,52 @@ def optimizer_defaults(name: str) -> dict[str, Any]:
     return out
 
 
-WarmupType = Choice("log", "linear")
+WarmupType = Annotated[str, Choice("log", "linear")]
 
 
 class WarmupLRParams(Section):
-    warmup_min_lr: Float(ge=0) = 0.0
-    warmup_max_lr: Float(ge=0) = 0.001
-    warmup_num_steps: Int(ge=0) = 1000
+    warmup_min_lr: Annotated[float, Float(ge=0)] = 0.0
+    warmup_max_lr: Annotated[float, Float(ge=0)] = 0.001
+    warmup_num_steps: Annotated[int, Int(ge=0)] = 1000
     warmup_type: WarmupType = "log"
-    last_batch_iteration: Int(ge=-1) = -1
+    last_batch_iteration: Annotated[int, Int(ge=-1)] = -1
 
 
 class WarmupDecayLRParams(WarmupLRParams):
-    total_num_steps: Int(ge=1)
+    total_num_steps: Annotated[int, Int(ge=1)]
 
 
 class WarmupCosineLRParams(Section):
-    total_num_steps: Int(ge=1)
-    warmup_min_ratio: Float(ge=0) = 0.0
-    warmup_num_steps: Int(ge=0) = 1000
-    cos_min_ratio: Float(ge=0) = 0.0001
+    total_num_steps: Annotated[int, Int(ge=1)]
+    warmup_min_ratio: Annotated[float, Float(ge=0)] = 0.0
+    warmup_num_steps: Annotated[int, Int(ge=0)] = 1000
+    cos_min_ratio: Annotated[float, Float(ge=0)] = 0.0001
     warmup_type: WarmupType = "log"
-    last_batch_iteration: Int(ge=-1) = -1
+    last_batch_iteration: Annotated[int, Int(ge=-1)] = -1
 
 
 class OneCycleParams(Section):
-    cycle_min_lr: Float(ge=0)
-    cycle_max_lr: Float(ge=0)
-    decay_lr_rate: Float(ge=0) = 0.0
-    cycle_first_step_size: Int(ge=1) = 2000
-    cycle_second_step_size: Int(ge=1, optional=True) = None
-    cycle_first_stair_count: Int(ge=0) = 0
-    cycle_second_stair_count: Int(ge=0, optional=True) = None
-    decay_step_size: Int(ge=0) = 0
+    cycle_min_lr: Annotated[float, Float(ge=0)]
+    cycle_max_lr: Annotated[float, Float(ge=0)]
+    decay_lr_rate: Annotated[float, Float(ge=0)] = 0.0
+    cycle_first_step_size: Annotated[int, Int(ge=1)] = 2000
+    cycle_second_step_size: Annotated[int | None, Int(ge=1, optional=True)] = None
+    cycle_first_stair_count: Annotated[int, Int(ge=0)] = 0
+    cycle_second_stair_count: Annotated[int | None, Int(ge=0, optional=True)] = None
+    decay_step_size: Annotated[int, Int(ge=0)] = 0
     cycle_momentum: Bool = True
-    cycle_min_mom: Float(ge=0) = 0.8
-    cycle_max_mom: Float(ge=0) = 0.9
-    decay_mom_rate: Float(ge=0) = 0.0
-    last_batch_iteration: Int(ge=-1) = -1
+    cycle_min_mom: Annotated[float, Float(ge=0)] = 0.8
+    cycle_max_mom: Annotated[float, Float(ge=0)] = 0.9
+    decay_mom_rate: Annotated[float, Float(ge=0)] = 0.0
+    last_batch_iteration: Annotated[int, Int(ge=-1)] = -1
 
 
 class LRRangeTestParams(Section):
-    lr_range_test_min_lr: Float(ge=0) = 0.001
-    lr_range_test_step_size: Int(ge=1) = 2000
-    lr_range_test_step_rate: Float(ge=0) = 1.0
+    lr_range_test_min_lr: Annotated[float, Float(ge=0)] = 0.001
+    lr_range_test_step_size: Annotated[int, Int(ge=1)] = 2000
+    lr_range_test_step_rate: Annotated[float, Float(ge=0)] = 1.0
     lr_range_test_staircase: Bool = False
-    last_batch_iteration: Int(ge=-1) = -1
+    last_batch_iteration: Annotated[int, Int(ge=-1)] = -1
 
 
 SCHEDULER_PARAMS: dict[str, type[BaseModel]] = {

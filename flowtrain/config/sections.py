@@ -13,18 +13,18 @@ from flowtrain.config.fields import Bool, Choice, Float, Int, Params, Section, S
 # JSON spellings of a dtype -> canonical short name; DeepSpeed takes both forms.
 DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
                  "fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
-DType = Choice("fp32", "fp16", "bf16", aliases=DTYPE_ALIASES, optional=True)
+DType = Annotated[str | None, Choice("fp32", "fp16", "bf16", aliases=DTYPE_ALIASES, optional=True)]
 
 
 class FP16Config(Section):
     enabled: Bool = False
     auto_cast: Bool = False
-    loss_scale: Float(ge=0) = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: Int(ge=0) = 16
-    loss_scale_window: Int(ge=1) = 1000
-    hysteresis: Int(ge=1) = 2
+    loss_scale: Annotated[float, Float(ge=0)] = 0.0  # 0 means dynamic loss scaling
+    initial_scale_power: Annotated[int, Int(ge=0)] = 16
+    loss_scale_window: Annotated[int, Int(ge=1)] = 1000
+    hysteresis: Annotated[int, Int(ge=1)] = 2
     consecutive_hysteresis: Bool = False
-    min_loss_scale: Float(gt=0) = 1.0
+    min_loss_scale: Annotated[float, Float(gt=0)] = 1.0
     fp16_master_weights_and_grads: Bool = False
 
 
@@ -42,19 +42,20 @@ class AmpConfig(Section):
 
 
 class OptimizerConfig(Section):
-    type: Str()  # checked and canonicalised against the known names in params.py
+    type: Annotated[str, Str()]  # checked and canonicalised against the known names in params.py
     params: Params = Field(default_factory=dict)
     legacy_fusion: Bool = False
 
 
 class SchedulerConfig(Section):
-    type: Choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+    type: Annotated[str, Choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                                "LRRangeTest")]
     params: Params = Field(default_factory=dict)
 
 
 class ActivationCheckpointingConfig(Section):
     partition_activations: Bool = False
-    number_checkpoints: Int(ge=1, optional=True) = None
+    number_checkpoints: Annotated[int | None, Int(ge=1, optional=True)] = None
     contiguous_memory_optimization: Bool = False
     cpu_checkpointing: Bool = False
     synchronize_checkpoint_boundary: Bool = False
@@ -63,12 +64,12 @@ class ActivationCheckpointingConfig(Section):
 
 class FlopsProfilerConfig(Section):
     enabled: Bool = False
-    recompute_fwd_factor: Float(ge=0) = 0.0
-    profile_step: Int(ge=1) = 1
-    module_depth: Int(ge=-1) = -1
-    top_modules: Int(ge=1) = 1
+    recompute_fwd_factor: Annotated[float, Float(ge=0)] = 0.0
+    profile_step: Annotated[int, Int(ge=1)] = 1
+    module_depth: Annotated[int, Int(ge=-1)] = -1
+    top_modules: Annotated[int, Int(ge=1)] = 1
     detailed: Bool = True
-    output_file: Str(optional=True) = None
+    output_file: Annotated[str | None, Str(optional=True)] = None
 
 
 def _stages_check(value: Any) -> Any:
@@ -88,10 +89,10 @@ class PipelineConfig(Section):
     # Not DeepSpeed keys: "enabled" is accepted for configs written that way (a PipelineModule
     # is what turns the pipeline on); "schedule" picks 1F1B (PipeDream-Flush) or GPipe.
     enabled: Bool = True
-    schedule: Choice("1f1b", "gpipe") = "1f1b"
-    partition: Str() = "best"
+    schedule: Annotated[str, Choice("1f1b", "gpipe")] = "1f1b"
+    partition: Annotated[str, Str()] = "best"
     seed_layers: Bool = False
-    activation_checkpoint_interval: Int(ge=0) = 0
+    activation_checkpoint_interval: Annotated[int, Int(ge=0)] = 0
     pipe_partitioned: Bool = True
     grad_partitioned: Bool = True
     use_reentrant: Bool = True
@@ -99,9 +100,9 @@ class PipelineConfig(Section):
 
 class TensorParallelConfig(Section):
     model_config = Section.model_config | {"extra": "allow"}  # AutoTP keeps growing options
-    autotp_size: Int(ge=0) = 0
-    tp_size: Int(ge=1) = 1
-    tp_grain_size: Int(ge=1) = 1
+    autotp_size: Annotated[int, Int(ge=0)] = 0
+    tp_size: Annotated[int, Int(ge=1)] = 1
+    tp_grain_size: Annotated[int, Int(ge=1)] = 1
     tp_overlap_comm: Bool = False
     keep_module_on_host: Bool = False
 
@@ -111,7 +112,7 @@ class ParallelWriteConfig(Section):
 
 
 class CheckpointConfig(Section):
-    tag_validation: Choice("Ignore", "Warn", "Fail") = "Warn"
+    tag_validation: Annotated[str, Choice("Ignore", "Warn", "Fail")] = "Warn"
     load_universal: Bool = False
     use_node_local_storage: Bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
@@ -123,21 +124,21 @@ class DataTypesConfig(Section):
 
 class TensorBoardConfig(Section):
     enabled: Bool = False
-    output_path: Str() = ""
-    job_name: Str() = "DeepSpeedJobName"
+    output_path: Annotated[str, Str()] = ""
+    job_name: Annotated[str, Str()] = "DeepSpeedJobName"
 
 
 class WandbConfig(Section):
     enabled: Bool = False
-    group: Str(optional=True) = None
-    team: Str(optional=True) = None
-    project: Str() = "deepspeed"
+    group: Annotated[str | None, Str(optional=True)] = None
+    team: Annotated[str | None, Str(optional=True)] = None
+    project: Annotated[str, Str()] = "deepspeed"
 
 
 class CSVMonitorConfig(Section):
     enabled: Bool = False
-    output_path: Str() = ""
-    job_name: Str() = "DeepSpeedJobName"
+    output_path: Annotated[str, Str()] = ""
+    job_name: Annotated[str, Str()] = "DeepSpeedJobName"
 
 
 class CometConfig(Section):
@@ -158,17 +159,17 @@ class FlowtrainSection(Section):
 
     # Order in which gradient buckets are formed: as first seen in backward, or reverse
     # parameter order (DeepSpeed's choice, a good guess before the first backward).
-    bucket_order: Choice("observed", "reverse") = "observed"
+    bucket_order: Annotated[str, Choice("observed", "reverse")] = "observed"
     # What carries gradient reduces: "shm" (shared memory, every rank on one host, CPU tensors)
     # or "torch" (gloo/NCCL); null picks shm when it can be used, torch otherwise.
-    data_channel: Choice("shm", "torch", optional=True) = None
+    data_channel: Annotated[str | None, Choice("shm", "torch", optional=True)] = None
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
-    heartbeat_interval: Float(gt=0, optional=True) = None
-    seed: Int(ge=0, optional=True) = None
+    heartbeat_interval: Annotated[float | None, Float(gt=0, optional=True)] = None
+    seed: Annotated[int | None, Int(ge=0, optional=True)] = None
     # Telemetry (flowtrain.telemetry): each rank publishes step records to the launcher's
     # coordinator (recorded in runs/<id>/telemetry.msgpack, shown by `flowtrain monitor`).
     telemetry: Bool = True
     # Most "step" records a rank publishes per second; faster steps are sampled, not queued.
-    telemetry_hz: Float(gt=0) = 10.0
+    telemetry_hz: Annotated[float, Float(gt=0)] = 10.0
     # A "spans" record (the step's task timeline) every this many optimizer steps.
-    telemetry_spans_every: Int(ge=1) = 10
+    telemetry_spans_every: Annotated[int, Int(ge=1)] = 10

@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from flowtrain.config.fields import Bool, Choice, Float, Int, NoneIsDefault, Section, Str, show
 
-OffloadDevice = Choice("none", "cpu", "nvme")
+OffloadDevice = Annotated[str, Choice("none", "cpu", "nvme")]
 
 _SUB_GROUP_DEFAULT = 1_000_000_000
 
@@ -33,37 +33,37 @@ def _sub_group_not_zero(value: Any) -> Any:
     return value
 
 
-SubGroupSize = Annotated[Int(ge=1), BeforeValidator(_sub_group_not_zero)]
+SubGroupSize = Annotated[int, Int(ge=1), BeforeValidator(_sub_group_not_zero)]
 
 
 class OffloadOptimizerConfig(Section):
     device: OffloadDevice = "none"
-    nvme_path: Str(optional=True) = None
-    buffer_count: Int(ge=0) = 4
+    nvme_path: Annotated[str | None, Str(optional=True)] = None
+    buffer_count: Annotated[int, Int(ge=0)] = 4
     pin_memory: Bool = True
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     fast_init: Bool = False
-    ratio: Float(ge=0, le=1) = 1.0
+    ratio: Annotated[float, Float(ge=0, le=1)] = 1.0
 
 
 class OffloadParamConfig(Section):
     device: OffloadDevice = "none"
-    nvme_path: Str(optional=True) = None
-    buffer_count: Int(ge=0) = 5
-    buffer_size: Int(ge=0) = 100_000_000
-    max_in_cpu: Int(ge=0) = 1_000_000_000
+    nvme_path: Annotated[str | None, Str(optional=True)] = None
+    buffer_count: Annotated[int, Int(ge=0)] = 5
+    buffer_size: Annotated[int, Int(ge=0)] = 100_000_000
+    max_in_cpu: Annotated[int, Int(ge=0)] = 1_000_000_000
     pin_memory: Bool = True
 
 
 class ZeroConfig(Section):
-    stage: Int(ge=0, le=3) = 0
+    stage: Annotated[int, Int(ge=0, le=3)] = 0
     contiguous_gradients: Bool = True
     reduce_scatter: Bool = True
-    reduce_bucket_size: Int(ge=1) = 500_000_000
+    reduce_bucket_size: Annotated[int, Int(ge=1)] = 500_000_000
     use_multi_rank_bucket_allreduce: Bool = True
     allgather_partitions: Bool = True
-    allgather_bucket_size: Int(ge=1) = 500_000_000
+    allgather_bucket_size: Annotated[int, Int(ge=1)] = 500_000_000
     # null in DeepSpeed means "on for stage 3 only"; resolved below so readers see a bool.
     overlap_comm: Bool = False
     load_from_fp32_weights: Bool = True
@@ -73,22 +73,22 @@ class ZeroConfig(Section):
     offload_optimizer: Annotated[OffloadOptimizerConfig, NoneIsDefault] = Field(
         default_factory=OffloadOptimizerConfig)
     sub_group_size: SubGroupSize = _SUB_GROUP_DEFAULT
-    stage3_prefetch_bucket_size: Int(ge=0) = 50_000_000
-    stage3_param_persistence_threshold: Int(ge=0) = 100_000
-    stage3_model_persistence_threshold: Int(ge=0) = 2**63 - 1
-    stage3_max_live_parameters: Int(ge=0) = 1_000_000_000
-    stage3_max_reuse_distance: Int(ge=0) = 1_000_000_000
+    stage3_prefetch_bucket_size: Annotated[int, Int(ge=0)] = 50_000_000
+    stage3_param_persistence_threshold: Annotated[int, Int(ge=0)] = 100_000
+    stage3_model_persistence_threshold: Annotated[int, Int(ge=0)] = 2**63 - 1
+    stage3_max_live_parameters: Annotated[int, Int(ge=0)] = 1_000_000_000
+    stage3_max_reuse_distance: Annotated[int, Int(ge=0)] = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: Bool = False
-    stage3_module_granularity_threshold: Int(ge=0) = 0
+    stage3_module_granularity_threshold: Annotated[int, Int(ge=0)] = 0
     use_all_reduce_for_fetch_params: Bool = False
     ignore_unused_parameters: Bool = True
     legacy_stage1: Bool = False
     round_robin_gradients: Bool = False
-    zero_hpz_partition_size: Int(ge=1) = 1
+    zero_hpz_partition_size: Annotated[int, Int(ge=1)] = 1
     zero_quantized_weights: Bool = False
     zero_quantized_nontrainable_weights: Bool = False
     zero_quantized_gradients: Bool = False
-    mics_shard_size: Int(ge=-1) = -1
+    mics_shard_size: Annotated[int, Int(ge=-1)] = -1
     mics_hierarchical_params_gather: Bool = False
     memory_efficient_linear: Bool = True
     pipeline_loading_checkpoint: Bool = False

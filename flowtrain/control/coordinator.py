@@ -7,10 +7,11 @@ telemetry records (flowtrain.telemetry), next to the records the ranks send.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import zmq
@@ -131,8 +132,8 @@ class Coordinator:
         heartbeat_misses: int = 5,
         join_timeout: float = 300.0,
         on_event: Callable[[CoordinatorEvent], None] | None = None,
-        on_telemetry: Callable[[dict], None] | None = None,
-        job_record: dict | None = None,
+        on_telemetry: Callable[[Mapping[str, Any]], None] | None = None,
+        job_record: Mapping[str, Any] | None = None,
     ) -> None:
         """``on_telemetry`` gets every schema record the coordinator publishes (the recorder and
         the launcher's progress line hang there); ``job_record`` is published when it starts."""
@@ -219,7 +220,7 @@ class Coordinator:
                 self._send(state.rank, Kind.ABORT, {"reason": reason})
         _log().warning("coordinator aborted the job", reason=reason)
 
-    def publish_record(self, record: dict) -> None:
+    def publish_record(self, record: Mapping[str, Any]) -> None:
         """Publishes one telemetry record (flowtrain.telemetry schema) from the coordinator's
         side and hands it to ``on_telemetry``; TelemetryError if it breaks the schema."""
         validate(record)
@@ -442,10 +443,10 @@ class Coordinator:
             return
         self._publish(topic, rank, body, record=False)
 
-    def _rank_telemetry(self, record: dict) -> None:
+    def _rank_telemetry(self, record: Mapping[str, Any]) -> None:
         self._publish(topic_of(record), record["rank"], record)
 
-    def _publish(self, topic: str, rank: int, body: dict, record: bool = True) -> None:
+    def _publish(self, topic: str, rank: int, body: Mapping[str, Any], record: bool = True) -> None:
         pub = self._pub
         if pub is not None:
             parts = self.codec.encode_published(topic, {"topic": topic, "rank": rank, "body": body})
@@ -529,7 +530,8 @@ def send_now(socket: zmq.asyncio.Socket, parts: list[bytes]) -> BaseException | 
     """Sends without waiting and returns the error, if any (zmq.Again when the queue is full)."""
     # With NOBLOCK pyzmq resolves the future at once; reading it here keeps errors synchronous
     # and keeps asyncio from warning about an exception nobody retrieved.
-    future = socket.send_multipart(parts, flags=zmq.NOBLOCK)
+    # pyzmq annotates the asyncio socket's send as an Awaitable; what it returns is a Future.
+    future = cast("asyncio.Future[Any]", socket.send_multipart(parts, flags=zmq.NOBLOCK))
     if not future.done():
         return None
     return future.exception()

@@ -9,7 +9,7 @@ import hashlib
 import hmac
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -104,7 +104,7 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     # msgpack gives bools for true/false; a bool is an int to Python but not a valid field here.
     return type(value) is int
 

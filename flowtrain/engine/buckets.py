@@ -61,6 +61,18 @@ class GradBuckets:
         if not transient:
             self.attach_views()
 
+    def buffer(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s buffer, which a bucket that is not transient always holds."""
+        flat = self.flat[index]
+        if flat is None:
+            raise RuntimeError(f"gradient bucket {index} holds no buffer: a transient bucket has "
+                               "one only from its first gradient until the reducer takes it")
+        return flat
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every bucket's buffer (buckets that are not transient)."""
+        return [self.buffer(index) for index in range(len(self.flat))]
+
     # -- transient buffers (ZeRO stages 2 and 3) --------------------------------------------------
 
     def take(self, index: int) -> torch.Tensor:
@@ -102,7 +114,7 @@ class GradBuckets:
         user's code replaced or cleared them)."""
         if self.transient:
             return
-        for bucket, flat in zip(self.plan, self.flat):
+        for bucket, flat in zip(self.plan, self.buffers()):
             for slot in bucket.slots:
                 view = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
                 self.params[slot.index].grad = view
@@ -110,7 +122,7 @@ class GradBuckets:
     def views_intact(self) -> bool:
         if self.transient:
             return True
-        for bucket, flat in zip(self.plan, self.flat):
+        for bucket, flat in zip(self.plan, self.buffers()):
             slot = bucket.slots[0]
             grad = self.params[slot.index].grad
             if grad is None or \

@@ -43,8 +43,9 @@ class DistributedLoader:
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.sampler: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+            drop_last=drop_last)
         self.seed = seed
         self.epoch = 0
         self.batches_taken = 0  # in the current epoch

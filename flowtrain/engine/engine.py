@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
 from flowtrain.runtime.actor import Actor, ActorRef
 
+if TYPE_CHECKING:
+    from flowtrain.profiling.engine_hook import EngineProfile
+
 log = get_logger("flowtrain.engine")
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -45,6 +48,8 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 class FlowtrainEngine(EngineSurface, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
+
+    flops_profiler: EngineProfile | None  # set by flowtrain.initialize (rank 0's, or None)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  config: FlowtrainConfig, *, lr_scheduler: Any = None, training_data: Any = None,
@@ -178,6 +183,13 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _spawn(self, actor: Actor) -> ActorRef[Any]:
         """Starts ``actor`` on this rank's runtime (the pieces ZeRO builds use it)."""
         return self._runtime.spawn(actor)
+
+    def _reducer_ref(self) -> Any:
+        """The gradient reducer, which an engine over several data-parallel ranks has."""
+        if self.reducer is None:
+            raise RuntimeError("a gradient bucket was handed over for a reduce, but this engine "
+                               "has one data-parallel rank and no reducer")
+        return self.reducer
 
     def _broadcast_model(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
@@ -376,8 +388,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 if index not in self._handed:
                     self._bucket_ready(index)
             if not boundary:
-                self.reducer.send_from_thread(EndMicroBatch(self.global_steps,
-                                                            self._reduce_micro_batch()))
+                self._reducer_ref().send_from_thread(
+                    EndMicroBatch(self.global_steps, self._reduce_micro_batch()))
         if self.stage3 is not None:
             self.stage3.end_backward()
         self._send_stage("micro_batch", MicroBatchEnd(self.global_steps, self.micro_steps))
@@ -392,12 +404,12 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def _bucket_ready(self, index: int) -> None:
         if not self.transient:
-            self.reducer.send_from_thread(BucketReady(index, self.global_steps))
+            self._reducer_ref().send_from_thread(BucketReady(index, self.global_steps))
             return
         self._handed.add(index)
-        self.reducer.send_from_thread(BucketReady(index, self.global_steps,
-                                                  self.buckets.take(index),
-                                                  self._reduce_micro_batch()))
+        self._reducer_ref().send_from_thread(BucketReady(index, self.global_steps,
+                                                         self.buckets.take(index),
+                                                         self._reduce_micro_batch()))
         if self.stage3 is not None:
             self.stage3.backward_done(index)
 
@@ -415,7 +427,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self.timer.record_spans(report.spans)
         elif self.stages["bucket_full"] or self.stages["after_reduce"]:
             # One rank has no reducer; the stages still see every bucket, in the same order.
-            for index, grad in enumerate(self.buckets.flat):
+            for index, grad in enumerate(self.buckets.buffers()):
                 for ref in self.stages["bucket_full"]:
                     ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
                 for ref in self.stages["after_reduce"]:
@@ -450,7 +462,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
             grads = self.master.flat
         else:
-            grads = self.buckets.flat
+            grads = self.buckets.buffers()
         overflow = self.precision == "fp16" and has_inf_or_nan(self.buckets.flat)
         if self.model_parallel and self.precision == "fp16":
             overflow = self._across_model(float(overflow), dist.ReduceOp.MAX) > 0
@@ -510,6 +522,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         printing = bool(self.config.steps_per_print) and \
             (self.global_steps + 1) % self.config.steps_per_print == 0
         fp16 = self.precision == "fp16"
+        if self.zero is None:
+            raise RuntimeError("a ZeRO optimizer step on an engine built without ZeRO")
         skipped, norm = self.zero.step(loss_scale=self.loss_scaler.loss_scale, fp16=fp16,
                                        clip=clip, need_norm=printing)
         self.loss_scaler.update(skipped)

@@ -28,21 +28,22 @@ class MasterWeights:
         """(Re)creates the fp32 gradient buffers in the buckets' layout."""
         self.flat = []
         for bucket in buckets.plan:
-            flat = torch.zeros(bucket.numel, dtype=torch.float32, device=buckets.flat[bucket.index].device)
+            flat = torch.zeros(bucket.numel, dtype=torch.float32,
+                               device=buckets.buffer(bucket.index).device)
             self.flat.append(flat)
             for slot in bucket.slots:
                 self.master[slot.index].grad = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
     def load_grads(self, buckets: GradBuckets, loss_scale: float) -> None:
         """master grad = reduced half grad / loss_scale, bucket by bucket."""
-        for master, half in zip(self.flat, buckets.flat):
+        for master, half in zip(self.flat, buckets.buffers()):
             master.copy_(half)
             if loss_scale != 1.0:
                 master.mul_(1.0 / loss_scale)
 
     def copy_to_model(self) -> None:
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.model_params], self.master)
+            torch._foreach_copy_([p.data for p in self.model_params], tuple(self.master))
 
     def replace_in_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Points the optimizer's parameter groups at the master copies instead of the model's
@@ -89,11 +90,11 @@ def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: Sequence[Sequen
     (returns True), otherwise the caller copies them."""
     for group, params in zip(optimizer.param_groups, groups, strict=True):
         group["params"] = list(params)
-    fused = bool(copies) and hasattr(optimizer, "write_model_copies") and all(
-        model.is_contiguous() for _, model in copies)
-    if fused:
-        optimizer.write_model_copies(copies)
-    return fused
+    if not (copies and hasattr(optimizer, "write_model_copies")
+            and all(model.is_contiguous() for _, model in copies)):
+        return False
+    optimizer.write_model_copies(copies)
+    return True
 
 
 def total_grad_norm(flats: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -166,40 +166,42 @@ class BucketReducer(Actor):
             if self.on_reduced is not None:
                 self.on_reduced(index)
             for ref in self.stages["after_reduce"]:
-                reduced = self.buckets.flat if self.shards is None else self.shards
-                await ref.ask(BucketReduced(index, reduced[index], self._step))
+                reduced = self.buckets.buffer(index) if self.shards is None else \
+                    self.shards[index]
+                await ref.ask(BucketReduced(index, reduced, self._step))
         self._inflight.clear()
         self._ready.clear()
         self._next = 0
 
     async def _launch(self, index: int, handed: torch.Tensor | None = None) -> None:
         grad = handed if handed is not None else (
-            self.buckets.take(index) if self.buckets.transient else self.buckets.flat[index])
+            self.buckets.take(index) if self.buckets.transient else self.buckets.buffer(index))
         for ref in self.stages["bucket_full"]:
             await ref.ask(BucketFull(index, grad, self._step))
         if self.comm_dtype == grad.dtype:
             buffer = grad
         else:
-            buffer = self._comm_buffers.get(index)
-            if buffer is None:
-                buffer = self._comm_buffers[index] = torch.empty_like(grad, dtype=self.comm_dtype)
-            buffer.copy_(grad)
+            cached = self._comm_buffers.get(index)
+            if cached is None:
+                cached = self._comm_buffers[index] = torch.empty_like(grad, dtype=self.comm_dtype)
+            cached.copy_(grad)
+            buffer = cached
         pre = 1.0 / self.world_size if self.prescale else 1.0 / self.predivide
         if pre != 1.0:
             buffer.mul_(pre)
         self._task_names[index] = names.reduce(index, self._micro_batch)
         launched = time.perf_counter()
         if self.shards is not None:
-            work, buffer = self._launch_scatter(index, buffer)
+            work, buffer = self._launch_scatter(index, self.shards[index], buffer)
         elif self.channel is not None:
             work = self.channel.all_reduce_async(buffer)
         else:
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self._inflight.append((index, work, buffer, launched, grad, completion_stamp(work)))
 
-    def _launch_scatter(self, index: int, buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def _launch_scatter(self, index: int, shard: torch.Tensor,
+                        buffer: torch.Tensor) -> tuple[Any, torch.Tensor]:
         # into a scratch shard: the result is added to the accumulating gradient shard
-        shard = self.shards[index]
         out = self._shard_buffers.get(index)
         if out is None:
             out = self._shard_buffers[index] = torch.empty(shard.numel(), dtype=buffer.dtype,
@@ -217,7 +219,7 @@ class BucketReducer(Actor):
             else:
                 shard.add_(buffer.to(shard.device))
             return
-        grad = self.buckets.flat[index]
+        grad = self.buckets.buffer(index)
         if buffer is not grad:
             grad.copy_(buffer)
         if post != 1.0:

@@ -6,11 +6,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flowtrain.checkpoint.checkpointer import load_engine, save_engine
+
+if TYPE_CHECKING:
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.mixed import MasterWeights
+    from flowtrain.precision.loss_scaler import LossScaler
+    from flowtrain.zero.sharded import ZeroOptimizer
+    from flowtrain.zero.stage3 import Stage3Params
 
 
 def job_world_size() -> int:
@@ -22,6 +30,21 @@ def job_world_size() -> int:
 
 class EngineSurface:
     """Mixed into FlowtrainEngine (which provides the attributes used here)."""
+
+    # Set by FlowtrainEngine.__init__; declared here (annotations only, no class attributes)
+    # so that the methods below are checked against them.
+    module: torch.nn.Module
+    config: Any
+    optimizer: torch.optim.Optimizer
+    trainable: list[torch.nn.Parameter]
+    buckets: GradBuckets
+    master: MasterWeights | None
+    zero: ZeroOptimizer | None
+    stage3: Stage3Params | None
+    transient: bool
+    global_rank: int
+    loss_scaler: LossScaler
+    _global_grad_norm: float | None
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: parameters, gradients (stage 2: the rank's
@@ -88,7 +111,7 @@ class EngineSurface:
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
         tmp = f"{path}.tmp{os.getpid()}"
-        save_file(state, tmp)
+        save_file(state, Path(tmp))
         os.replace(tmp, path)
         return True
 

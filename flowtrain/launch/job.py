@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain import env as fenv
 from flowtrain.control.coordinator import tcp_endpoint
@@ -24,6 +24,9 @@ from flowtrain.launch.rundir import RunDir
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
 from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
 from flowtrain.log import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    from flowtrain.telemetry.launcher import JobTelemetry
 
 log = get_logger("flowtrain.launch")
 
@@ -146,6 +149,9 @@ def run_launch(cfg: LaunchConfig) -> int:
     def make_coordinator(on_event: Any) -> Any:
         from flowtrain.control.coordinator import Coordinator
 
+        if telemetry is None:
+            raise RuntimeError("only a launch that hosts the coordinator makes one, and such a "
+                               "launch has its telemetry")
         return Coordinator(world_size=cfg.world_size, secret=secret, host=bind, port=port,
                            heartbeat_interval=cfg.heartbeat_interval,
                            heartbeat_misses=cfg.heartbeat_misses, join_timeout=cfg.join_timeout,
@@ -155,6 +161,9 @@ def run_launch(cfg: LaunchConfig) -> int:
     def endpoint_for(coordinator: Any) -> str | None:
         if coordinator is None:
             return fixed_endpoint
+        if telemetry is None:
+            raise RuntimeError("a coordinator runs only in a launch that hosts it, and such a "
+                               "launch has its telemetry")
         telemetry.advertise(coordinator, secret)
         return tcp_endpoint(advertise, coordinator.endpoint.rsplit(":", 1)[1])
 
@@ -243,7 +252,7 @@ def run_launch(cfg: LaunchConfig) -> int:
     return outcome.exit_code
 
 
-def _job_telemetry(cfg: LaunchConfig, rd: RunDir, started: float) -> Any:
+def _job_telemetry(cfg: LaunchConfig, rd: RunDir, started: float) -> JobTelemetry:
     """The recorder and progress line of a launch that hosts the coordinator."""
     from flowtrain.telemetry.launcher import JobTelemetry, ProgressLine
 

@@ -72,7 +72,8 @@ def choose_root(records: list[Record]) -> Record | None:
             if _is_peer_loss(r.failure):
                 r.secondary = True
     primary = [r for r in records if not r.secondary]
-    return (primary or records or [None])[0]
+    chosen = primary or records
+    return chosen[0] if chosen else None
 
 
 def collect_outcome(sup: Supervisor, rd: RunDir, *, started: float, join_timeout: float) -> Outcome:

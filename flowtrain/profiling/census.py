@@ -26,7 +26,7 @@ agree.
 from __future__ import annotations
 
 import math
-from typing import Any, Self
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -156,7 +156,7 @@ class OpCensus:
         entry[0] += 1
         entry[1] += elements
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> OpCensus:
         self._modes = (_Attention(self), _Ops(self))
         for mode in self._modes:
             mode.__enter__()

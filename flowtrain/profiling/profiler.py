@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -222,7 +222,8 @@ class FlopsProfiler:
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
         counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         if hasattr(counter, "mod_tracker"):
-            counter.mod_tracker = _GlobalOnly()
+            # a stand-in with only what FlopCounterMode reads, not a ModuleTracker
+            counter.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
         counter.__enter__()
         # The mode's first counted op sets up its handler (milliseconds): do it outside every
         # module's timing. Its 2 FLOPs go to no module, so no total includes them.
@@ -259,20 +260,56 @@ class FlopsProfiler:
         self._params = {}
         self._has_profile = False
 
+    @overload
+    def get_total_flops(self, as_string: Literal[False] = False) -> int: ...
+
+    @overload
+    def get_total_flops(self, as_string: Literal[True]) -> str: ...
+
+    @overload
+    def get_total_flops(self, as_string: bool) -> int | str: ...
+
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward FLOPs of the model (every profiled call), e.g. ``"1.23 G"`` as a string."""
         flops = self._root().flops
         return number_to_string(flops) if as_string else flops
+
+    @overload
+    def get_total_macs(self, as_string: Literal[False] = False) -> int: ...
+
+    @overload
+    def get_total_macs(self, as_string: Literal[True]) -> str: ...
+
+    @overload
+    def get_total_macs(self, as_string: bool) -> int | str: ...
 
     def get_total_macs(self, as_string: bool = False) -> int | str:
         """Forward multiply-accumulates (FLOPs / 2), e.g. ``"1.23 GMACs"`` as a string."""
         macs = self._root().flops // 2
         return macs_to_string(macs) if as_string else macs
 
+    @overload
+    def get_total_params(self, as_string: Literal[False] = False) -> int: ...
+
+    @overload
+    def get_total_params(self, as_string: Literal[True]) -> str: ...
+
+    @overload
+    def get_total_params(self, as_string: bool) -> int | str: ...
+
     def get_total_params(self, as_string: bool = False) -> int | str:
         """Parameters of the model (ZeRO-3 partitioned ones at their full size)."""
         params = self._params.get(id(self.model), 0)
         return params_to_string(params) if as_string else params
+
+    @overload
+    def get_total_duration(self, as_string: Literal[False] = False) -> float: ...
+
+    @overload
+    def get_total_duration(self, as_string: Literal[True]) -> str: ...
+
+    @overload
+    def get_total_duration(self, as_string: bool) -> float | str: ...
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """Seconds spent in the model's forward while profiling, e.g. ``"76.67 ms"``."""

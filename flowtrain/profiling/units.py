@@ -21,10 +21,10 @@ def _trim(value: float, precision: int) -> str:
 def _scaled(num: float, units: str | None, precision: int) -> tuple[str, str]:
     """(digits, prefix): ``num`` divided by the largest prefix it reaches, or by ``units``."""
     if units is not None:
-        scale = dict((p, s) for s, p in _PREFIXES)
-        if units not in scale and units != "":
+        scales = dict((p, s) for s, p in _PREFIXES)
+        if units not in scales and units != "":
             raise ValueError(f"units must be one of T, G, M, K or '' (none), got {units!r}")
-        return _trim(num / scale.get(units, 1.0), precision), units
+        return _trim(num / scales.get(units, 1.0), precision), units
     for scale, prefix in _PREFIXES:
         if abs(num) >= scale:
             return _trim(num / scale, precision), prefix

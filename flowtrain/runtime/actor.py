@@ -22,7 +22,7 @@ ON_STOP_TIMEOUT = 10.0
 
 R = TypeVar("R")
 T = TypeVar("T")
-Handler = Callable[[Any, Any], Awaitable[Any]]
+Handler = Callable[[Any], Awaitable[Any]]  # a bound handler method, called with the message
 
 
 class ActorFailed(Exception):

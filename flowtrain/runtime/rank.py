@@ -202,7 +202,9 @@ class Rank:
         log.error("rank aborting", reason=reason)
         # Aimed at the main thread: a process-wide signal may land on another thread, and then
         # a main thread blocked in sleep() or a wait would not run the handler until it wakes.
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        main = threading.main_thread().ident  # set: the main thread has always started
+        if main is not None:
+            signal.pthread_kill(main, signal.SIGTERM)
         threading.Thread(target=_hard_exit_after, args=(ABORT_GRACE,), daemon=True,
                          name="flowtrain-abort-watchdog").start()
 

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -161,7 +161,8 @@ class Runtime:
 
     # -- calling into the loop ---------------------------------------------------------------
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T:
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
+             timeout: float = 60.0) -> T:
         """Runs ``await fn(*args)`` on the loop from another thread and returns its result."""
         if self.on_loop_thread():
             raise RuntimeError("Runtime.call() blocks; on the loop, await the function instead")

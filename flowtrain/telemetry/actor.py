@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,12 @@ from flowtrain.engine.parts import TelemetrySource, TimedEngine
 from flowtrain.engine.stages import StepDone
 from flowtrain.log import get_logger
 from flowtrain.runtime.actor import Actor, ActorRef, handler
-from flowtrain.telemetry.schema import SCHEMA_VERSION, event_record, topic_of
+from flowtrain.telemetry.schema import (
+    SCHEMA_VERSION,
+    EventRecord,
+    event_record,
+    topic_of,
+)
 
 log = get_logger("flowtrain.telemetry")
 
@@ -27,7 +32,7 @@ FLUSH_ASK_TIMEOUT = 0.5  # seconds the control client's goodbye waits for held r
 COMM_PREFIXES = ("reduce/", "gather/")  # spans of collectives, launch to completion
 WAIT_PREFIX = "comm/"  # spans where the step waited for collectives (exposed communication)
 
-Publish = Callable[[str, dict[str, Any]], bool]
+Publish = Callable[[str, Mapping[str, Any]], bool]
 Snapshot = tuple[float, list[tuple[str, float, float]]]  # (step start, spans), perf_counter times
 
 
@@ -272,7 +277,7 @@ class TelemetryActor(Actor):
             return {"mfu": None, "mbu": None}
         return {k: None if v is None else v / step_s for k, v in unit.items()}
 
-    def _skip_event(self, msg: StepDone, before: float | None) -> dict[str, Any]:
+    def _skip_event(self, msg: StepDone, before: float | None) -> EventRecord:
         fp16 = getattr(self.engine, "precision", None) == "fp16"
         change = f"; loss scale {before:g} -> {msg.loss_scale:g}" if before is not None else \
             f"; loss scale now {msg.loss_scale:g}"
@@ -317,7 +322,7 @@ class TelemetryActor(Actor):
                             "process_rss": rss, "device_allocated": allocated}
         return dict(self._mem_record)
 
-    def _publish(self, record: dict[str, Any]) -> bool:
+    def _publish(self, record: Mapping[str, Any]) -> bool:
         # Not validated here: the coordinator validates every record it gets (in the launcher),
         # and the tests hold this actor's records to the schema there.
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ class TelemetryRecorder:
                                         name="flowtrain-telemetry-recorder")
         self._thread.start()
 
-    def append(self, record: Record | dict[str, Any]) -> None:
+    def append(self, record: Mapping[str, Any]) -> None:
         """Queues one record (validated: a bad one raises TelemetryError here)."""
         data = encode(record)
         with self._lock:

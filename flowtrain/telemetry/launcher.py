@@ -10,7 +10,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -63,7 +63,7 @@ class ProgressLine:
         self.live = _isatty(out) if live is None else live
         self.plain_interval = plain_interval
         self.lock = threading.RLock()
-        self.last: dict[str, Any] | None = None
+        self.last: Mapping[str, Any] | None = None
         self.lines = 0  # plain lines printed
         self._shown = ""  # text on the terminal now (live mode)
         self._printed_step: int | None = None
@@ -71,7 +71,7 @@ class ProgressLine:
         self._rates: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
         self._broken = False
 
-    def format(self, record: dict[str, Any]) -> str:
+    def format(self, record: Mapping[str, Any]) -> str:
         step = record["step"]
         parts = [f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"
                  if self.total_steps else f"step {step}"]
@@ -95,7 +95,7 @@ class ProgressLine:
             return None
         return max(0, self.total_steps - step) * (t1 - t0) / (s1 - s0)
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: Mapping[str, Any]) -> None:
         """Takes one of rank 0's step records."""
         with self.lock:
             self.last = record
@@ -130,7 +130,7 @@ class ProgressLine:
                     self.last["step"] != self._printed_step:
                 self._print(self.last)
 
-    def _print(self, record: dict[str, Any]) -> None:
+    def _print(self, record: Mapping[str, Any]) -> None:
         self._write(f"progress: {self.format(record)}\n")
         self._printed_step = record["step"]
         self._printed_at = time.monotonic()
@@ -175,7 +175,7 @@ class JobTelemetry:
                                      run_dir=str(self.run_dir), started=started,
                                      total_steps=total_steps, config_summary=config_summary)
 
-    def on_record(self, record: dict[str, Any]) -> None:
+    def on_record(self, record: Mapping[str, Any]) -> None:
         if self.closed:
             return  # job_ended was the last record
         self.recorder.append(record)

@@ -87,7 +87,8 @@ class Subscriber:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if wait is not None and wait <= 0:
                 return None
-            ready = await sock.poll(None if wait is None else max(1, int(wait * 1000)), zmq.POLLIN)
+            # flags default to POLLIN (pyzmq's annotations give the socket's poll no flags)
+            ready = await sock.poll(None if wait is None else max(1, int(wait * 1000)))
             if not ready:
                 return None
             record = self._verify(await sock.recv_multipart())
@@ -118,12 +119,11 @@ class Subscriber:
             if frame.sender != COORDINATOR_SENDER:
                 raise FrameRejected("malformed", f"published by {frame.sender!r}, not the "
                                                  "coordinator")
-            record = frame.body.get("body")
-            validate(record)
+            record = validate(frame.body.get("body"))
         except FrameRejected as rejection:
             self.rejected.record_rejection(rejection, self.endpoint)
             return None
         except TelemetryError as exc:
             self.rejected.record("malformed", str(exc), self.endpoint)
             return None
-        return record  # type: ignore[return-value]
+        return record

@@ -53,7 +53,7 @@ def step_anchors(run_dir: Path) -> dict[int, dict[int, float]]:
         for record in read_records(path):
             if record["kind"] == "spans":
                 anchors.setdefault(record["rank"], {})[record["step"]] = \
-                    float(record["step_start"])  # type: ignore[typeddict-item]
+                    float(record["step_start"])
     except TelemetryDamage:
         pass  # the anchors read before the damage still place their steps
     return anchors

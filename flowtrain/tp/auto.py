@@ -49,7 +49,8 @@ def parallelize(model: nn.Module, group: Any) -> dict[str, list[str]]:
                                   "heads": []}
     if tp == 1:
         return done
-    replaced: dict[int, nn.Module] = {}  # id of a replaced embedding -> its parallel module
+    # id of a replaced embedding -> its parallel module
+    replaced: dict[int, VocabParallelEmbedding] = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name

@@ -185,7 +185,7 @@ class ColumnParallelLinear(nn.Module):
             rows = torch.arange(rank * size, (rank + 1) * size)
         with torch.no_grad():
             out.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
+            if linear.bias is not None and out.bias is not None:  # out has one when linear has
                 out.bias.copy_(linear.bias[rows])
         for param, like in ((out.weight, linear.weight), (out.bias, linear.bias)):
             if param is not None:
@@ -227,10 +227,10 @@ class RowParallelLinear(nn.Module):
         size = out.local_in
         with torch.no_grad():
             out.weight.copy_(linear.weight[:, rank * size:(rank + 1) * size])
-            if linear.bias is not None:
+            if linear.bias is not None and out.bias is not None:  # out has one when linear has
                 out.bias.copy_(linear.bias)
         out.weight.requires_grad_(linear.weight.requires_grad)
-        if linear.bias is not None:
+        if linear.bias is not None and out.bias is not None:
             out.bias.requires_grad_(linear.bias.requires_grad)
         return out
 

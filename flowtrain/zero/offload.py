@@ -38,7 +38,7 @@ class Offloader:
         shard: wait for its copy, unscale/clip, step it, copy the new parameters back."""
         optimizer = zero.optimizer
         masters = zero.master
-        if self.cuda:
+        if self._stream is not None:  # set on a CUDA device
             self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
         down: list[tuple[torch.Tensor, Any]] = []
         with _on(self._stream):
@@ -71,7 +71,7 @@ class Offloader:
             if not zero._persistent_grads:
                 master.grad = None
             self._write_back(zero, b)
-        if self.cuda:
+        if self._stream is not None:
             torch.cuda.current_stream(self.compute_device).wait_stream(self._stream)
             self._stream.synchronize()
 

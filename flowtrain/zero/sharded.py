@@ -89,7 +89,7 @@ class ZeroOptimizer:
                     master.grad = grad
             elif self.aliased:
                 s = self.shards[b]  # stage 1 fp32: a view of the all-reduced bucket, no copy
-                master.grad = buckets.flat[b].narrow(0, s.start, s.numel)
+                master.grad = buckets.buffer(b).narrow(0, s.start, s.numel)
         self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
         self.fused_copy = False
         self.optimizer: torch.optim.Optimizer | None = None
@@ -199,6 +199,13 @@ class ZeroOptimizer:
         self.fused_copy = point_optimizer_at(optimizer, groups, copies)
         self.optimizer = optimizer
 
+    def _stepped_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer ``replace_in_optimizer`` pointed at the master shards."""
+        if self.optimizer is None:
+            raise RuntimeError("this ZeroOptimizer has no optimizer yet: replace_in_optimizer "
+                               "must be called before steps and checkpoints")
+        return self.optimizer
+
     def step(self, *, loss_scale: float, fp16: bool, clip: float, need_norm: bool,
              ) -> tuple[bool, float | None]:
         """Takes the global norm of the (scaled) gradients (one all-reduce of a float64 sum of
@@ -210,7 +217,7 @@ class ZeroOptimizer:
         norm = None
         coef = 1.0 / loss_scale
         if fp16 or clipping or need_norm:
-            norms = torch._foreach_norm(sources, 2.0, dtype=torch.float32) if sources else []
+            norms = list(torch._foreach_norm(sources, 2.0, dtype=torch.float32)) if sources else []
             sumsq = torch.stack(norms).double().square().sum() if norms else \
                 torch.zeros((), dtype=torch.float64, device=self.device)
             if self._replicated:
@@ -234,10 +241,12 @@ class ZeroOptimizer:
             for master, src in zip(self.master, sources):
                 if not self._persistent_grads:
                     master.grad = src.float() if src.dtype != torch.float32 else src.clone()
+                if master.grad is None:  # set just above, or kept since __init__
+                    raise RuntimeError("a ZeRO master shard has no gradient at the step")
                 grads.append(master.grad)
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
-            self.optimizer.step()
+            self._stepped_optimizer().step()
             if not self._persistent_grads:
                 for master in self.master:
                     master.grad = None
@@ -251,7 +260,8 @@ class ZeroOptimizer:
         """Each bucket's reduced gradient slice for this rank (still loss-scaled)."""
         if self.scattered:
             return list(self.grad_shards)
-        return [self.buckets.flat[b].narrow(0, s.start, s.numel) for b, s in enumerate(self.shards)]
+        return [self.buckets.buffer(b).narrow(0, s.start, s.numel)
+                for b, s in enumerate(self.shards)]
 
     def all_gather(self) -> None:
         """Every rank's updated slice to every rank, in place, for the buckets kept whole: one
@@ -285,8 +295,9 @@ class ZeroOptimizer:
     def full_flat(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s whole padded parameter buffer (gathered now for a partitioned
         bucket; the caller must be on every rank)."""
-        if self.flat_params[b] is not None:
-            return self.flat_params[b]
+        flat = self.flat_params[b]
+        if flat is not None:
+            return flat
         work, full = self.start_gather(b, self.group)
         work.wait()
         return full
@@ -296,7 +307,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
                 "shards": [(s.start, s.numel, s.padded) for s in self.shards],
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self._stepped_optimizer().state_dict(),
                 "master": None if self.aliased else [m.detach().clone() for m in self.master],
                 "model_shards": [s.detach().clone() for s in self.model_shards]
                 if self.stage == 3 else None}
@@ -308,7 +319,7 @@ class ZeroOptimizer:
                              f"this engine's bucket layout (reduce_bucket_size or the model "
                              f"changed)")
         if load_optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._stepped_optimizer().load_state_dict(state["optimizer"])
         with torch.no_grad():
             if state.get("model_shards") is not None:
                 for s, t in zip(self.model_shards, state["model_shards"]):
