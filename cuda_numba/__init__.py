@@ -54,9 +54,9 @@ def warm_up(names: tuple[str, ...] | None = None) -> float:
     """Compile (or load from the disk cache) the CPU kernels ``names`` (all by default) for
     every signature ops uses, so no training step pays for compilation; returns the seconds."""
     from . import cpu
-    from .ops import _sync_threads, keep_torch_threads
+    from .ops import sync_threads, keep_torch_threads
 
-    _sync_threads()
+    sync_threads()
     t0 = time.perf_counter()
     samples = _cpu_samples()
     for name, builds in cpu.KERNELS.items():

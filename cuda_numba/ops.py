@@ -61,7 +61,7 @@ def _as_float(fn: str, name: str, v: Any) -> float:
 _threads_set = False
 
 
-def _sync_threads() -> None:
+def sync_threads() -> None:
     # Follow torch's intra-op thread count so the two libraries do not oversubscribe the
     # cores; NUMBA_NUM_THREADS (numba's upper bound) wins where the user set it.
     global _threads_set
@@ -130,7 +130,7 @@ def _cuda_module() -> Any:
 def _launch(name: str, t: torch.Tensor, args: list) -> Any:
     """Call kernel `name` on t's device with array/scalar args (arrays still as tensors)."""
     if t.device.type == "cpu":
-        _sync_threads()
+        sync_threads()
         conv = [_np(a) if isinstance(a, torch.Tensor) else a for a in args]
         conv = [_NO_OUT if a is None else a for a in conv]
         return getattr(cpu, name)(*conv)

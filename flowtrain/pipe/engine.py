@@ -40,10 +40,6 @@ from flowtrain.plan.schedule import stage_ops
 
 log = get_logger("flowtrain.pipe")
 
-# the streams' classes under the names they had when they lived here (sims/calibrate_engine.py
-# reads them so)
-_Receiver, _Sender = Receiver, Sender
-
 
 class PipelineEngine(FlowtrainEngine):
     """FlowtrainEngine for a ``PipelineModule``: data parallel over its data-parallel group,

@@ -201,18 +201,18 @@ def time_p2p(rank: int, group: Any, sizes: Sequence[int], trials: int, trial_sec
              timeout_s: float) -> list[dict[str, Any]]:
     """Ranks 0 and 1 (``group``) send each other a pipeline message (its header and one
     float32 tensor) back and forth through the pipeline engine's own streams
-    (``flowtrain.pipe.engine``'s sender thread, and a receiver thread with every receive
+    (``flowtrain.pipe.p2p``'s sender thread, and a receiver thread with every receive
     queued ahead, as a stage's schedule queues them); one way is half the round trip."""
     import itertools
 
-    from flowtrain.pipe import engine as pipe
+    from flowtrain.pipe import p2p as pipe
 
     peer = 1 - rank
     out_tags, in_tags = ((pipe.TAG_ACT, pipe.TAG_ACT_DATA),
                          (pipe.TAG_GRAD, pipe.TAG_GRAD_DATA))[::1 if rank == 0 else -1]
     cpu = torch.device("cpu")
-    sender = pipe._Sender(None, cpu, timeout_s, "calibrate-p2p-send")
-    receiver = pipe._Receiver(None, peer, in_tags, cpu, timeout_s, "calibrate-p2p-recv")
+    sender = pipe.Sender(None, cpu, timeout_s, "calibrate-p2p-send")
+    receiver = pipe.Receiver(None, peer, in_tags, cpu, timeout_s, "calibrate-p2p-recv")
     numbers = itertools.count()  # message numbers, the same sequence on both ranks
     what = "calibration pipeline message"
 
