@@ -54,7 +54,7 @@ def warm_up(names: tuple[str, ...] | None = None) -> float:
     """Compile (or load from the disk cache) the CPU kernels ``names`` (all by default) for
     every signature ops uses, so no training step pays for compilation; returns the seconds."""
     from . import cpu
-    from .ops import sync_threads, keep_torch_threads
+    from .ops import keep_torch_threads, sync_threads
 
     sync_threads()
     t0 = time.perf_counter()
