@@ -33,17 +33,11 @@ delays both). "profile" predicts the whole run from the calibrated profile alone
 (``flowtrain simulate --compare``).
 
 --bind launches with `flowtrain launch --bind-cores-to-rank`, each rank on its own core (torch
-threads 1 either way). On this 2-core VM it did not help: in launches alternating bound and
-unbound (m = 8, four each) the bubble was 0.164 bound against 0.158 unbound (medians; replay
-0.153 against 0.146), the two stages' passes were within a millisecond of each other either way,
-and in a compute-only probe (both processes running the passes, no pipeline) a pass's thread CPU
-time varied as much as its wall time (backward p10-p90 from 31-39 to 31-48 ms, bound or not):
-the jitter comes from under the VM (its vCPUs share the physical host), not from the ranks being
-preempted or moved between cores inside it. The measured-minus-replay part (about 0.01) is the
-per-micro-batch Python around the passes on the critical path, about 0.4-0.5 ms a micro-batch:
-handing a send to the sender thread (about 0.18 ms), the engine's bookkeeping before and after
-a backward (about 0.08 + 0.10 ms) and a forward (about 0.06 ms); each is 5-10x its cost when
-run twice in a row, as it runs cold, right after a 20-45 ms pass.
+threads 1 either way), to tell jitter from inside the machine (ranks preempted or moved between
+cores) from jitter under it (a VM's vCPUs sharing the physical host). The measured-minus-replay
+part is the per-micro-batch Python around the passes on the critical path: handing a send to
+the sender thread and the engine's bookkeeping around each pass, which run cold right after a
+pass and so cost several times what they cost run twice in a row.
 
 The breakdown shows where each stage's step went: compute, waiting in recv for the
 neighbour's activations or gradients, handing sends to the sender thread, the gaps between

@@ -26,8 +26,8 @@ the run, over the profile's time, geometric mean; the host's speed drifts over m
 profile holds its calibration's). "at host" is the step's error when the
 prediction is given that speed (``simulate --compare --host-speed``): what is left is the cost
 model's own error, and the difference from "error" is the host's drift since calibration.
-The project's host drifted 1.3-1.5x in speed over tens of minutes, in phases the probe reads
-only in part; --calibrate-each-round keeps a calibration within minutes of the runs it predicts.
+A shared host's speed drifts over tens of minutes, in phases the probe reads only in part;
+--calibrate-each-round keeps a calibration within minutes of the runs it predicts.
 
 The same file is the training script (``--worker``): a residual MLP whose parameter names carry
 layer numbers, as the simulator's planner expects, trained as a plain module or as a
@@ -338,8 +338,7 @@ def gloo_rows(timed: list[tuple[str, dict[int, float], float]]) -> list[str]:
     """Measured gloo all-reduce over 2 ranks against the profile's cost for each size: per
     launch (``time_gloo``) the profile it is held against, its seconds per size and the cores
     others kept busy. Each size's row is the launch with the median error (with one profile for
-    all, the median time; round J's single launch landed on a host that took 2x as long for
-    every size, 12 MiB 23 ms against 12-14 ms)."""
+    all, the median time): one launch can land on a host that is slow for every size."""
     from sims.costs import collective_seconds
     from sims.hardware import get_profile
 

@@ -41,7 +41,7 @@ class EngineCosts:
     calibrate`` running the engine's pieces rather than bare kernels: on a CPU a forward or
     backward is many small ops with Python and autograd in between, the data-parallel reduce
     goes over the engine's shared-memory channel (not gloo), and several ranks share the
-    cores, so peak matmul rates alone predicted steps 20-80 % short.
+    cores, so peak matmul rates alone predict steps far shorter than they run.
 
     ``pass_rates[threads][kind]``: FLOP/s of one ``nn.Linear`` forward or backward (with the
     engine's gradient-bucket hooks) by the op's FLOPs, at that many torch threads per rank.

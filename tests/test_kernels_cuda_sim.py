@@ -36,8 +36,8 @@ SIM_TIMEOUT_S = 300
 def _run():
     if "result" not in _cache:
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-        # the simulator interprets every thread in Python: about 110 s for all checks on the
-        # project's 2-core host when it is slow (adamw_vs_torch alone 64 s), 120 s was too tight
+        # the simulator interprets every thread in Python: all checks take minutes on a slow
+        # 2-core host, so they get SIM_TIMEOUT_S rather than the suite's default
         proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CUDASIM_RESULT ")]

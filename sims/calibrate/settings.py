@@ -20,7 +20,7 @@ QUICK_PASS_SHAPES = ((8, 16, 16), (32, 96, 192), (96, 384, 512), (160, 640, 768)
 # weights when its FLOPs do not (fewer rows per weight)
 WEIGHT_SHAPES = ((256, 256, 256), (64, 256, 1024), (32, 512, 1024), (16, 1024, 1024))
 # The op every rank runs at once in the concurrency test, and the host-speed probe's pass
-# (about 1.5 ms per pass on one core).
+# (short, so the probe takes half a second).
 CONCURRENCY_SHAPE = (96, 384, 512)
 # (tensors, elements each) the optimizer kernel steps per call: call-bound to DRAM-bound
 OPTIMIZER_SETS = ((256, 1 << 12), (32, 1 << 16), (16, 1 << 18), (4, 1 << 20))
