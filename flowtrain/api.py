@@ -23,7 +23,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      timeout: Any = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
-    """Initialises torch.distributed (and this rank's runtime) like ``deepspeed.init_distributed``."""
+    """Initialises torch.distributed (and this rank's runtime) like
+    ``deepspeed.init_distributed``."""
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
     if rank >= 0:

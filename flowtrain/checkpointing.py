@@ -31,7 +31,8 @@ class _Settings:
 _settings = _Settings()
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+def configure(mpu_: Any = None, deepspeed_config: Any = None,
+              partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
               profile: bool | None = None) -> None:

@@ -1,4 +1,5 @@
-"""The ``flowtrain`` command: ``launch`` and ``report`` (later ``simulate``, ``monitor``, ``trace``).
+"""The ``flowtrain`` command: ``launch`` and ``report`` (later ``simulate``, ``monitor``,
+``trace``).
 
 Subcommand modules are imported only when their subcommand runs, so ``flowtrain`` stays quick and
 never imports sims/ or tui/ up front.
@@ -13,7 +14,8 @@ from typing import NoReturn
 
 
 class UsageError(Exception):
-    """A one-line usage problem; ``main`` prints it as ``<prog>: error: <message>`` and returns 2."""
+    """A one-line usage problem; ``main`` prints it as ``<prog>: error: <message>`` and returns
+    2."""
 
     def __init__(self, prog: str, message: str) -> None:
         super().__init__(message)
@@ -26,7 +28,8 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if "required: script" in message:
-            message = "missing the script to run; usage: flowtrain launch [options] script.py [args...]"
+            message = ("missing the script to run; usage: flowtrain launch [options] script.py "
+                       "[args...]")
         raise UsageError(self.prog, message)
 
 
@@ -172,7 +175,8 @@ def build_parser(chosen: str | None = None) -> OneLineParser:
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, (help_text, loader) in SUBCOMMANDS.items():
-        child = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        child = sub.add_parser(name, help=help_text,
+                               description=help_text[0].upper() + help_text[1:] + ".")
         if name == chosen:
             add_arguments, run = loader()
             add_arguments(child)
@@ -187,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(chosen)
     try:
         ns = parser.parse_args(args)
-        handler: Callable[[argparse.Namespace, list[str]], int] | None = getattr(ns, "handler", None)
+        handler: Callable[[argparse.Namespace, list[str]], int] | None = getattr(
+            ns, "handler", None)
         if handler is None:
             parser.print_help(sys.stderr)
             return 2

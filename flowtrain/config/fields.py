@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
@@ -86,7 +86,7 @@ def Int(*, ge: int | None = None, le: int | None = None, optional: bool = False)
             _fail(desc, value)
         return value
 
-    inner = Optional[int] if optional else int
+    inner = int | None if optional else int
     return Annotated[inner, _validator(desc, check, optional)]
 
 
@@ -106,7 +106,7 @@ def Float(*, ge: float | None = None, le: float | None = None, gt: float | None 
             _fail(desc, value)
         return value
 
-    inner = Optional[float] if optional else float
+    inner = float | None if optional else float
     return Annotated[inner, _validator(desc, check, optional)]
 
 
@@ -128,7 +128,7 @@ def Str(*, optional: bool = False) -> Any:
             _fail(desc, value)
         return value
 
-    inner = Optional[str] if optional else str
+    inner = str | None if optional else str
     return Annotated[inner, _validator(desc, check, optional)]
 
 
@@ -143,7 +143,7 @@ def Choice(*options: str, aliases: dict[str, str] | None = None, optional: bool 
             _fail(desc, value)
         return canon[value.lower()]
 
-    inner = Optional[str] if optional else str
+    inner = str | None if optional else str
     return Annotated[inner, _validator(desc, check, optional)]
 
 

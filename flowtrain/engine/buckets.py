@@ -110,7 +110,8 @@ class GradBuckets:
         for bucket, flat in zip(self.plan, self.flat):
             slot = bucket.slots[0]
             grad = self.params[slot.index].grad
-            if grad is None or grad.data_ptr() != flat.data_ptr() + slot.offset * flat.element_size():
+            if grad is None or (grad.data_ptr()
+                                != flat.data_ptr() + slot.offset * flat.element_size()):
                 return False
         return True
 

@@ -252,7 +252,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._reducer_actor.use_buckets(self.buckets)
         log.debug("buckets rebuilt in observed gradient order", buckets=len(self.plan.buckets))
 
-    # -- the DeepSpeed surface ----------------------------------------------------------------------
+    # -- the DeepSpeed surface ------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
@@ -397,7 +397,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self._spans is not None:
             self._spans.write_step(self.global_steps, *self.timer.last_step)
         self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
-                                                self._global_grad_norm, self.loss_scaler.loss_scale))
+                                                self._global_grad_norm,
+                                                self.loss_scaler.loss_scale))
         if self.global_rank == 0 and self.config.steps_per_print and \
                 self.global_steps % self.config.steps_per_print == 0:
             self._log_step(loss, lr)

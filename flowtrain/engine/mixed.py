@@ -28,10 +28,12 @@ class MasterWeights:
         """(Re)creates the fp32 gradient buffers in the buckets' layout."""
         self.flat = []
         for bucket in buckets.plan:
-            flat = torch.zeros(bucket.numel, dtype=torch.float32, device=buckets.flat[bucket.index].device)
+            flat = torch.zeros(bucket.numel, dtype=torch.float32,
+                               device=buckets.flat[bucket.index].device)
             self.flat.append(flat)
             for slot in bucket.slots:
-                self.master[slot.index].grad = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                self.master[slot.index].grad = flat.narrow(0, slot.offset,
+                                                           slot.numel).view(slot.shape)
 
     def load_grads(self, buckets: GradBuckets, loss_scale: float) -> None:
         """master grad = reduced half grad / loss_scale, bucket by bucket."""

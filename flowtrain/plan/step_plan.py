@@ -124,7 +124,8 @@ def plan_buckets(
         numel = 1
         for d in shape:
             numel *= d
-        cap = bucket_numel if buckets else min(bucket_numel, max(1, first_bucket_bytes // elem_size))
+        cap = (bucket_numel if buckets
+               else min(bucket_numel, max(1, first_bucket_bytes // elem_size)))
         # Buckets hold one dtype: a single flat buffer and one collective per bucket.
         param_group = groups[index] if groups is not None else 0
         if slots and (param_dtype != dtype or param_group != group or filled + numel > cap):

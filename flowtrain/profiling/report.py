@@ -142,7 +142,7 @@ def _aggregated(rows: list[ModuleRow], max_depth: int, top: int) -> list[str]:
             s[1] += r.macs
             s[2] += r.duration
 
-        def best(i: int, fmt: Any) -> str:
+        def best(i: int, fmt: Any, sums: dict[str, list[float]] = sums) -> str:
             ranked = sorted(((v[i], k) for k, v in sums.items() if v[i] > 0),
                             key=lambda kv: -kv[0])[:top]
             return "{" + ", ".join(f"'{k}': '{fmt(v)}'" for v, k in ranked) + "}"

@@ -172,7 +172,8 @@ class ActorRef(Generic[R]):
         if self._runtime.on_loop_thread() != on_loop:
             where = "the rank's event loop" if on_loop else "a thread other than the event loop"
             use = "await ref.send/ask" if not on_loop else "ref.send_from_thread/ask_from_thread"
-            raise RuntimeError(f"this call to actor {self.name!r} must come from {where}; use {use}")
+            raise RuntimeError(f"this call to actor {self.name!r} must come from {where}; "
+                               f"use {use}")
 
     async def send(self, message: Any, *, timeout: float | None = DEFAULT_SEND_TIMEOUT) -> None:
         """Queues the message, awaiting room while the mailbox is full (back-pressure)."""
