@@ -30,7 +30,8 @@ def _run(use_checkpoint: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         h = deepspeed.checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
     loss = h.pow(2).mean()
     loss.backward()
-    return loss.detach(), [p.grad.clone() for p in blocks.parameters()], sum(b.calls for b in blocks)
+    return (loss.detach(), [p.grad.clone() for p in blocks.parameters()],
+            sum(b.calls for b in blocks))
 
 
 def test_checkpoint_matches_plain_backward_and_recomputes() -> None:

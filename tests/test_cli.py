@@ -1,4 +1,5 @@
-"""Bad input to `flowtrain launch` is one line on stderr, naming the problem and the value; exit 2."""
+"""Bad input to `flowtrain launch` is one line on stderr, naming the problem and the value;
+exit 2."""
 
 from __future__ import annotations
 

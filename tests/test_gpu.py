@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="no CUDA GPU on this machine (GPU checks run on a lent device)")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU on this machine (GPU checks run on a lent device)")
 pytestmark = [needs_gpu, pytest.mark.timeout(300)]
 
 

@@ -23,7 +23,8 @@ FAKE_SSH = f"bash {DATA / 'fake_ssh.sh'}"
 
 
 def _kill_leftovers(run_dir: Path) -> list[int]:
-    """Kills any process of this test's job (found by its FLOWTRAIN_RUN_DIR) and returns their pids."""
+    """Kills any process of this test's job (found by its FLOWTRAIN_RUN_DIR) and returns their
+    pids."""
     found = []
     for proc in psutil.process_iter():
         try:
@@ -55,8 +56,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(tmp_path: Path, args: list[str], *, timeout: float = 40.0, env: dict[str, str] | None = None,
-           on_start: object = None, check_leftovers: bool = True) -> Run:
+def launch(tmp_path: Path, args: list[str], *, timeout: float = 40.0,
+           env: dict[str, str] | None = None, on_start: object = None,
+           check_leftovers: bool = True) -> Run:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(run_dir), *args]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env or _env(), stdout=subprocess.PIPE,
@@ -98,7 +100,8 @@ def test_success_env_and_run_dir(tmp_path: Path, outdir: Path) -> None:
         seen = json.loads((outdir / f"rank{rank}.json").read_text())
         env = seen["env"]
         assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
         assert env["FLOWTRAIN_RUN_DIR"] == str(run.run_dir)
         assert env["FLOWTRAIN_ERROR_FILE"] == str(run.run_dir / f"rank{rank}.error.json")

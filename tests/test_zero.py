@@ -75,7 +75,8 @@ def test_zero_matches_stage0(zero_run: Any, channel: str, precision: str, stage:
             assert torch.allclose(a, e, rtol=tol, atol=tol), name
     assert max(ranks[0][f"{precision}_s0"]["norms"] or [0], key=lambda n: n or 0) > 0.3
     # every rank ends with the same weights, bit for bit
-    assert ranks[0][f"{precision}_s{stage}"]["params"] == ranks[1][f"{precision}_s{stage}"]["params"]
+    case = f"{precision}_s{stage}"
+    assert ranks[0][case]["params"] == ranks[1][case]["params"]
     if precision == "fp16":
         assert 0 < ranks[0]["fp16_s0"]["skipped"] < 10  # some steps overflowed, then trained
 

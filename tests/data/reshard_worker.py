@@ -13,8 +13,9 @@ the 1-rank ones may run inside the test process through ``run_phase``):
   four   4 ranks  stage 2 (and 3) save at step 4; w1_s0 into stage 1 (and 3) (1 -> 4)
   two    2 ranks  w4_s2 into stage 0 (4 -> 2, 2 -> 0), w1_s0 into stage 1 (1 -> 2, 0 -> 1),
                   w4_s2 into bf16 stage 2 and into stage 1 accumulating 2 micro-batches
-                  of 2 (the dataloader position maps from 4 to 8 batches); with stage 3: w4_s3 into stage 1, w4_s2 into
-                  stage 3, custom_load_fn at stage 3; stage 1 fp32 and bf16 save
+                  of 2 (the dataloader position maps from 4 to 8 batches); with stage 3:
+                  w4_s3 into stage 1, w4_s2 into stage 3, custom_load_fn at stage 3;
+                  stage 1 fp32 and bf16 save
   one_b  1 rank   w2_s1 into stage 2 (2 -> 1, 1 -> 2), w4_s2 / w4_s3 / w2_s1_bf16 into stage 0,
                   w4_s2 into fp16 stage 0;
                   load_module_only, custom_load_fn, entries that do not match
