@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -346,11 +345,9 @@ def test_host_speed_probe_holds_the_pass_against_the_profile(
     """The probe's pass timed at exactly the profile's rate reads 1.0; 30 % longer reads 1.3;
     a profile without engine costs has nothing to hold it against."""
     import sims.calibrate_engine as ce
+    from sim_helpers import cpu_profile
     from sims.costs import pass_seconds
     from sims.probe import host_speed
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_sim_engine import cpu_profile
 
     hw = cpu_profile()
     b, k, n = ce.CONCURRENCY_SHAPE

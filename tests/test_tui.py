@@ -35,7 +35,7 @@ from tui.timeline import Timeline, busy_share, lane_columns, lane_of
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-# A real 2-rank run recorded by the telemetry tests (tests/data/make_telemetry_run.py).
+# A real 2-rank run recorded by the telemetry tests (tests/make_telemetry_run.py).
 RECORDED = Path(__file__).parent / "data" / "telemetry_run" / "telemetry.msgpack"
 UPDATE_SNAPSHOTS = os.environ.get("FLOWTRAIN_UPDATE_SNAPSHOTS") == "1"
 SIZE = (120, 34)

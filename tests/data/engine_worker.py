@@ -11,7 +11,6 @@ Modes (argv[1]):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import traceback
@@ -23,12 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import dataset, flat_params, make_model, micro_batch  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.engine.stages import BucketFull, StepDone  # noqa: E402
-from flowtrain.runtime.actor import Actor, handler  # noqa: E402
+import flowtrain
+from engine_common import dataset, flat_params, make_model, micro_batch, write
+from flowtrain.engine.stages import BucketFull, StepDone
+from flowtrain.runtime.actor import Actor, handler
 
 MICRO = 4
 STEPS = 20
@@ -273,14 +270,6 @@ def mode_crash(out: str, ckpt_dir: str, phase: str) -> None:
     loaded["after_resave"] = sorted(os.listdir(ckpt_dir))
     loaded["latest_after_resave"] = Path(ckpt_dir, "latest").read_text().strip()
     write(out, loaded)
-
-
-def write(out: str, data: dict[str, Any]) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = Path(f"{out}.rank{rank}.json")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
 
 
 def main() -> None:

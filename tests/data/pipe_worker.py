@@ -10,19 +10,15 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM, micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.pipe import PipelineModule  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, micro_batch, write
+from flowtrain.pipe import PipelineModule
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 4, 20, 31, 0.01, 0.5
 

@@ -22,17 +22,14 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import write
+from gpt import GPT, GPTConfig
 
 STEPS, HALF, BATCH, SEQ, LR, DP_REF = 6, 3, 2, 8, 3e-3, 2
 VOCAB = 96
@@ -210,11 +207,8 @@ def main() -> None:
     torch.set_num_threads(1)
     phase, out, ckpt = sys.argv[1:4]
     results, tensors = run_phase(phase, ckpt)
-    rank = dist.get_rank()
-    path = Path(f"{out}.rank{rank}.json")
-    path.with_suffix(".tmp").write_text(json.dumps(results))
-    path.with_suffix(".tmp").replace(path)
-    if rank == 0:
+    write(out, results)
+    if dist.get_rank() == 0:
         torch.save(tensors, f"{out}.pt")
 
 

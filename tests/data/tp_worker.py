@@ -11,20 +11,15 @@ import copy
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(REPO / "examples"))
-from engine_worker import write  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain import tp as ftp  # noqa: E402
+import flowtrain
+from engine_common import write
+from flowtrain import tp as ftp
+from gpt import GPT, GPTConfig
 
 STEPS, BATCH, SEQ, LR = 12, 4, 16, 3e-3
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +23,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM, micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, micro_batch, write
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 2, 20, 97, 0.01, 0.5
 
