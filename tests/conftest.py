@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,14 @@ def module_world1() -> Iterator[None]:
     """One world of size 1 in this process for all of a module's tests."""
     with helpers.world1():
         yield
+
+
+@pytest.fixture
+def recording(tmp_path: Path) -> Path:
+    """The monitor tests' synthetic 2-rank recording, written as a run's telemetry.msgpack."""
+    from tui_helpers import synthetic_records, write_recording
+
+    path = tmp_path / "run" / "telemetry.msgpack"
+    path.parent.mkdir()
+    write_recording(path, synthetic_records())
+    return path
