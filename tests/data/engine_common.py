@@ -4,7 +4,9 @@ results."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +90,10 @@ def write(out: str, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
+
+
+def start_watchdog(default_s: float) -> None:
+    """A hung rank prints every thread's stack and exits instead of stalling the test: after
+    ENGINE_WORKER_WATCHDOG seconds (``default_s`` when unset)."""
+    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", default_s)),
+                                      exit=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flowtrain
-from engine_common import dataset, flat_params, make_model, micro_batch, write
+from engine_common import dataset, flat_params, make_model, micro_batch, start_watchdog, write
 from flowtrain.engine.stages import BucketFull, StepDone
 from flowtrain.runtime.actor import Actor, handler
 
@@ -273,11 +273,7 @@ def mode_crash(out: str, ckpt_dir: str, phase: str) -> None:
 
 
 def main() -> None:
-    import faulthandler
-
-    # A hung rank prints every thread's stack and exits instead of stalling the test.
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
+    start_watchdog(90)
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "dp":

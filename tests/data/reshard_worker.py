@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flowtrain
-from engine_common import IN_DIM, write
+from engine_common import IN_DIM, start_watchdog, write
 from flowtrain.config.support import SUPPORTED_FEATURES
 
 GLOBAL_BATCH, HALF, STEPS, SEED, LR, BUCKET = 8, 4, 8, 2024, 0.02, 37
@@ -295,10 +295,7 @@ def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
+    start_watchdog(90)
     torch.set_num_threads(1)
     phase, out, ckpt = sys.argv[1:4]
     results, tensors = run_phase(phase, ckpt)

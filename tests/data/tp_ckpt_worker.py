@@ -19,7 +19,6 @@ argv: PHASE OUT CKPT
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import flowtrain
-from engine_common import write
+from engine_common import start_watchdog, write
 from gpt import GPT, GPTConfig
 
 STEPS, HALF, BATCH, SEQ, LR, DP_REF = 6, 3, 2, 8, 3e-3, 2
@@ -200,10 +199,7 @@ def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     phase, out, ckpt = sys.argv[1:4]
     results, tensors = run_phase(phase, ckpt)

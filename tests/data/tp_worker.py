@@ -8,7 +8,6 @@ argv: OUT TP
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import traceback
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import flowtrain
-from engine_common import write
+from engine_common import start_watchdog, write
 from flowtrain import tp as ftp
 from gpt import GPT, GPTConfig
 
@@ -75,10 +74,7 @@ def run(tp: int, tied: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     out, tp = sys.argv[1], int(sys.argv[2])
     flowtrain.init_distributed()

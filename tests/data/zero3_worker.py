@@ -13,7 +13,6 @@ Modes (argv[1]):
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Any
@@ -24,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import flowtrain
-from engine_common import IN_DIM, micro_batch, write
+from engine_common import IN_DIM, micro_batch, start_watchdog, write
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 2, 20, 97, 0.01, 0.5
 
@@ -157,10 +156,7 @@ def mode_memory(out: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "compare":
