@@ -45,9 +45,11 @@ def main() -> None:
 
         ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch,
                      "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-                     "steps_per_print": int(os.environ.get("BENCH_PRINT", 10**9)), "wall_clock_breakdown": True, "communication_data_type": args.comm_dtype,
-                     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01,
-                                   **({"torch_adam": True} if os.environ.get("BENCH_TORCH_ADAM") else {})}}}
+                     "steps_per_print": int(os.environ.get("BENCH_PRINT", 10**9)),
+                     "wall_clock_breakdown": True, "communication_data_type": args.comm_dtype,
+                     "optimizer": {"type": "AdamW", "params": {
+                         "lr": 3e-4, "weight_decay": 0.01,
+                         **({"torch_adam": True} if os.environ.get("BENCH_TORCH_ADAM") else {})}}}
         engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
 

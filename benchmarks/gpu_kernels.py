@@ -107,7 +107,8 @@ def main():
         # ---- copy bandwidth reference
         dst = torch.empty_like(p0)
         dst.copy_(p0)
-        t_copy = statistics.median(timed(lambda: dst.copy_(p0)) for _ in range(reps))
+        t_copy = statistics.median(timed(lambda dst=dst, p0=p0: dst.copy_(p0))
+                                   for _ in range(reps))
         copy_gbs = 2 * 4 * n / t_copy / 1e9
         del dst
         print(f"  device copy: {copy_gbs:8.1f} GB/s (read+write)")
@@ -120,7 +121,7 @@ def main():
         no_out = cuda.as_cuda_array(torch.empty(0, device=dev), sync=False)
 
         def ours_step(grad_arr=a_g, grad_kind=0, out=no_out, out_kind=0, st=ours, p=a_p,
-                      m=a_m, v=a_v):
+                      m=a_m, v=a_v, lr=lr, betas=betas, eps=eps, wd=wd):
             st["step"] += 1
             k = st["step"]
             K.adam(p, grad_arr, grad_kind, m, v, out, out_kind, lr, betas[0], betas[1], eps,
@@ -176,7 +177,8 @@ def main():
         torch.cuda.synchronize()
         exact = bool(torch.equal(out_bf.view(torch.int16),
                                  ours["p"].to(torch.bfloat16).view(torch.int16)))
-        t = statistics.median(timed(lambda: ours_step(a_gbf, 2, a_obf, 2)) for _ in range(reps))
+        t = statistics.median(timed(lambda a_gbf=a_gbf, a_obf=a_obf: ours_step(a_gbf, 2, a_obf, 2))
+                              for _ in range(reps))
         gbs = 28 * n / t / 1e9
         row["adam_bf16_grad_bf16_out"] = {"ms": t * 1e3, "GBps": gbs, "model_out_exact": exact}
         print(f"  adamw ours bf16 g + bf16 out {t * 1e3:9.3f} ms  {gbs:8.1f} GB/s  "
@@ -204,10 +206,12 @@ def main():
         tg = g_scaled.clone()
         t_ours, t_torch = [], []
         for _ in range(reps):
-            t_ours.append(timed(lambda: K.unscale_check(a_gs, 0, a_out, inv, a_flag,
-                                                        stream=stream())))
-            t_torch.append(timed(lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                [tg], found, inv_t)))
+            t_ours.append(timed(
+                lambda a_gs=a_gs, a_out=a_out, inv=inv, a_flag=a_flag: K.unscale_check(
+                    a_gs, 0, a_out, inv, a_flag, stream=stream())))
+            t_torch.append(timed(
+                lambda tg=tg, found=found, inv_t=inv_t:
+                torch._amp_foreach_non_finite_check_and_unscale_([tg], found, inv_t)))
         row["unscale"] = {"correct": ok_vals and ok_flag0 and ok_flag1}
         for name, ts in (("ours", t_ours), ("torch_amp", t_torch)):
             t = statistics.median(ts)
@@ -224,7 +228,7 @@ def main():
         partial = torch.empty(nb, device=dev, dtype=torch.float64)
         a_part = arr(partial)
 
-        def ours_norm():
+        def ours_norm(a_g=a_g, a_part=a_part, partial=partial):
             K.sum_squares(a_g, 0, a_part, stream=stream())
             return partial.sum().sqrt()
 
@@ -233,7 +237,7 @@ def main():
         ref32 = torch.linalg.vector_norm(g0).item()
         rel = abs(got - ref) / ref
         t_ours = [timed(ours_norm) for _ in range(reps)]
-        t_torch = [timed(lambda: torch.linalg.vector_norm(g0)) for _ in range(reps)]
+        t_torch = [timed(lambda g0=g0: torch.linalg.vector_norm(g0)) for _ in range(reps)]
         row["norm"] = {"rel_err_vs_fp64": rel, "torch_fp32_rel_err": abs(ref32 - ref) / ref}
         for name, ts in (("ours", t_ours), ("torch", t_torch)):
             t = statistics.median(ts)

@@ -87,7 +87,8 @@ def read_rank_env() -> RankEnv:
     try:
         secret = bytes.fromhex(secret_hex) if secret_hex else None
     except ValueError:
-        raise ValueError(f"{JOB_SECRET} must be hex digits, got {len(secret_hex or '')} characters that are not") from None
+        raise ValueError(f"{JOB_SECRET} must be hex digits, got {len(secret_hex or '')} "
+                         "characters that are not") from None
     world_size = _int(WORLD_SIZE, 1, minimum=1)
     rank = _int(RANK, 0)
     if rank >= world_size:

@@ -19,8 +19,8 @@ from structlog.typing import EventDict
 _lock = threading.Lock()
 _configured = False
 _json_file: TextIO | None = None
-# Fields of the process (rank, world_size, ...). Context variables do not reach the rank's event-loop
-# thread, so identity is added by a processor instead.
+# Fields of the process (rank, world_size, ...). Context variables do not reach the rank's
+# event-loop thread, so identity is added by a processor instead.
 _process_fields: dict[str, Any] = {}
 
 
@@ -37,7 +37,8 @@ class _Tee:
         self._json_file = json_file
         self._json = structlog.processors.JSONRenderer()
         self._console = console
-        self._human = structlog.dev.ConsoleRenderer(colors=console == "human" and sys.stderr.isatty())
+        self._human = structlog.dev.ConsoleRenderer(
+            colors=console == "human" and sys.stderr.isatty())
         self._write_lock = threading.Lock()
 
     def __call__(self, logger: Any, method: str, event: EventDict) -> str:

@@ -1,4 +1,5 @@
-"""``flowtrain report``: what flowtrain runs on (like ``ds_report``): versions, devices, CPU, memory.
+"""``flowtrain report``: what flowtrain runs on (like ``ds_report``): versions, devices, CPU,
+memory.
 
 Every probe is guarded, so a broken or missing library shows up as a row instead of a crash.
 """
@@ -95,7 +96,8 @@ def _system() -> dict[str, Any]:
         import psutil
 
         mem = psutil.virtual_memory()
-        info["memory_total_bytes"], info["memory_available_bytes"] = int(mem.total), int(mem.available)
+        info["memory_total_bytes"] = int(mem.total)
+        info["memory_available_bytes"] = int(mem.available)
     except Exception:
         try:
             pages, free = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")

@@ -84,7 +84,8 @@ class ShmChannel:
         Every rank must queue the same collectives in the same order."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"the shared-memory channel reduces contiguous CPU tensors, got "
-                             f"{tensor.device} {'contiguous' if tensor.is_contiguous() else 'strided'}")
+                             f"{tensor.device} "
+                             f"{'contiguous' if tensor.is_contiguous() else 'strided'}")
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._requests.put((tensor, future))
         return future

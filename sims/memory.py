@@ -33,7 +33,8 @@ def model_state_bytes(psi: int, *, stage: int, dp: int, mixed: bool = True,
 
     ZeRO paper (Rajbhandari et al., arXiv:1910.02054, Sec. 5), mixed precision with K = 12:
     baseline (2 + 2 + K)Ψ; stage 1 (P_os) 2Ψ + 2Ψ + KΨ/N_d; stage 2 (P_os+g)
-    2Ψ + (2 + K)Ψ/N_d; stage 3 (P_os+g+p) (2 + 2 + K)Ψ/N_d. fp32 training: 4-byte parameters and gradients, K = 8.
+    2Ψ + (2 + K)Ψ/N_d; stage 3 (P_os+g+p) (2 + 2 + K)Ψ/N_d. fp32 training: 4-byte parameters
+    and gradients, K = 8.
     ``offload_optimizer`` (ZeRO-Offload) moves the optimizer part, fp32 master included, to the
     host; ``offload_param`` (stage 3 only) moves the parameter shard there too. "host" is what
     was moved; "total" is what stays on the device.

@@ -16,12 +16,12 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from flowtrain.profiling.census import OpCensus, attention_flops, op_class
+from sim_helpers import cpu_profile, sim_config, tiny_workload
 from sims.calibrate import ops as calibrate_ops
 from sims.calibrate.fits import fit_op_costs
 from sims.engine_costs import OP_COST_CLASSES
 from sims.hardware import HardwareProfile, Link, ProfileError
 from sims.planner import Layout, Workload, build_plan
-from tests.test_sim_engine import _cfg, _work, cpu_profile
 
 B, T, C, H = 2, 8, 16, 4
 
@@ -147,10 +147,10 @@ def test_planner_adds_the_census_ops_cost_to_each_pass() -> None:
     matmul rate to attention's own."""
     link = {"forward": Link(1e-5, 1e9), "backward": Link(2e-5, 5e8)}
     hw = cpu_profile(op_costs={2: {cls: link for cls in OP_COST_CLASSES}})
-    plain = _work()
+    plain = tiny_workload()
     census = dataclasses.replace(plain, op_census=(("norm", 2.0, 100.0),
                                                    ("view", 6.0, 0.0)))
-    cfg = _cfg(1)
+    cfg = sim_config(1)
 
     def passes(work: Workload) -> dict[str, float]:
         return {t.name: t.duration for t in build_plan(work, cfg, Layout(1, 1), hw).tasks}
@@ -172,10 +172,10 @@ def test_planner_adds_the_census_ops_cost_to_each_pass() -> None:
 
 def test_a_profile_without_op_costs_prices_the_census_at_nothing() -> None:
     hw = cpu_profile()
-    census = dataclasses.replace(_work(), op_census=(("norm", 2.0, 100.0),))
-    cfg = _cfg(1)
+    census = dataclasses.replace(tiny_workload(), op_census=(("norm", 2.0, 100.0),))
+    cfg = sim_config(1)
     assert [t.duration for t in build_plan(census, cfg, Layout(1, 1), hw).tasks] == \
-        [t.duration for t in build_plan(_work(), cfg, Layout(1, 1), hw).tasks]
+        [t.duration for t in build_plan(tiny_workload(), cfg, Layout(1, 1), hw).tasks]
 
 
 def test_a_collective_span_ends_when_its_collective_completed() -> None:

@@ -1,4 +1,5 @@
-"""Bad input to `flowtrain launch` is one line on stderr, naming the problem and the value; exit 2."""
+"""Bad input to `flowtrain launch` is one line on stderr, naming the problem and the value;
+exit 2."""
 
 from __future__ import annotations
 
@@ -9,19 +10,11 @@ from pathlib import Path
 import pytest
 
 from flowtrain.cli import main
+from helpers import LAUNCH, one_error_line
 
 
 def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "launch", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=50)
-
-
-def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("flowtrain launch: error: "), lines[0]
-    return lines[0]
+    return subprocess.run([*LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=50)
 
 
 @pytest.fixture
@@ -33,20 +26,20 @@ def script(tmp_path: Path) -> Path:
 
 @pytest.mark.timeout(60)
 def test_missing_script(tmp_path: Path) -> None:
-    line = _one_error_line(_launch(["--nproc-per-node", "2", "nope.py"], tmp_path))
+    line = one_error_line(_launch(["--nproc-per-node", "2", "nope.py"], tmp_path))
     assert "nope.py" in line and "does not exist" in line
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_nproc_per_node_must_be_positive(tmp_path: Path, script: Path, value: str) -> None:
-    line = _one_error_line(_launch([f"--nproc-per-node={value}", str(script)], tmp_path))
+    line = one_error_line(_launch([f"--nproc-per-node={value}", str(script)], tmp_path))
     assert "--nproc-per-node" in line and value in line and "at least 1" in line
 
 
 @pytest.mark.timeout(60)
 def test_unreadable_hostfile(tmp_path: Path, script: Path) -> None:
-    line = _one_error_line(_launch(["--hostfile", str(tmp_path / "hosts"), str(script)], tmp_path))
+    line = one_error_line(_launch(["--hostfile", str(tmp_path / "hosts"), str(script)], tmp_path))
     assert "hostfile" in line and str(tmp_path / "hosts") in line
 
 
@@ -54,7 +47,7 @@ def test_unreadable_hostfile(tmp_path: Path, script: Path) -> None:
 def test_malformed_hostfile_names_file_and_line(tmp_path: Path, script: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("# workers\nnode1 slots=2\nnode2 slots=two\n")
-    line = _one_error_line(_launch(["-H", str(hosts), str(script)], tmp_path))
+    line = one_error_line(_launch(["-H", str(hosts), str(script)], tmp_path))
     assert str(hosts) in line and "line 3" in line and "'two'" in line
 
 

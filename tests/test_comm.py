@@ -4,8 +4,6 @@ loop free while they wait, and time out with a message instead of hanging."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,23 +11,17 @@ from pathlib import Path
 import pytest
 
 from flowtrain import comm
+from helpers import DATA, free_port, rank_env
 
-WORKER = Path(__file__).parent / "data" / "comm_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORKER = DATA / "comm_worker.py"
 
 
 @pytest.mark.timeout(90)
 def test_collectives_from_the_loop_on_two_gloo_ranks(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = rank_env(rank, 2, port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / f"{rank}.json")],
                                       env=env))
     try:

@@ -7,6 +7,7 @@ import copy
 import json
 import warnings
 
+import pydantic
 import pytest
 import torch
 
@@ -370,7 +371,7 @@ def test_file_and_round_trip(tmp_path):
 
 def test_config_is_frozen():
     cfg = load_config({"train_batch_size": 1})
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="Instance is frozen"):
         cfg.fp16.enabled = True  # type: ignore[misc]
 
 

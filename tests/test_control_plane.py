@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,16 +35,11 @@ from flowtrain.control import (
     RankJoined,
 )
 from flowtrain.errors import RankAborted, RankFailure
+from helpers import REPO, free_port
 
 SECRET = b"plane-test-secret-0123456789"
-REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
@@ -490,8 +484,7 @@ async def test_hello_with_the_wrong_world_size_is_not_welcomed() -> None:
 
 
 async def test_connect_timeout_names_the_endpoint() -> None:
-    with socket_free_port() as port:
-        endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     client = ControlClient(
         endpoint=endpoint, secret=SECRET, rank=0, world_size=1, connect_timeout=0.3
     )
@@ -514,18 +507,6 @@ async def test_a_crashing_event_handler_does_not_stop_the_coordinator() -> None:
                 barrier_tasks.start_soon(client.barrier, "ok", 5)
         assert all(state.joined for state in coordinator.ranks().values())
         tg.cancel_scope.cancel()
-
-
-class socket_free_port:
-    """A loopback port that was free a moment ago (nothing listens on it afterwards)."""
-
-    def __enter__(self) -> int:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        return self._sock.getsockname()[1]
-
-    def __exit__(self, *exc: object) -> None:
-        self._sock.close()
 
 
 RANK_PROCESS = """

@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+from helpers import DATA, REPO, child_env, launch
 
-SCRIPT = ec.DATA / "ds_style_train.py"
+SCRIPT = DATA / "ds_style_train.py"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,8 +32,8 @@ def _run(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(DS_CONFIG))
     save_dir, result = tmp_path / "ckpt", tmp_path / "result.json"
-    ec.launch(2, SCRIPT, "--deepspeed", "--deepspeed_config", str(config),
-              "--save_dir", str(save_dir), "--result", str(result), run_dir=tmp_path / "run")
+    launch(2, SCRIPT, "--deepspeed", "--deepspeed_config", str(config),
+           "--save_dir", str(save_dir), "--result", str(result), run_dir=tmp_path / "run")
     return json.loads(result.read_text()), save_dir
 
 
@@ -66,7 +65,7 @@ def test_initialize_attribute_survives_add_config_arguments() -> None:
             "deepspeed.init_distributed\n"
             "import flowtrain.engine.engine\n"
             "print(type(deepspeed.initialize).__name__)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ec.REPO, env=ec.child_env(),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "function"

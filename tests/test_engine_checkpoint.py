@@ -5,23 +5,17 @@ middle of a save leaves the previous checkpoint as ``latest``, loadable."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+from helpers import DATA, launch, rank_results, run_single
 
-WORKER = ec.DATA / "engine_worker.py"
+WORKER = DATA / "engine_worker.py"
 WORLD, STEPS = 2, 20
 
 pytestmark = [pytest.mark.timeout(300)]
-
-
-def _read(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +30,9 @@ def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             for phase, ckpt in (("full", root / "unused"), ("first", root / "ckpt"),
                                 ("second", root / "ckpt")):
                 out = root / phase
-                ec.launch(WORLD, WORKER, "resume", str(out), str(ckpt), phase, dropout,
-                          run_dir=root / f"run-{phase}")
-                results[phase] = _read(out)
+                launch(WORLD, WORKER, "resume", str(out), str(ckpt), phase, dropout,
+                       run_dir=root / f"run-{phase}")
+                results[phase] = rank_results(out, WORLD)
             cache[dropout] = (results["full"], results["first"], results["second"],
                               root / "ckpt")
         return cache[dropout]
@@ -81,8 +75,8 @@ def test_resume_with_dropout_is_bit_identical(resume_runs: Any) -> None:
 @pytest.mark.multiprocess
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    crashed = ec.run_single(WORKER, "crash", str(tmp_path / "crash"), str(ckpt), "crash",
-                            check=False)
+    crashed = run_single(WORKER, "crash", str(tmp_path / "crash"), str(ckpt), "crash",
+                         check=False)
     data = json.loads(Path(f"{tmp_path / 'crash'}.rank0.json").read_text())
     assert "error" not in data, data.get("error")
     assert crashed.returncode == 17, crashed.stderr[-3000:]
@@ -92,7 +86,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert not (ckpt / "global_step10").exists()
     assert (ckpt / "global_step5" / "engine_state.pt").is_file()
 
-    ec.run_single(WORKER, "crash", str(tmp_path / "load"), str(ckpt), "load")
+    run_single(WORKER, "crash", str(tmp_path / "load"), str(ckpt), "load")
     loaded = json.loads(Path(f"{tmp_path / 'load'}.rank0.json").read_text())
     assert Path(loaded["path"]).name == "global_step5"
     assert loaded["global_steps"] == 5

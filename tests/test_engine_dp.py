@@ -4,20 +4,17 @@ custom stages; and, in this process at world size 1, clipping, schedulers and ba
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+import engine_common as ec
+from helpers import DATA, launch, rank_results
 
-WORKER = ec.DATA / "engine_worker.py"
+WORKER = DATA / "engine_worker.py"
 STEPS, MICRO, LR, SEED, WORLD = 20, 4, 0.01, 1234, 2
 TOL = 1e-5
 
@@ -32,9 +29,8 @@ def dp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def run(names: str) -> list[dict[str, Any]]:
         if names not in cache:
             out = tmp_path_factory.mktemp("dp") / "out"
-            ec.launch(WORLD, WORKER, "dp", str(out), names, run_dir=out.parent / "run")
-            cache[names] = [json.loads(Path(f"{out}.rank{r}.json").read_text())
-                            for r in range(WORLD)]
+            launch(WORLD, WORKER, "dp", str(out), names, run_dir=out.parent / "run")
+            cache[names] = rank_results(out, WORLD)
         return cache[names]
 
     return run
@@ -150,13 +146,7 @@ def _config(**extra: Any) -> dict[str, Any]:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def world1() -> Any:
-    with ec.world1():
-        yield
-
-
-def test_clipping_world1_matches_clip_grad_norm(world1: Any) -> None:
+def test_clipping_world1_matches_clip_grad_norm(module_world1: Any) -> None:
     model = ec.make_model(SEED)
     engine, _, _, _ = _initialize(model=model, config=_config(gradient_clipping=0.5))
     losses, norms = [], []
@@ -210,7 +200,7 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEDULES))
-def test_scheduler_lr_through_engine(world1: Any, kind: str) -> None:
+def test_scheduler_lr_through_engine(module_world1: Any, kind: str) -> None:
     params, formula = SCHEDULES[kind]
     gas = 2
     model = ec.make_model(SEED)
@@ -247,7 +237,7 @@ BAD_CONFIGS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
-def test_bad_config_raises_config_error_before_training(world1: Any, case: str) -> None:
+def test_bad_config_raises_config_error_before_training(module_world1: Any, case: str) -> None:
     from flowtrain.config import ConfigError
 
     raw, fragment = BAD_CONFIGS[case]
@@ -261,7 +251,7 @@ def test_bad_config_raises_config_error_before_training(world1: Any, case: str) 
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_bucket_full_stage_runs_at_world_size_1(world1: Any) -> None:
+def test_bucket_full_stage_runs_at_world_size_1(module_world1: Any) -> None:
     from engine_worker import Halve, HowMany
 
     model = ec.make_model(SEED)

@@ -4,26 +4,17 @@ step (an oracle below), and half-precision training tracks fp32."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+import engine_common as ec
 
 MICRO, LR, SEED, STEPS = 4, 0.01, 1234, 20
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def world1() -> Any:
-    with ec.world1():
-        yield
 
 
 def _engine(precision: dict[str, Any], scheduler: dict[str, Any] | None = None,
@@ -99,7 +90,7 @@ def test_oracle_itself() -> None:
         [16, 16, 32, 32, 16, 16, 16, 32]
 
 
-def test_fp16_overflow_skips_the_step(world1: Any) -> None:
+def test_fp16_overflow_skips_the_step(module_world1: Any) -> None:
     fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8,
                      "hysteresis": 1, "loss_scale_window": 1000, "min_loss_scale": 1}}
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": LR,
@@ -138,7 +129,7 @@ PATTERN = [False, True, False, False, False, False, True, True, False, False, Fa
 
 
 @pytest.mark.parametrize("hysteresis,consecutive", [(1, False), (2, False), (3, True)])
-def test_fp16_loss_scale_sequence_follows_deepspeed(world1: Any, hysteresis: int,
+def test_fp16_loss_scale_sequence_follows_deepspeed(module_world1: Any, hysteresis: int,
                                                     consecutive: bool) -> None:
     fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 6,
                      "hysteresis": hysteresis, "consecutive_hysteresis": consecutive,
@@ -163,7 +154,7 @@ def _losses(engine: Any) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_tracks_fp32(world1: Any, precision: str) -> None:
+def test_half_precision_tracks_fp32(module_world1: Any, precision: str) -> None:
     section = {precision: {"enabled": True}}
     if precision == "fp16":
         section["fp16"].update(loss_scale=0, initial_scale_power=10)
@@ -185,7 +176,7 @@ def test_half_precision_tracks_fp32(world1: Any, precision: str) -> None:
 
 @pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
                                        {"fp16": {"enabled": True}}])
-def test_fused_adam_writes_the_half_model_copy_in_its_pass(world1: Any,
+def test_fused_adam_writes_the_half_model_copy_in_its_pass(module_world1: Any,
                                                            precision: dict[str, Any]) -> None:
     from cuda_numba.optim import FusedAdam
 

@@ -3,20 +3,15 @@ the plain forward, and a short two-rank training run whose loss must fall."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = REPO / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT, GPTConfig
+from helpers import EXAMPLES, LAUNCH, REPO, launcher_env
 
 TINY = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
@@ -78,9 +73,8 @@ def test_generate_appends_greedy_tokens() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_rank_training_lowers_the_loss(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWTRAIN_")}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
+    env = launcher_env(OMP_NUM_THREADS="1")
+    command = [*LAUNCH, "--nproc-per-node", "2",
                "--run-dir", str(tmp_path / "run"), str(EXAMPLES / "train_gpt.py"),
                "--steps", "6", "--seq-len", "16", "--n-layer", "1", "--n-head", "2",
                "--n-embd", "32", "--print-every", "2", "--sample-chars", "10",

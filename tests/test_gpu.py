@@ -3,8 +3,6 @@ against torch, and a real engine step. Each is skipped, saying so, where there i
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,15 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="no CUDA GPU on this machine (GPU checks run on a lent device)")
+from helpers import free_port, rank_env
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU on this machine (GPU checks run on a lent device)")
 pytestmark = [needs_gpu, pytest.mark.timeout(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_nccl_all_reduce_through_comm(tmp_path: Path) -> None:
@@ -35,8 +30,7 @@ def test_nccl_all_reduce_through_comm(tmp_path: Path) -> None:
         assert torch.equal(t.cpu(), torch.arange(1024, dtype=torch.float32))
         print("NCCL OK")
     """))
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = rank_env(0, 1, free_port())
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0 and "NCCL OK" in proc.stdout, proc.stderr
@@ -100,8 +94,7 @@ def test_engine_trains_on_the_gpu(tmp_path: Path) -> None:
             assert abs(loss.item() - rl.item()) < 1e-4, (loss.item(), rl.item())
         print("GPU STEP OK", loss.item())
     """))
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = rank_env(0, 1, free_port())
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0 and "GPU STEP OK" in proc.stdout, proc.stderr[-4000:]
@@ -153,8 +146,7 @@ def test_zero_cpu_offload_on_the_gpu(tmp_path: Path) -> None:
                     assert abs(a - b) <= tol * max(1.0, abs(b)), (precision, zero, got, base)
         print("GPU OFFLOAD OK")
     """))
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = rank_env(0, 1, free_port())
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0 and "GPU OFFLOAD OK" in proc.stdout, proc.stderr[-4000:]

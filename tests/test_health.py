@@ -4,25 +4,16 @@ engine with a calibrated host profile made up for the test."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
-
-from flowtrain.engine.health import ADAM_BYTES_PER_ELEMENT, meets  # noqa: E402
+import engine_common as ec
+from flowtrain.engine.health import ADAM_BYTES_PER_ELEMENT, meets
 
 PEAK, BANDWIDTH = 50e9, 10e9
-
-
-@pytest.fixture
-def world1() -> Any:
-    with ec.world1():
-        yield
 
 
 def _host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

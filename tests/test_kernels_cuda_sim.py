@@ -75,9 +75,11 @@ from cuda_numba import cuda as K
 assert not K._SIM
 f, u, i64, b, f64, F = T.float32[::1], T.uint16[::1], T.int64, T.boolean, T.float64[::1], T.float32
 sigs = {
-    "_adam_kernel": [(f, g, i64, f, f, o, i64) + (F,) * 11 + (b, i64) for g in (f, u) for o in (f, u)],
+    "_adam_kernel": [(f, g, i64, f, f, o, i64) + (F,) * 11 + (b, i64)
+                     for g in (f, u) for o in (f, u)],
     "_lion_kernel": [(f, g, i64, f, o, i64) + (F,) * 7 + (i64,) for g in (f, u) for o in (f, u)],
-    "_sgd_kernel": [(f, g, i64, f, o, i64, F, F, F, F, b, b, F, i64) for g in (f, u) for o in (f, u)],
+    "_sgd_kernel": [(f, g, i64, f, o, i64, F, F, F, F, b, b, F, i64)
+                    for g in (f, u) for o in (f, u)],
     "_unscale_kernel": [(g, i64, f, F, T.int32[::1], i64) for g in (f, u)],
     "_sum_squares_kernel": [(g, i64, f64, i64) for g in (f, u)],
     "_cast_kernel": [(s, i64, d, i64, i64) for s in (f, u) for d in (f, u)],

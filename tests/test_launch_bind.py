@@ -5,15 +5,14 @@ with OMP_NUM_THREADS and torch's threads set to its size; bad input is one error
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flowtrain.launch.affinity import available_cores, format_cores, parse_core_list, split
 from flowtrain.launch.hostfile import LaunchInputError
+from helpers import LAUNCH, launcher_env, one_error_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,26 +40,11 @@ echo "omp=$OMP_NUM_THREADS" >> "$1/shell$RANK.txt"
 """
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWTRAIN_")
-           and k != "OMP_NUM_THREADS"}
-    env["FLOWTRAIN_CONSOLE_LEVEL"] = "ERROR"
-    return env
-
-
 def _launch(tmp_path: Path, args: list[str],
             timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "launch",
-                           "--run-dir", str(tmp_path / "run"), *args], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("flowtrain launch: error: "), lines[0]
-    return lines[0]
+    return subprocess.run([*LAUNCH, "--run-dir", str(tmp_path / "run"), *args], cwd=tmp_path,
+                          env=launcher_env(FLOWTRAIN_CONSOLE_LEVEL="ERROR"), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -152,7 +136,7 @@ def test_no_python_ranks_are_bound_too(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_core_list_naming_a_core_this_host_lacks(tmp_path: Path, script: Path) -> None:
-    line = _error_line(_launch(tmp_path, ["--nproc-per-node", "2", "--bind-core-list", "0,4096",
+    line = one_error_line(_launch(tmp_path, ["--nproc-per-node", "2", "--bind-core-list", "0,4096",
                                           str(script), "x"]))
     assert "'0,4096'" in line and "core(s) 4096" in line and "does not have" in line
     assert f"available here are {format_cores(available_cores())}" in line
@@ -161,11 +145,11 @@ def test_core_list_naming_a_core_this_host_lacks(tmp_path: Path, script: Path) -
 @pytest.mark.timeout(60)
 def test_fewer_cores_than_ranks(tmp_path: Path, script: Path) -> None:
     first = available_cores()[0]
-    line = _error_line(_launch(tmp_path, ["--nproc-per-node", "2", "--bind-core-list",
+    line = one_error_line(_launch(tmp_path, ["--nproc-per-node", "2", "--bind-core-list",
                                           str(first), str(script), "x"]))
     assert "2 ranks but only the 1 listed core(s)" in line and "--nproc-per-node 1" in line
     n = len(available_cores()) + 1
-    line = _error_line(_launch(tmp_path, ["--nproc-per-node", str(n), "--bind-cores-to-rank",
+    line = one_error_line(_launch(tmp_path, ["--nproc-per-node", str(n), "--bind-cores-to-rank",
                                           str(script), "x"]))
     assert f"{n} ranks but only this host's {n - 1} usable core(s)" in line
 
@@ -174,7 +158,7 @@ def test_fewer_cores_than_ranks(tmp_path: Path, script: Path) -> None:
 @pytest.mark.parametrize("text, part", [("0-x", "'0-x'"), ("3-1", "'3-1'"), ("", "''"),
                                         ("0,0", "more than once"), ("-1", "'-1'")])
 def test_bad_core_list_syntax(tmp_path: Path, script: Path, text: str, part: str) -> None:
-    line = _error_line(_launch(tmp_path, ["--bind-core-list", text, str(script), "x"]))
+    line = one_error_line(_launch(tmp_path, ["--bind-core-list", text, str(script), "x"]))
     assert "--bind-core-list" in line and part in line
 
 

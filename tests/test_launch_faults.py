@@ -15,15 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import DATA, LAUNCH, launcher_env
+
 pytestmark = pytest.mark.multiprocess
 
-DATA = Path(__file__).parent / "data"
 JOB = DATA / "rank_job.py"
 FAKE_SSH = f"bash {DATA / 'fake_ssh.sh'}"
 
 
 def _kill_leftovers(run_dir: Path) -> list[int]:
-    """Kills any process of this test's job (found by its FLOWTRAIN_RUN_DIR) and returns their pids."""
+    """Kills any process of this test's job (found by its FLOWTRAIN_RUN_DIR) and returns their
+    pids."""
     found = []
     for proc in psutil.process_iter():
         try:
@@ -48,18 +50,12 @@ class Run:
         return self.out + self.err
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWTRAIN_")
-           and k != "OMP_NUM_THREADS"}
-    env.update(extra)
-    return env
-
-
-def launch(tmp_path: Path, args: list[str], *, timeout: float = 40.0, env: dict[str, str] | None = None,
-           on_start: object = None, check_leftovers: bool = True) -> Run:
+def launch(tmp_path: Path, args: list[str], *, timeout: float = 40.0,
+           env: dict[str, str] | None = None, on_start: object = None,
+           check_leftovers: bool = True) -> Run:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--run-dir", str(run_dir), *args]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env or _env(), stdout=subprocess.PIPE,
+    cmd = [*LAUNCH, "--run-dir", str(run_dir), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env or launcher_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         if callable(on_start):
@@ -98,7 +94,8 @@ def test_success_env_and_run_dir(tmp_path: Path, outdir: Path) -> None:
         seen = json.loads((outdir / f"rank{rank}.json").read_text())
         env = seen["env"]
         assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
         assert env["FLOWTRAIN_RUN_DIR"] == str(run.run_dir)
         assert env["FLOWTRAIN_ERROR_FILE"] == str(run.run_dir / f"rank{rank}.error.json")
@@ -119,7 +116,7 @@ def test_success_env_and_run_dir(tmp_path: Path, outdir: Path) -> None:
 def test_exception_is_the_root_cause(tmp_path: Path, outdir: Path) -> None:
     message = f"boom-{secrets.token_hex(4)}"
     run = launch(tmp_path, ["--nproc-per-node", "2", str(JOB), "raise", str(outdir)],
-                 env=_env(BOOM_MESSAGE=message))
+                 env=launcher_env(BOOM_MESSAGE=message))
     assert run.returncode == 1, run.text
     assert run.ended - _fault_time(tmp_path) < 5.0
     assert "Root cause" in run.err and "rank 1 (host" in run.err
@@ -199,7 +196,7 @@ def test_hostfile_two_node_launchers_all_reduce(tmp_path: Path, outdir: Path) ->
 def test_hostfile_failure_ends_the_whole_job(tmp_path: Path, outdir: Path) -> None:
     message = f"boom-{secrets.token_hex(4)}"
     run = launch(tmp_path, ["-H", str(_hostfile(tmp_path)), "--ssh-command", FAKE_SSH,
-                            str(JOB), "raise", str(outdir)], env=_env(BOOM_MESSAGE=message))
+                            str(JOB), "raise", str(outdir)], env=launcher_env(BOOM_MESSAGE=message))
     assert run.returncode == 1, run.text
     assert run.ended - _fault_time(tmp_path) < 8.0
     assert "rank 1" in run.err and f"ValueError: {message}" in run.err
@@ -260,7 +257,7 @@ def test_the_rendezvous_port_is_outside_the_kernels_ephemeral_range(
 def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
     from flowtrain.launch.args import free_port
 
-    env = _env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
+    env = launcher_env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
     for attempt in range(3):
         # a free port can be taken again before node 0 binds it (the launcher then says so
         # and exits): try another, as a user would

@@ -13,14 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+import engine_common as ec
+from flowtrain.parallel import check_shape
+from flowtrain.pipe import bubble_fraction, partition_balanced, stage_ops
+from flowtrain.pipe.schedule import max_in_flight
+from helpers import DATA, REPO, check_cases, child_env, free_port, launch, rank_results
 
-from flowtrain.parallel import check_shape  # noqa: E402
-from flowtrain.pipe import bubble_fraction, partition_balanced, stage_ops  # noqa: E402
-from flowtrain.pipe.schedule import max_in_flight  # noqa: E402
-
-WORKER = ec.DATA / "pipe_worker.py"
+WORKER = DATA / "pipe_worker.py"
 
 
 # -- schedules -------------------------------------------------------------------------------
@@ -137,12 +136,8 @@ def pipe_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if world not in cache:
             out = tmp_path_factory.mktemp(f"pipe{world}") / "out"
             run.run_dirs[world] = out.parent / "run"  # type: ignore[attr-defined]
-            ec.launch(world, WORKER, str(out), "2", run_dir=out.parent / "run")
-            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
-            for r, data in enumerate(ranks):
-                for name, result in data.items():
-                    assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
-            cache[world] = ranks
+            launch(world, WORKER, str(out), "2", run_dir=out.parent / "run")
+            cache[world] = check_cases(rank_results(out, world))
         return cache[world]
 
     run.run_dirs = {}  # type: ignore[attr-defined]
@@ -184,7 +179,6 @@ def test_each_stage_records_its_flops_and_census_as_plain_torch_counts_them(
 
     pipe_run(2)
     stages_dir = pipe_run.run_dirs[2] / "stages"
-    sys.path.insert(0, str(ec.DATA))
     from pipe_worker import MICRO, layers
 
     built = layers()
@@ -213,12 +207,12 @@ def test_each_stage_records_its_flops_and_census_as_plain_torch_counts_them(
 def test_pipeline_checkpoint_resumes_on_another_stage_count(tmp_path: Path) -> None:
     """Saved on 2 stages (each stage writes its own layers' pieces), resumed on 1 stage: the
     loss curve goes on exactly; consolidated, it loads into the plain layers."""
-    worker = ec.DATA / "pipe_ckpt_worker.py"
+    worker = DATA / "pipe_ckpt_worker.py"
     ckpt = tmp_path / "ckpt"
-    ec.launch(2, worker, "save", str(ckpt), str(tmp_path / "saved.json"), "2",
-              run_dir=tmp_path / "run2")
-    ec.launch(1, worker, "load", str(ckpt), str(tmp_path / "loaded.json"), "1",
-              run_dir=tmp_path / "run1")
+    launch(2, worker, "save", str(ckpt), str(tmp_path / "saved.json"), "2",
+           run_dir=tmp_path / "run2")
+    launch(1, worker, "load", str(ckpt), str(tmp_path / "loaded.json"), "1",
+           run_dir=tmp_path / "run1")
     saved = json.loads((tmp_path / "saved.json").read_text())
     loaded = json.loads((tmp_path / "loaded.json").read_text())
     assert loaded["resumed"] == pytest.approx(saved["straight"], rel=1e-6)
@@ -241,11 +235,11 @@ def _p2p(case: str, tmp_path: Path) -> list[dict[str, Any]]:
     """Runs tests/data/pipe_p2p_worker.py as two plain processes; each rank's JSON (or {})."""
     import subprocess
 
-    worker = ec.DATA / "pipe_p2p_worker.py"
-    port = ec.free_port()
+    worker = DATA / "pipe_p2p_worker.py"
+    port = free_port()
     outs = [tmp_path / f"{case}.rank{r}.json" for r in (0, 1)]
     procs = [subprocess.Popen([sys.executable, str(worker), case, str(r), str(port),
-                               str(outs[r])], cwd=ec.REPO, env=ec.child_env(),
+                               str(outs[r])], cwd=REPO, env=child_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]
     logs = []
@@ -303,7 +297,7 @@ def test_pipeline_follows_micro_batches_that_change_size(tmp_path: Path) -> None
     between training steps with other sizes: every stage-to-stage message after a change has
     new shapes. Losses equal single-process training on the same micro-batches."""
     out = tmp_path / "out"
-    ec.launch(2, ec.DATA / "pipe_shapes_worker.py", str(out), run_dir=tmp_path / "run")
+    launch(2, DATA / "pipe_shapes_worker.py", str(out), run_dir=tmp_path / "run")
     for r in (0, 1):
         data = json.loads(Path(f"{out}.rank{r}.json").read_text())
         for schedule in ("1f1b", "gpipe"):

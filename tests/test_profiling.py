@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).parent / "data"))
-import engine_common as ec  # noqa: E402
-
-from flowtrain.profiling import (  # noqa: E402
+import engine_common as ec
+from flowtrain.profiling import (
     FlopsProfiler,
     duration_to_string,
     flops_to_string,
@@ -504,12 +501,6 @@ def test_config_section_is_supported() -> None:
     fp = cfg.flops_profiler
     assert (fp.enabled, fp.profile_step, fp.module_depth, fp.top_modules, fp.detailed,
             fp.output_file, fp.recompute_fwd_factor) == (True, 3, 2, 4, False, "p.txt", 1.0)
-
-
-@pytest.fixture
-def world1() -> Any:
-    with ec.world1():
-        yield
 
 
 def test_engine_prints_the_profile_once_at_profile_step(world1: Any, tmp_path: Path,

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -340,12 +339,10 @@ def test_host_speed_probe_holds_the_pass_against_the_profile(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's pass timed at exactly the profile's rate reads 1.0; 30 % longer reads 1.3;
     a profile without engine costs has nothing to hold it against."""
+    from sim_helpers import cpu_profile
     from sims.calibrate import engine_pieces
     from sims.calibrate.probe import host_speed
     from sims.costs import pass_seconds
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_sim_engine import cpu_profile
 
     hw = cpu_profile()
     b, k, n = settings.CONCURRENCY_SHAPE

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from flowtrain.config import load_config
+from helpers import DATA
+from sim_helpers import PIPELINE_RUN, SIM_RUN, sim_config, tiny_workload
 from sims import costs
 from sims.calibrate import engine_pieces, fits
 from sims.calibrate import factors as factor_fits
@@ -23,7 +25,6 @@ from sims.calibrate.settings import CalibrationError
 from sims.compare import measured_classes, read_run
 from sims.hardware import HardwareProfile
 from sims.planner import Layout, Workload, build_plan
-from tests.test_sim_engine import DATA, PIPELINE_RUN, RUN, _cfg, _work
 
 
 def _synthetic_engine_measurements() -> dict[str, Any]:
@@ -106,7 +107,7 @@ def test_engine_factors_make_the_calibration_jobs_come_out_as_measured() -> None
     base = _base_profile()
     assert base.engine is not None and base.engine.factors == {}
     # a data-parallel job (the recorded ZeRO-1 run) and the recorded pipeline run
-    jobs = [_job(_size_from_run(RUN, 2, 1)), _job(_size_from_run(PIPELINE_RUN, 2, 2))]
+    jobs = [_job(_size_from_run(SIM_RUN, 2, 1)), _job(_size_from_run(PIPELINE_RUN, 2, 2))]
     fitted = dataclasses.replace(base, engine=factor_fits.fit_factors(base, jobs))
     size = jobs[0]["sizes"][0]
     again = factor_fits.predict_job(fitted, size)
@@ -152,7 +153,7 @@ def _scaled(size: dict[str, Any], scale: int) -> dict[str, Any]:
 @pytest.mark.parametrize("scales", [(4,), (2, 4)], ids=["two sizes", "three sizes"])
 def test_job_sizes_split_a_factor_from_a_time_per_step(scales: tuple[int, ...]) -> None:
     base = _base_profile()
-    small = _size_from_run(RUN, 2, 1)
+    small = _size_from_run(SIM_RUN, 2, 1)
     larger = [_scaled(small, scale) for scale in scales]
     # an engine whose forwards take 1.5x what the isolated measurements predict plus 2 ms per
     # step, its backwards 1.8x plus 1 ms (its optimizer 1.2x, 1 ms more per step): what its two
@@ -205,12 +206,12 @@ def test_gloo_calls_beside_a_live_engine_take_what_the_job_measured() -> None:
     gloo = [{"op": op, "ranks": 2, "bytes": nbytes,
              "seconds": costs.collective_seconds(op, nbytes, 2, base) + extra}
             for (op, nbytes), extra in zip(model, (0.001, 0.002, 0.004))]
-    job = {**_job(_size_from_run(RUN, 2, 1)), "gloo": gloo}
+    job = {**_job(_size_from_run(SIM_RUN, 2, 1)), "gloo": gloo}
     engine = factor_fits.fit_factors(base, [job])
     assert engine.factors[2]["gloo_s"] == pytest.approx(0.002)
     hw = dataclasses.replace(base, engine=engine)
-    cfg = _cfg(2, flowtrain={"data_channel": "torch"})
-    [reduce] = [t for t in build_plan(_work(), cfg, Layout(1, 2), hw).tasks
+    cfg = sim_config(2, flowtrain={"data_channel": "torch"})
+    [reduce] = [t for t in build_plan(tiny_workload(), cfg, Layout(1, 2), hw).tasks
                 if t.kind == "reduce"]
     scale_pass = 2 * 56 * 4 / hw.memory_bandwidth * costs.compute_slowdown(2, hw, memory=True)
     assert reduce.duration == pytest.approx(costs.collective_seconds("all_reduce", 56 * 4, 2, hw)
@@ -239,8 +240,6 @@ def test_a_measured_layer_pass_is_the_engines() -> None:
 
 
 def test_the_demo_factory_is_the_model_make_demo_trains(monkeypatch: pytest.MonkeyPatch) -> None:
-    examples = Path(__file__).parents[1] / "examples"
-    monkeypatch.syspath_prepend(str(examples))
     monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
     import gpt
     import train_gpt
@@ -258,7 +257,7 @@ def test_job_speed_is_the_probe_over_the_profiles_probe_time() -> None:
     from sims.calibrate.probe import profile_probe_seconds
 
     base = _base_profile()
-    job = _job(_size_from_run(RUN, 2, 1))
+    job = _job(_size_from_run(SIM_RUN, 2, 1))
     assert factor_fits.job_speed(base, job) == 1.0
     job["probe_s"] = 1.3 * profile_probe_seconds(base)
     assert factor_fits.job_speed(base, job) == pytest.approx(1.3)
@@ -280,7 +279,7 @@ def test_zero3_hand_offs_are_fitted_from_the_jobs_zero3_run() -> None:
     them, gives both back, and every other factor stays what the data-parallel sizes give."""
     base = _base_profile()
     assert base.engine is not None
-    small = _size_from_run(RUN, 2, 1)
+    small = _size_from_run(SIM_RUN, 2, 1)
     truth = {"forward": 1.3, "forward_s": 0.0, "backward": 1.6, "backward_s": 0.0,
              "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
              "zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
@@ -303,7 +302,7 @@ def test_zero3_hand_offs_are_tasks_of_the_passes_they_lengthen() -> None:
     get them."""
     base = _base_profile()
     assert base.engine is not None
-    size = _zero3_size(_size_from_run(RUN, 2, 1))
+    size = _zero3_size(_size_from_run(SIM_RUN, 2, 1))
     # one micro-batch: its forward has no reduces of a backward before it to queue behind
     size["plan"]["config"].update(gradient_accumulation_steps=1, train_batch_size=128)
     factors = {"zero3_fetch_s": 0.0008, "zero3_backward_s": 0.0003}
@@ -346,7 +345,7 @@ def test_bucket_hand_offs_are_fitted_from_the_jobs_small_bucket_run() -> None:
     base = _base_profile()
     assert base.engine is not None
     # the sizes with the job's large buckets (two), the small-bucket run with one per layer
-    small = _small_buckets(_size_from_run(RUN, 2, 1), 25 << 20)
+    small = _small_buckets(_size_from_run(SIM_RUN, 2, 1), 25 << 20)
     large = _scaled(small, 4)
     truth = {"forward": 1.3, "forward_s": 0.001, "backward": 1.6, "backward_s": 0.0005,
              "optimizer": 1.1, "micro_batch_s": small["micro_batch_gap_s"], "step_s": 0.001,
@@ -367,7 +366,7 @@ def test_bucket_hand_offs_are_tasks_of_the_backward_before_each_reduce() -> None
     reduce) gets neither."""
     base = _base_profile()
     assert base.engine is not None
-    size = _small_buckets(_size_from_run(RUN, 2, 1))
+    size = _small_buckets(_size_from_run(SIM_RUN, 2, 1))
     host = _with_factors(base, {"bucket_s": 0.0004, "reduce_s": 0.0007})
     work = Workload.from_run(size["plan"], 64)
     cfg = load_config(size["plan"]["config"], world_size=2, check_supported=False)

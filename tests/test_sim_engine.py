@@ -12,49 +12,12 @@ from typing import Any
 
 import pytest
 
-from flowtrain.config import load_config
+from sim_helpers import PIPELINE_RUN, cpu_profile, sim_config, tiny_workload
 from sims import costs
 from sims.compare import predicted_classes, read_run
 from sims.executor import SimTask, execute
-from sims.hardware import BUILTIN_PROFILES, EngineCosts, HardwareProfile, Link, ProfileError
+from sims.hardware import BUILTIN_PROFILES, HardwareProfile, Link, ProfileError
 from sims.planner import Layout, Workload, build_plan
-
-DATA = Path(__file__).parent / "data"
-RUN = DATA / "sim_run"
-PIPELINE_RUN = RUN / "pipeline"
-GB = 1e9
-
-
-def engine_costs(**changes: Any) -> EngineCosts:
-    """Round numbers: forward 1 GFLOP/s at 1e3 FLOPs rising to 10 GFLOP/s at 1e7 (1 thread),
-    twice that with 2 threads; backward half the forward's rate."""
-    base = EngineCosts(
-        pass_rates={1: {"forward": ((1e3, 1e9), (1e7, 1e10)),
-                        "backward": ((1e3, 5e8), (1e7, 5e9))},
-                    2: {"forward": ((1e3, 2e9), (1e7, 2e10)),
-                        "backward": ((1e3, 1e9), (1e7, 1e10))}},
-        optimizer=Link(1e-5, 20 * GB), slowdown={2: 1.1, 4: 2.0},
-        memory_slowdown={2: 1.5, 4: 3.0},
-        channel={"all_reduce": {2: Link(1e-4, 5 * GB)},
-                 "reduce_scatter": {2: Link(2e-4, 8 * GB)}},
-        channel_interference=0.5, p2p=Link(2e-4, 2 * GB),
-        factors={2: {"forward": 1.25, "backward": 1.25, "optimizer": 2.0}})
-    return dataclasses.replace(base, **changes)
-
-
-def cpu_profile(**engine_changes: Any) -> HardwareProfile:
-    """A 2-core CPU host: 10 GFLOP/s, 20 GB/s memory, gloo all-reduce of 1 ms + 1 GB/s."""
-    return HardwareProfile(
-        name="cpu-test", kind="cpu", devices_per_node=2, device_memory_bytes=2**33,
-        peak_flops={"float32": 1e10}, memory_bandwidth=20 * GB,
-        intra_node=Link(1e-4, 1 * GB), inter_node=Link(1e-4, 2 * GB),
-        host_to_device=Link(1e-6, 10 * GB), efficiency=((1e3, 0.5), (1e7, 1.0)),
-        collectives={"all_reduce": {2: Link(1e-3, 1 * GB)},
-                     "all_gather": {2: Link(1e-3, 1 * GB)},
-                     "reduce_scatter": {2: Link(1e-3, 1 * GB)}},
-        comm_compute_interference=0.3, host_memory_bandwidth=20 * GB,
-        engine=engine_costs(**engine_changes))
-
 
 # ----------------------------------------------------------------------------- the profile
 
@@ -148,18 +111,6 @@ def test_a_tasks_own_interference_wins_over_the_plans() -> None:
 
 # ----------------------------------------------------------------------------- the planner
 
-def _work() -> Workload:
-    """Two modules: a (8x4 weight + 8 bias, 40 elements), b (2x8 weight, 16 elements)."""
-    return Workload("tiny", (("a.weight", (8, 4), "float32", 4), ("a.bias", (8,), "float32", 4),
-                             ("b.weight", (2, 8), "float32", 4)), 1e5)
-
-
-def _cfg(world: int, **extra: Any) -> Any:
-    return load_config({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra},
-                       world_size=world, check_supported=False)
-
-
 def _spans(plan: Any) -> dict[str, tuple[float, float]]:
     return {t.name: (a, b) for t, a, b in execute(plan.tasks).spans()}
 
@@ -174,18 +125,18 @@ def test_passes_are_one_op_per_module_at_the_ranks_threads_and_factors() -> None
         return scale * sum(costs.pass_seconds(kind, mult * f, threads, hw)
                            for f in flops.values())
 
-    one = build_plan(_work(), _cfg(1), Layout(1, 1), hw).tasks
+    one = build_plan(tiny_workload(), sim_config(1), Layout(1, 1), hw).tasks
     by_name = {t.name: t for t in one}
     # one rank of a 2-core host: 2 threads, no slowdown, the nearest job factor (2 ranks)
     assert by_name["forward/mb0"].duration == pytest.approx(expected("forward", 2, 1.25))
     assert by_name["backward/mb0"].duration == pytest.approx(expected("backward", 2, 1.25))
-    two = {t.name: t for t in build_plan(_work(), _cfg(2), Layout(1, 2), hw).tasks}
+    two = {t.name: t for t in build_plan(tiny_workload(), sim_config(2), Layout(1, 2), hw).tasks}
     assert two["forward/mb0"].duration == pytest.approx(expected("forward", 1, 1.1 * 1.25))
 
 
 def test_reduces_go_over_the_shared_memory_channel_where_the_engine_uses_it() -> None:
     hw = cpu_profile()
-    plan = build_plan(_work(), _cfg(2), Layout(1, 2), hw)
+    plan = build_plan(tiny_workload(), sim_config(2), Layout(1, 2), hw)
     [reduce] = [t for t in plan.tasks if t.kind == "reduce"]
     nbytes = 56 * 4
     # the channel's all-reduce, then the 1/dp multiply over the bucket (2 x bytes, memory bound,
@@ -194,7 +145,8 @@ def test_reduces_go_over_the_shared_memory_channel_where_the_engine_uses_it() ->
                                             + 2 * nbytes / 20e9 * 1.5)
     assert reduce.interference == 0.5
     # data_channel "torch" (and pipelines, several nodes) use gloo: the plan's interference
-    gloo = build_plan(_work(), _cfg(2, flowtrain={"data_channel": "torch"}), Layout(1, 2), hw)
+    gloo = build_plan(tiny_workload(), sim_config(2, flowtrain={"data_channel": "torch"}),
+                      Layout(1, 2), hw)
     [reduce] = [t for t in gloo.tasks if t.kind == "reduce"]
     assert reduce.duration == pytest.approx(1e-3 + nbytes / 1e9 + 2 * nbytes / 20e9 * 1.5)
     assert reduce.interference is None
@@ -205,29 +157,29 @@ def test_optimizer_step_as_the_engine_runs_it() -> None:
     kernel, bandwidth = 1e-5, 20e9
 
     def optimizer(cfg: Any) -> float:
-        [task] = [t for t in build_plan(_work(), cfg, Layout(1, 2), hw).tasks
+        [task] = [t for t in build_plan(tiny_workload(), cfg, Layout(1, 2), hw).tasks
                   if t.kind == "optimizer"]
         return task.duration
 
     # stage 0 without clipping: one kernel call per parameter over all 56 elements, the
     # buckets zeroed (4 B each); memory 1.5x slower, then the 2-rank job's optimizer factor 2
     stage0 = (3 * kernel + 56 * 28 / bandwidth * 1.5 + 56 * 4 / bandwidth * 1.5) * 2.0
-    assert optimizer(_cfg(2, gradient_clipping=0.0)) == pytest.approx(stage0)
+    assert optimizer(sim_config(2, gradient_clipping=0.0)) == pytest.approx(stage0)
     # ZeRO 1: one call per bucket shard (28 of 56 elements), whole buckets zeroed; clipping
     # adds a norm pass and a scaling pass over the shard (12 B per element), and the global
     # norm's all-reduce of 8 bytes over gloo (1 ms + 1 GB/s)
     zero1 = (1 * kernel + 28 * 28 / bandwidth * 1.5 + (56 * 4 + 28 * 12) / bandwidth * 1.5) * 2 \
         + 1e-3 + 8 / 1e9
-    assert optimizer(_cfg(2, zero_optimization={"stage": 1}, gradient_clipping=1.0)) == \
+    assert optimizer(sim_config(2, zero_optimization={"stage": 1}, gradient_clipping=1.0)) == \
         pytest.approx(zero1)
 
 
 def test_zero2_backward_also_adds_each_gradient_into_a_pooled_bucket() -> None:
     hw = cpu_profile()
     zero1 = {t.name: t.duration for t in build_plan(
-        _work(), _cfg(2, zero_optimization={"stage": 1}), Layout(1, 2), hw).tasks}
+        tiny_workload(), sim_config(2, zero_optimization={"stage": 1}), Layout(1, 2), hw).tasks}
     zero2 = {t.name: t.duration for t in build_plan(
-        _work(), _cfg(2, zero_optimization={"stage": 2}), Layout(1, 2), hw).tasks}
+        tiny_workload(), sim_config(2, zero_optimization={"stage": 2}), Layout(1, 2), hw).tasks}
     assert zero2["backward/mb0"] - zero1["backward/mb0"] == \
         pytest.approx(56 * 16 / 20e9 * 1.5)
 
@@ -239,14 +191,14 @@ def test_a_data_parallel_collective_slows_where_more_ranks_share_the_host() -> N
     hw = cpu_profile(factors={4: {"gloo_s": 1e-4}})
     work = Workload("two layers", (("l.0.weight", (64, 64), "float32", 4),
                                    ("l.1.weight", (64, 64), "float32", 4)), 1e5)
-    plan = build_plan(work, _cfg(2, gradient_accumulation_steps=2), Layout(1, 4, pp=2), hw)
+    plan = build_plan(work, sim_config(2, gradient_accumulation_steps=2), Layout(1, 4, pp=2), hw)
     [reduce] = [t for t in plan.tasks if t.kind == "reduce" and t.stage == 0]
     nbytes = 64 * 64 * 4
     # then the 1/dp multiply over the bucket: 2 x bytes, memory bound (3x slower with 4 ranks)
     scale = 2 * nbytes / 20e9 * 3.0
     assert reduce.duration == pytest.approx(
         costs.collective_seconds("all_reduce", nbytes, 2, hw) * 2.0 / 1.1 + 1e-4 + scale)
-    flat = build_plan(work, _cfg(4, flowtrain={"data_channel": "torch"}), Layout(1, 4), hw)
+    flat = build_plan(work, sim_config(4, flowtrain={"data_channel": "torch"}), Layout(1, 4), hw)
     [reduce] = [t for t in flat.tasks if t.kind == "reduce"][:1]
     assert reduce.duration == pytest.approx(
         costs.collective_seconds("all_reduce", 2 * nbytes, 4, hw) + 1e-4 + 2 * scale)
@@ -260,7 +212,7 @@ def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
         {"param_specs": [["l.1.weight", [2, 8], "float32", 4]],
          "forward_flops_per_micro_batch": 1e5, "output_bytes_per_micro_batch": 80}])), 2)
     assert work.stage_flops_per_sample == (1e5, 5e4)
-    plan = build_plan(work, _cfg(1, gradient_accumulation_steps=2), Layout(1, 2, pp=2), hw)
+    plan = build_plan(work, sim_config(1, gradient_accumulation_steps=2), Layout(1, 2, pp=2), hw)
     assert "activation size unknown" not in " ".join(plan.notes)
     spans = _spans(plan)
     # stage 1's forward of micro-batch 0 waits for the activations (stage 0's 4000 B per
@@ -277,17 +229,17 @@ def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
     # forward and backward are their own compute, as the engine's spans are
     assert classes["forward"] + classes["backward"] == pytest.approx(sum(passes) / 2)
     with pytest.raises(ValueError, match="split into 2 pipeline stages"):
-        build_plan(work, _cfg(1), Layout(1, 3, pp=3), hw)
+        build_plan(work, sim_config(1), Layout(1, 3, pp=3), hw)
     # 4 ranks (2 stages x 2 data parallel) on the 2-core host: the hand-offs measured on 2
     # ranks take 2.0 / 1.1 as long (the ranks' compute slowdown), the stages broadcast the
     # loss, and clipping sums the norm over all 4 ranks
-    four = {t.name: t for t in build_plan(work, _cfg(2, gradient_accumulation_steps=2),
+    four = {t.name: t for t in build_plan(work, sim_config(2, gradient_accumulation_steps=2),
                                           Layout(1, 4, pp=2), hw).tasks}
     assert four["handoff/forward/mb0"].duration == pytest.approx(1e-3 * 2.0 / 1.1)
     broadcast = costs.collective_seconds("broadcast", 4, 2, hw)
     assert four["overhead/loss-broadcast"].duration == pytest.approx(broadcast)
     no_clip = {t.name: t for t in build_plan(
-        work, _cfg(2, gradient_accumulation_steps=2, gradient_clipping=0.0),
+        work, sim_config(2, gradient_accumulation_steps=2, gradient_clipping=0.0),
         Layout(1, 4, pp=2), hw).tasks}
     assert four["optimizer/step"].duration - no_clip["optimizer/step"].duration > \
         costs.collective_seconds("all_reduce", 8, 4, hw)
@@ -311,7 +263,7 @@ def test_a_pipeline_stage_is_priced_with_its_own_census() -> None:
     assert work.stage_census[1]["op_census"] == (("norm", 3.0, 200.0),)
 
     def passes(w: Workload) -> dict[str, float]:
-        plan = build_plan(w, _cfg(1, gradient_accumulation_steps=2), Layout(1, 2, pp=2), hw)
+        plan = build_plan(w, sim_config(1, gradient_accumulation_steps=2), Layout(1, 2, pp=2), hw)
         return {t.name + f"@{t.stage}": t.duration for t in plan.tasks
                 if t.kind in ("forward", "backward")}
 

@@ -171,10 +171,9 @@ def test_config_file_equals_dict(tmp_path: Path) -> None:
                                                                              world_size=4)
 
 
-def test_traced_model_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_traced_model_memory() -> None:
     from sims.models import trace_module
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data"))
     spec = trace_module("sim_models:gpt2_tiny", seq_len=16)
     got = memory_per_rank(spec, _config(), world_size=1)
     assert got["activations"] == 4 * spec.activation_bytes_per_sample

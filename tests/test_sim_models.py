@@ -19,19 +19,10 @@ from sims.models import Architecture, get_model, trace_module
 DATA = Path(__file__).parent / "data"
 
 
-@pytest.fixture(autouse=True)
-def _data_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(DATA))
-
-
 @pytest.fixture(scope="module")
 def sim_models():
-    import sys
-    sys.path.insert(0, str(DATA))
-    try:
-        import sim_models as module
-    finally:
-        sys.path.remove(str(DATA))
+    import sim_models as module
+
     return module
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,12 +27,9 @@ from flowtrain.control import Coordinator, FrameCodec, Kind
 from flowtrain.telemetry.actor import step_timings
 from flowtrain.telemetry.launcher import ProgressLine, parse_total_steps
 from flowtrain.telemetry.trace import place_steps
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-from engine_common import REPO, child_env  # noqa: E402
+from helpers import DATA, LAUNCH, REPO, child_env
 
 SECRET = b"telemetry-test-secret-0123456789"
-DATA = Path(__file__).resolve().parent / "data"
 WORKER = DATA / "telemetry_worker.py"
 STEPS = 30
 MEM = {"model_states": 10, "parameters": 4, "gradients": 4, "optimizer_state": 2,
@@ -293,11 +289,6 @@ def test_launcher_side_records_everything_and_ends_the_live_line_on_a_failure(
 # -- the coordinator ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     with anyio.fail_after(timeout):
         while not predicate():
@@ -407,7 +398,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     base = tmp_path_factory.mktemp("live")
     run_dir, out = base / "run", base / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
+    cmd = [*LAUNCH, "--nproc-per-node", "2",
            "--run-dir", str(run_dir), "--total-steps", str(STEPS), "--trace", str(WORKER),
            str(out), "--steps", str(STEPS), "--sleep", "0.02", "--hz", "1000",
            "--spans-every", "5"]

@@ -4,30 +4,24 @@ clipping norm (tied and untied head); the vocab-parallel cross-entropy equals to
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+import tp_ckpt_worker as tw
+from flowtrain.checkpoint import consolidate
+from helpers import DATA, check_cases, launch, rank_results, world1
 
-WORKER = ec.DATA / "tp_worker.py"
+WORKER = DATA / "tp_worker.py"
 
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("tp") / "out"
-    ec.launch(2, WORKER, str(out), "2", run_dir=out.parent / "run")
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    for r, data in enumerate(ranks):
-        for name, result in data.items():
-            assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
-    return ranks
+    launch(2, WORKER, str(out), "2", run_dir=out.parent / "run")
+    return check_cases(rank_results(out, 2))
 
 
 @pytest.mark.multiprocess
@@ -82,11 +76,7 @@ def test_indivisible_sizes_are_refused() -> None:
 
 # -- tensor parallel x data parallel, and checkpoints across tensor-parallel layouts -------------
 
-import tp_ckpt_worker as tw  # noqa: E402
-
-from flowtrain.checkpoint import consolidate  # noqa: E402
-
-CKPT_WORKER = ec.DATA / "tp_ckpt_worker.py"
+CKPT_WORKER = DATA / "tp_ckpt_worker.py"
 FP32 = 1e-5
 
 
@@ -99,14 +89,13 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"ckpt": ckpt}
     for phase in ("one_save", "four", "one_load"):
         if phase != "four":
-            with ec.world1():
+            with world1():
                 results, tensors = tw.run_phase(phase, str(ckpt))
             out[phase] = {"ranks": [results], "tensors": tensors}
             continue
-        ec.launch(4, CKPT_WORKER, phase, str(root / phase), str(ckpt),
-                  run_dir=root / f"run-{phase}", timeout=240)
-        out[phase] = {"ranks": [json.loads(Path(f"{root / phase}.rank{r}.json").read_text())
-                                for r in range(4)],
+        launch(4, CKPT_WORKER, phase, str(root / phase), str(ckpt),
+               run_dir=root / f"run-{phase}", timeout=240)
+        out[phase] = {"ranks": rank_results(root / phase, 4),
                       "tensors": torch.load(f"{root / phase}.pt")}
     return out
 

@@ -5,8 +5,6 @@ in this process, what is refused."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+import engine_common as ec
+from helpers import DATA, check_cases, launch, rank_results
 
-WORKER = ec.DATA / "zero_worker.py"
+WORKER = DATA / "zero_worker.py"
 WORLD = 2
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 PADDED_BUCKETS = [24, 136, 16, 120]  # 23, 135, 15, 120 elements padded to a multiple of 2
@@ -33,13 +31,9 @@ def zero_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if args not in cache:
             out = tmp_path_factory.mktemp("zero") / "out"
             extra = [str(out.parent / "ckpt")] if args[0] == "resume" else []
-            ec.launch(WORLD, WORKER, args[0], str(out), *args[1:], *extra,
-                      run_dir=out.parent / "run")
-            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(WORLD)]
-            for r, data in enumerate(ranks):
-                for name, result in data.items():
-                    assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
-            cache[args] = ranks
+            launch(WORLD, WORKER, args[0], str(out), *args[1:], *extra,
+                   run_dir=out.parent / "run")
+            cache[args] = check_cases(rank_results(out, WORLD))
         return cache[args]
 
     return run
@@ -75,7 +69,8 @@ def test_zero_matches_stage0(zero_run: Any, channel: str, precision: str, stage:
             assert torch.allclose(a, e, rtol=tol, atol=tol), name
     assert max(ranks[0][f"{precision}_s0"]["norms"] or [0], key=lambda n: n or 0) > 0.3
     # every rank ends with the same weights, bit for bit
-    assert ranks[0][f"{precision}_s{stage}"]["params"] == ranks[1][f"{precision}_s{stage}"]["params"]
+    case = f"{precision}_s{stage}"
+    assert ranks[0][case]["params"] == ranks[1][case]["params"]
     if precision == "fp16":
         assert 0 < ranks[0]["fp16_s0"]["skipped"] < 10  # some steps overflowed, then trained
 
@@ -132,12 +127,6 @@ def test_checkpoint_round_trip_same_world_size(zero_run: Any, case: str) -> None
 # -- world size 1, in this process ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def world1() -> Any:
-    with ec.world1():
-        yield
-
-
 def _cfg(stage: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
                            "gradient_clipping": 0.5,
@@ -157,7 +146,7 @@ def _train(engine: Any, steps: int = 5) -> list[float]:
     return losses
 
 
-def test_world1_stage2_matches_stage0(world1: Any) -> None:
+def test_world1_stage2_matches_stage0(module_world1: Any) -> None:
     from flowtrain import initialize
 
     runs = {}
@@ -180,7 +169,7 @@ def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_param_groups_keep_their_settings_under_zero(world1: Any, stage: int) -> None:
+def test_param_groups_keep_their_settings_under_zero(module_world1: Any, stage: int) -> None:
     """Groups with different lr and weight decay: buckets never mix groups, so each shard
     steps with its own group's settings, as stage 0 does."""
     from flowtrain import initialize
@@ -200,7 +189,7 @@ def test_param_groups_keep_their_settings_under_zero(world1: Any, stage: int) ->
                               rtol=1e-5, atol=1e-6), name
 
 
-def test_optimizer_missing_a_parameter_refused(world1: Any) -> None:
+def test_optimizer_missing_a_parameter_refused(module_world1: Any) -> None:
     from flowtrain import initialize
 
     model = ec.make_model(7)

@@ -6,17 +6,14 @@ parameters, 2Ψ of fp16 gradients and 12Ψ of fp32 master weights, momentum and 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
+from helpers import DATA, check_cases, launch, rank_results
 
-WORKER = ec.DATA / "zero3_worker.py"
+WORKER = DATA / "zero3_worker.py"
 CASES = ["s1", "s1_offload", "s2", "s2_offload", "s3", "s3_offload"]
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.multiprocess]
@@ -32,12 +29,8 @@ def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         mode = "all"
         if (mode, world) not in cache:
             out = tmp_path_factory.mktemp(f"zero3_{mode}_{world}") / "out"
-            ec.launch(world, WORKER, mode, str(out), run_dir=out.parent / "run")
-            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
-            for r, data in enumerate(ranks):
-                for name, result in data.items():
-                    assert "error" not in result, f"rank {r} {name}:\n{result['error']}"
-            cache[(mode, world)] = ranks
+            launch(world, WORKER, mode, str(out), run_dir=out.parent / "run")
+            cache[(mode, world)] = check_cases(rank_results(out, world))
             run.dirs[(mode, world)] = out.parent / "run"  # type: ignore[attr-defined]
         return cache[(mode, world)]
 

@@ -8,8 +8,6 @@ engine after another."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import engine_common as ec  # noqa: E402
-import reshard_worker as rw  # noqa: E402
+import reshard_worker as rw
+from flowtrain.checkpoint import consolidate
+from flowtrain.checkpoint.checkpointer import map_loader_state
+from flowtrain.cli import main as cli_main
+from flowtrain.config.support import SUPPORTED_FEATURES
+from helpers import DATA, launch, rank_results, world1
 
-from flowtrain.checkpoint import consolidate  # noqa: E402
-from flowtrain.checkpoint.checkpointer import map_loader_state  # noqa: E402
-from flowtrain.cli import main as cli_main  # noqa: E402
-from flowtrain.config.support import SUPPORTED_FEATURES  # noqa: E402
-
-WORKER = ec.DATA / "reshard_worker.py"
+WORKER = DATA / "reshard_worker.py"
 FP32, BF16 = 1e-5, 2e-2
 STAGE3 = "zero_stage_3" in SUPPORTED_FEATURES
 needs_stage3 = pytest.mark.skipif(
@@ -44,15 +40,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"ckpt": root / "ckpt"}
     for phase, world in PHASES:
         if world == 1:
-            with ec.world1():
+            with world1():
                 results, tensors = rw.run_phase(phase, str(root / "ckpt"))
             out[phase] = {"ranks": [results], "tensors": tensors}
             continue
-        ec.launch(world, WORKER, phase, str(root / phase), str(root / "ckpt"),
-                  run_dir=root / f"run-{phase}", timeout=180)
-        ranks = [json.loads(Path(f"{root / phase}.rank{r}.json").read_text())
-                 for r in range(world)]
-        out[phase] = {"ranks": ranks, "tensors": torch.load(f"{root / phase}.pt")}
+        launch(world, WORKER, phase, str(root / phase), str(root / "ckpt"),
+               run_dir=root / f"run-{phase}", timeout=180)
+        out[phase] = {"ranks": rank_results(root / phase, world),
+                      "tensors": torch.load(f"{root / phase}.pt")}
     return out
 
 

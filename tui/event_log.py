@@ -66,4 +66,5 @@ class EventLog(DataTable[Text]):
 
     def lines(self) -> list[str]:
         """The log as plain lines (what the tests read)."""
-        return [" | ".join(cell.plain for cell in self.get_row_at(i)) for i in range(self.row_count)]
+        return [" | ".join(cell.plain for cell in self.get_row_at(i))
+                for i in range(self.row_count)]

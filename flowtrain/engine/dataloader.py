@@ -65,7 +65,8 @@ class DistributedLoader:
         # or a run resumed mid-epoch would see different dropout masks than the original.
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.batch_size, generator=generator,
-                            sampler=_SkippingSampler(self.sampler, self.batches_taken * self.batch_size),
+                            sampler=_SkippingSampler(self.sampler,
+                                                     self.batches_taken * self.batch_size),
                             collate_fn=self.collate_fn, drop_last=self.drop_last,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
         for batch in loader:

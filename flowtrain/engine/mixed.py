@@ -32,7 +32,8 @@ class MasterWeights:
                                device=buckets.buffer(bucket.index).device)
             self.flat.append(flat)
             for slot in bucket.slots:
-                self.master[slot.index].grad = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                self.master[slot.index].grad = flat.narrow(0, slot.offset,
+                                                           slot.numel).view(slot.shape)
 
     def load_grads(self, buckets: GradBuckets, loss_scale: float) -> None:
         """master grad = reduced half grad / loss_scale, bucket by bucket."""

@@ -63,7 +63,8 @@ class Stages:
 
     def add(self, ref: Any, at: str) -> None:
         if at not in STAGE_POINTS:
-            raise ValueError(f"unknown stage point {at!r}; the points are {', '.join(STAGE_POINTS)}")
+            raise ValueError(f"unknown stage point {at!r}; the points are "
+                             f"{', '.join(STAGE_POINTS)}")
         self.at[at].append(ref)
 
     def __getitem__(self, point: str) -> list[Any]:

@@ -127,7 +127,8 @@ class Rank:
             ref = self.runtime.lookup(name)
             message = decode(body.get("msg"))
         except (KeyError, TypeError) as exc:
-            log.error("undeliverable message from another rank", from_rank=from_rank, error=str(exc))
+            log.error("undeliverable message from another rank", from_rank=from_rank,
+                      error=str(exc))
             if op == "ask":
                 await self._reply(from_rank, body, ok=False, error=str(exc))
             return

@@ -50,7 +50,8 @@ def encode(value: Any) -> Any:
     if cls.__module__.startswith("torch"):
         raise TypeError(f"a {cls.__name__} cannot be sent in a control message; tensors cross "
                         f"ranks on data channels (flowtrain.comm)")
-    raise TypeError(f"{cls.__name__} cannot cross ranks: register it with @flowtrain.actors.message "
+    raise TypeError(f"{cls.__name__} cannot cross ranks: register it with "
+                    f"@flowtrain.actors.message "
                     f"(a frozen dataclass) or send plain values")
 
 

@@ -251,7 +251,8 @@ def adam_check(decoupled):
                         raise AssertionError(f"n={n} grad_kind={gk} out_kind={ok} wd={wd} "
                                              f"inv_scale={inv}: {e}") from None
                     worst, ulps, count = max(worst, w), max(ulps, u), count + 1
-    return f"{count} configs x 5 steps; max |param diff| {worst:.3g}; model_out max ulp vs torch {ulps}"
+    return (f"{count} configs x 5 steps; max |param diff| {worst:.3g}; "
+            f"model_out max ulp vs torch {ulps}")
 
 
 @check("adamw_vs_torch")
@@ -447,7 +448,8 @@ def _():
     if int(flag.copy_to_host()[0]) != 0:
         raise AssertionError("size 0 touched the flag")
     bad = 0
-    for call in (lambda: K.cast(dev(np.zeros(3, np.float32)), 1, cuda.device_array(3, np.uint16), 2),
+    for call in (lambda: K.cast(dev(np.zeros(3, np.float32)), 1,
+                                cuda.device_array(3, np.uint16), 2),
                  lambda: K.adam(dev(np.zeros(3, np.float32)), dev(np.zeros(2, np.float32)), 0,
                                 dev(np.zeros(3, np.float32)), dev(np.zeros(3, np.float32)), z32,
                                 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, 1.0, True),

@@ -1,8 +1,8 @@
 """A training script written the way DeepSpeed's tutorials write one (CIFAR-style), with
 ``import deepspeed`` replaced by ``import flowtrain as deepspeed``. Only the deepspeed API is used.
 
-    flowtrain launch --nproc-per-node 2 ds_style_train.py --deepspeed --deepspeed_config ds_config.json \
-        --save_dir ckpt --result result.json
+    flowtrain launch --nproc-per-node 2 ds_style_train.py --deepspeed \
+        --deepspeed_config ds_config.json --save_dir ckpt --result result.json
 """
 
 import argparse

@@ -1,24 +1,20 @@
-"""Shared by the engine tests and tests/data/engine_worker.py: the tiny models, the deterministic
-data, plain-torch reference loops (no flowtrain), and an in-process world-1 context."""
+"""Shared by the launched workers in tests/data and the tests that check them: the tiny model,
+the deterministic data, a plain-torch reference loop (no flowtrain), and how a rank writes its
+results."""
 
 from __future__ import annotations
 
-import contextlib
+import faulthandler
+import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 IN_DIM = 8
-REPO = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).resolve().parent
 
 
 class Net(nn.Module):
@@ -86,69 +82,18 @@ def plain_reference(*, steps: int, world: int, gas: int, micro: int, lr: float, 
     return {"losses": losses, "grad_norms": norms, "params": flat_params(model)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def write(out: str, data: dict[str, Any]) -> None:
+    """This rank's results to ``<out>.rank<R>.json``, whole or not at all (written aside, then
+    renamed)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = Path(f"{out}.rank{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
-@contextlib.contextmanager
-def world1() -> Iterator[None]:
-    """``flowtrain.initialize`` in this process as world size 1; afterwards the process group
-    and the rank runtime are torn down and the environment and SIGTERM handler restored."""
-    import torch.distributed as dist
-
-    saved_env = {k: os.environ.get(k) for k in
-                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    saved_term = signal.getsignal(signal.SIGTERM)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
-    try:
-        yield
-    finally:
-        from flowtrain.runtime.rank import shutdown_rank
-
-        shutdown_rank()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        signal.signal(signal.SIGTERM, saved_term)
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(DATA), env.get("PYTHONPATH", "")])
-    return env
-
-
-def launch(nproc: int, script: Path, *args: str, run_dir: Path | None = None,
-           timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``flowtrain launch`` on this machine; fails the test with the output when it fails."""
-    cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", str(nproc)]
-    if run_dir is not None:
-        cmd += ["--run-dir", str(run_dir)]
-    cmd += [str(script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"launch failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    return proc
-
-
-def run_single(script: Path, *args: str, timeout: float = 120,
-               check: bool = True) -> subprocess.CompletedProcess[str]:
-    """One plain process (no launcher, world size 1)."""
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script.name} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
-    return proc
+def start_watchdog(default_s: float) -> None:
+    """A hung rank prints every thread's stack and exits instead of stalling the test: after
+    ENGINE_WORKER_WATCHDOG seconds (``default_s`` when unset)."""
+    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", default_s)),
+                                      exit=True)

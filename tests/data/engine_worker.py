@@ -11,7 +11,6 @@ Modes (argv[1]):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import traceback
@@ -23,12 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import dataset, flat_params, make_model, micro_batch  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.engine.stages import BucketFull, StepDone  # noqa: E402
-from flowtrain.runtime.actor import Actor, handler  # noqa: E402
+import flowtrain
+from engine_common import dataset, flat_params, make_model, micro_batch, start_watchdog, write
+from flowtrain.engine.stages import BucketFull, StepDone
+from flowtrain.runtime.actor import Actor, handler
 
 MICRO = 4
 STEPS = 20
@@ -275,20 +272,8 @@ def mode_crash(out: str, ckpt_dir: str, phase: str) -> None:
     write(out, loaded)
 
 
-def write(out: str, data: dict[str, Any]) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = Path(f"{out}.rank{rank}.json")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
 def main() -> None:
-    import faulthandler
-
-    # A hung rank prints every thread's stack and exits instead of stalling the test.
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
+    start_watchdog(90)
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "dp":

@@ -13,12 +13,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pipe_worker as pw  # noqa: E402
-from engine_common import micro_batch  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.pipe import PipelineModule  # noqa: E402
+import flowtrain
+import pipe_worker as pw
+from engine_common import micro_batch
+from flowtrain.pipe import PipelineModule
 
 
 def main() -> None:

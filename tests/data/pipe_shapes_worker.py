@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-from pipe_worker import layers  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.pipe import PipelineModule  # noqa: E402
+import flowtrain
+from engine_common import micro_batch, write
+from flowtrain.pipe import PipelineModule
+from pipe_worker import layers
 
 LR = 0.01
 # each entry: ("train" | "eval", rows of each of the 4 micro-batches)

@@ -7,22 +7,17 @@ argv: OUT PP  — runs 1F1B and GPipe (fp32), and 1F1B with ZeRO stage 1, for ST
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM, micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.pipe import PipelineModule  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, micro_batch, start_watchdog, write
+from flowtrain.pipe import PipelineModule
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 4, 20, 31, 0.01, 0.5
 
@@ -84,10 +79,7 @@ def run(pp: int, schedule: str, zero: int, ckpt: int = 0) -> dict[str, Any]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     out, pp = sys.argv[1], int(sys.argv[2])
     flowtrain.init_distributed()

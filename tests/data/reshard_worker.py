@@ -28,18 +28,15 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain.config.support import SUPPORTED_FEATURES  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, start_watchdog, write
+from flowtrain.config.support import SUPPORTED_FEATURES
 
 GLOBAL_BATCH, HALF, STEPS, SEED, LR, BUCKET = 8, 4, 8, 2024, 0.02, 37
 STAGE3 = "zero_stage_3" in SUPPORTED_FEATURES
@@ -298,18 +295,12 @@ def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
+    start_watchdog(90)
     torch.set_num_threads(1)
     phase, out, ckpt = sys.argv[1:4]
     results, tensors = run_phase(phase, ckpt)
-    rank = dist.get_rank()
-    path = Path(f"{out}.rank{rank}.json")
-    path.with_suffix(".tmp").write_text(json.dumps(results))
-    path.with_suffix(".tmp").replace(path)
-    if rank == 0:
+    write(out, results)
+    if dist.get_rank() == 0:
         torch.save(tensors, f"{out}.pt")
 
 

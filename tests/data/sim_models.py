@@ -1,7 +1,7 @@
 """Small GPT-2 and Llama models for the simulator's model tests: parameter names, shapes and
 order as Hugging Face's GPT2LMHeadModel and LlamaForCausalLM, attention as explicit matmuls
 (the "eager" path, which FlopCounterMode counts on every device), and factories for
-``sims.models.trace_module`` ("sim_models:gpt2_tiny" with this directory on sys.path)."""
+``sims.models.trace_module`` ("sim_models:gpt2_tiny" with this directory importable)."""
 
 from __future__ import annotations
 

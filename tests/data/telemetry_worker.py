@@ -11,16 +11,13 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import make_model, micro_batch  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import make_model, micro_batch
 
 MICRO = 4
 

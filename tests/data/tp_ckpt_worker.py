@@ -19,20 +19,16 @@ argv: PHASE OUT CKPT
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import start_watchdog, write
+from gpt import GPT, GPTConfig
 
 STEPS, HALF, BATCH, SEQ, LR, DP_REF = 6, 3, 2, 8, 3e-3, 2
 VOCAB = 96
@@ -203,18 +199,12 @@ def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     phase, out, ckpt = sys.argv[1:4]
     results, tensors = run_phase(phase, ckpt)
-    rank = dist.get_rank()
-    path = Path(f"{out}.rank{rank}.json")
-    path.with_suffix(".tmp").write_text(json.dumps(results))
-    path.with_suffix(".tmp").replace(path)
-    if rank == 0:
+    write(out, results)
+    if dist.get_rank() == 0:
         torch.save(tensors, f"{out}.pt")
 
 

@@ -8,23 +8,17 @@ argv: OUT TP
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(REPO / "examples"))
-from engine_worker import write  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import flowtrain  # noqa: E402
-from flowtrain import tp as ftp  # noqa: E402
+import flowtrain
+from engine_common import start_watchdog, write
+from flowtrain import tp as ftp
+from gpt import GPT, GPTConfig
 
 STEPS, BATCH, SEQ, LR = 12, 4, 16, 3e-3
 
@@ -80,10 +74,7 @@ def run(tp: int, tied: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     out, tp = sys.argv[1], int(sys.argv[2])
     flowtrain.init_distributed()

@@ -13,10 +13,8 @@ Modes (argv[1]):
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +22,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM, micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, micro_batch, start_watchdog, write
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 2, 20, 97, 0.01, 0.5
 
@@ -161,10 +156,7 @@ def mode_memory(out: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "150")),
-                                      exit=True)
+    start_watchdog(150)
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "compare":

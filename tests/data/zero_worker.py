@@ -13,18 +13,14 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_common import IN_DIM, flat_params, micro_batch  # noqa: E402
-from engine_worker import write  # noqa: E402
-
-import flowtrain  # noqa: E402
+import flowtrain
+from engine_common import IN_DIM, flat_params, micro_batch, start_watchdog, write
 
 MICRO, GAS, STEPS, SEED, LR, CLIP = 4, 2, 10, 4321, 0.01, 0.3
 BUCKET = 37  # buckets of 19, 135, 15, 120 and 4 elements: odd sizes, so shards are padded
@@ -159,10 +155,7 @@ def mode_resume(out: str, ckpt: str) -> None:
 
 
 def main() -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ.get("ENGINE_WORKER_WATCHDOG", "90")),
-                                      exit=True)
+    start_watchdog(90)
     torch.set_num_threads(1)
     mode = sys.argv[1]
     if mode == "compare":

@@ -28,7 +28,8 @@ class Net(nn.Module):
 torch.manual_seed(0)
 flowtrain.init_distributed()
 net = Net()
-engine, _, _, _ = flowtrain.initialize(model=net, model_parameters=net.parameters(), config="ds_config.json")
+engine, _, _, _ = flowtrain.initialize(model=net, model_parameters=net.parameters(),
+                                       config="ds_config.json")
 g = torch.Generator().manual_seed(1)
 for _step in range(22 * engine.gradient_accumulation_steps()):
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), 32, generator=g)

@@ -23,6 +23,7 @@ module = PipelineModule(layers, num_stages=2, loss_fn=nn.functional.cross_entrop
 engine, _, _, _ = flowtrain.initialize(model=module, config="ds_config.json")
 g = torch.Generator().manual_seed(1)
 for _ in range(6):
-    engine.train_batch(iter([(torch.randn(32, 32, generator=g), torch.randint(0, 8, (32,), generator=g))
+    engine.train_batch(iter([(torch.randn(32, 32, generator=g),
+                              torch.randint(0, 8, (32,), generator=g))
                              for _ in range(4)]))
 engine.destroy()

@@ -3,7 +3,7 @@ initial loss scale, so the first steps overflow and are skipped) in which rank 1
 (SIGSTOP) after step 25 and the coordinator declares it stuck. The monitor's replay tests read
 its telemetry.msgpack, job.json and spans/.
 
-Usage: python tests/data/make_telemetry_run.py [DEST]   (default: tests/data/telemetry_run)
+Usage: python tests/make_telemetry_run.py [DEST]   (default: tests/data/telemetry_run)
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine_common import REPO, child_env
-
-HERE = Path(__file__).resolve().parent
+from helpers import DATA, REPO, child_env
 
 
 def main() -> int:
-    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "telemetry_run"
+    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else DATA / "telemetry_run"
     with tempfile.TemporaryDirectory() as tmp:
         run, out = Path(tmp, "run"), Path(tmp, "out")
         out.mkdir()
         cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
                "--run-dir", str(run), "--total-steps", "30",
-               str(HERE / "telemetry_worker.py"), str(out),
+               str(DATA / "telemetry_worker.py"), str(out),
                "--steps", "30", "--sleep", "0.1", "--fp16-power", "20", "--stop-after", "25"]
         proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                               timeout=300)

@@ -1,0 +1,119 @@
+"""`flowtrain monitor`: which run it replays or watches live, the endpoint's secret, bad input
+as one line and exit 2, and the live source's history before live records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowtrain.cli import main as cli_main
+from flowtrain.telemetry import write_live_endpoint
+from tui.app import MonitorApp
+from tui.cli import SECRET_ENV, MonitorInputError, resolve_source
+from tui.source import LiveSource, ReplaySource, parse_speed
+from tui.state import RunState
+from tui_helpers import RECORDED, TOTAL_STEPS, synthetic_records, write_recording
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+# ----------------------------------------------------------------------------- the command
+def _run_dir(base: Path, name: str, started: float, status: str = "succeeded",
+             telemetry: bool = True) -> Path:
+    run = base / "runs" / name
+    run.mkdir(parents=True)
+    (run / "job.json").write_text(json.dumps({"job_id": name, "start_time": started,
+                                              "status": status}))
+    if telemetry:
+        write_recording(run / "telemetry.msgpack", synthetic_records())
+    return run
+
+
+def test_monitor_without_argument_replays_the_newest_run(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_dir(tmp_path, "20300101-000000-aaaa", started=100.0)
+    newest = _run_dir(tmp_path, "20300101-000001-bbbb", started=200.0)
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source(None, parse_speed("10"))
+    assert isinstance(source, ReplaySource)
+    assert source.path == newest / "telemetry.msgpack" and source.speed == 10.0
+
+
+def test_monitor_subscribes_live_only_when_the_run_is_running_and_its_endpoint_answers(
+        tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, "20300101-000000-live", started=1.0, status="running")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        write_live_endpoint(run, endpoint, b"x" * 32)
+        live = resolve_source(str(run))
+        assert isinstance(live, LiveSource) and live.endpoint == endpoint
+        assert live.history == run / "telemetry.msgpack"  # what was sent before joining
+    # The launcher died without updating job.json: nobody answers, so the recording replays.
+    assert isinstance(resolve_source(str(run)), ReplaySource)
+
+
+def test_monitor_endpoint_needs_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(MonitorInputError, match=SECRET_ENV):
+        resolve_source("tcp://127.0.0.1:5555")
+    monkeypatch.setenv(SECRET_ENV, "zz")
+    with pytest.raises(MonitorInputError, match="hex digits"):
+        resolve_source("tcp://127.0.0.1:5555")
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    assert isinstance(resolve_source("tcp://127.0.0.1:5555"), LiveSource)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["monitor", "{tmp}/missing"], "run directory {tmp}/missing does not exist"),
+    (["monitor", "{tmp}/runs/20300101-000000-none"], "has no telemetry.msgpack to replay"),
+    (["monitor", "--speed", "3", "{tmp}"], "invalid choice: '3'"),
+])
+def test_monitor_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _run_dir(tmp_path, "20300101-000000-none", started=1.0, telemetry=False)
+    code = cli_main([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("flowtrain monitor: error: ")
+    assert expected.format(tmp=tmp_path) in err
+
+
+def test_monitor_command_replays_the_run_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[MonitorApp] = []
+    monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app))
+    assert cli_main(["monitor", str(RECORDED.parent), "--speed", "max"]) == 0
+    (app,) = started
+    assert isinstance(app.source, ReplaySource)
+    assert app.source.path == RECORDED and math.isinf(app.source.speed)
+
+
+async def test_live_source_shows_the_recording_first_and_each_record_once(tmp_path: Path) -> None:
+    records = synthetic_records()
+    history = tmp_path / "telemetry.msgpack"
+    write_recording(history, records[:40])
+
+    async def feed() -> Any:
+        for record in records[30:]:  # joined 10 records before the recording's end
+            yield record
+        await asyncio.Event().wait()
+
+    state = RunState()
+    source = LiveSource("tcp://127.0.0.1:1", b"k" * 32, history=history, feed=feed)
+    task = asyncio.create_task(source.run(state))
+    try:
+        while state.records < len(records):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+    assert state.records == len(records)
+    assert state.job.total_steps == TOTAL_STEPS  # the job record only the recording had
+    assert all(totals.ranks == 2 for totals in state.steps.values())
