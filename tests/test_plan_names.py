@@ -6,9 +6,6 @@ parallel); and every task the simulator prices belongs to one of those plan task
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,29 +14,20 @@ from flowtrain.config import load_config
 from flowtrain.plan import names
 from flowtrain.plan.step_plan import StepPlan
 from flowtrain.plan.workload import Layout, Workload
+from helpers import DATA, launch
 from sims.compare import RunRecord, read_run
 from sims.hardware import get_profile
 from sims.planner import SimPlan, build_plan
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "data" / "plan_names_worker.py"
+WORKER = DATA / "plan_names_worker.py"
 # mode -> ranks launched, tensor-parallel size
 MODES = {"dp": (2, 1), "zero3": (2, 1), "pipe": (2, 1), "tpdp": (4, 2)}
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def launch(mode: str, run_dir: Path) -> RunRecord:
-    ranks, _ = MODES[mode]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node",
-                           str(ranks), "--run-dir", str(run_dir), str(WORKER), mode],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        raise AssertionError(f"launch {mode} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+def launch_run(mode: str, run_dir: Path) -> RunRecord:
+    launch(MODES[mode][0], WORKER, mode, run_dir=run_dir, timeout=240)
     return read_run(run_dir)
 
 
@@ -66,7 +54,7 @@ def stage_of_rank(rank: int, mode: str, record: RunRecord) -> int:
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> tuple[str, RunRecord, SimPlan]:
     mode = request.param
-    record = launch(mode, tmp_path_factory.mktemp(mode) / "run")
+    record = launch_run(mode, tmp_path_factory.mktemp(mode) / "run")
     return mode, record, plan_of(record, mode)
 
 
