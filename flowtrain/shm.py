@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flowtrain import comm
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.shm")
@@ -219,3 +220,24 @@ def open_channel(rank: Any, *, slot_bytes: int, timeout: float) -> ShmChannel:
     if env.local_rank == 0:
         path.unlink(missing_ok=True)
     return channel
+
+
+def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parallel: bool,
+                 module: torch.nn.Module, largest_bucket_bytes: int) -> ShmChannel | None:
+    """The shared-memory channel for a data-parallel engine when every rank is on this host and
+    its model on the CPU (``choice`` "shm", or None for automatic); None means torch.distributed
+    (gloo/NCCL) carries the reduces. ``rank`` is this process's flowtrain rank."""
+    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+    # the shared-memory channel spans every rank of the job: one data-parallel group only
+    single_host = rank.env.local_world_size == world_size and not model_parallel
+    if choice is None:
+        choice = "shm" if on_cpu and single_host and available() else "torch"
+    if choice != "shm":
+        return None
+    if not (on_cpu and single_host):
+        raise ValueError("flowtrain.data_channel 'shm' needs every rank on one host and the "
+                         f"model on the CPU; world size {world_size}, ranks on this "
+                         f"host {rank.env.local_world_size}, model on "
+                         f"{next(module.parameters()).device}")
+    return open_channel(rank, slot_bytes=min(largest_bucket_bytes, 64 * 2**20) + 64,
+                        timeout=comm.DEFAULT_TIMEOUT)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flowtrain import comm
 from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader
@@ -38,9 +37,6 @@ from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
 from flowtrain.runtime.actor import Actor, ActorRef
 
-if TYPE_CHECKING:
-    from flowtrain.profiling.engine_hook import EngineProfile
-
 log = get_logger("flowtrain.engine")
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -49,7 +45,9 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class FlowtrainEngine(EngineSurface, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
-    flops_profiler: EngineProfile | None  # set by flowtrain.initialize (rank 0's, or None)
+    # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
+    # profiler runs the engine, so the engine names it by its behaviour, not its module)
+    flops_profiler: object | None
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  config: FlowtrainConfig, *, lr_scheduler: Any = None, training_data: Any = None,
@@ -201,31 +199,18 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _open_channel(self, choice: str | None) -> Any:
-        """The shared-memory channel when every rank is on this host and tensors are on the
-        CPU ("auto" or "shm"); None means torch.distributed (gloo/NCCL) carries the reduces."""
+        """The data channel the reduces go over (``flowtrain.shm.data_channel``)."""
         from flowtrain import shm
 
-        rank = self._rank if self._rank is not None else None
-        if rank is None:
+        if self._rank is None:
             from flowtrain.runtime.rank import current_rank
 
-            rank = self._rank = current_rank()
-        on_cpu = all(p.device.type == "cpu" for p in self.module.parameters())
-        # the shared-memory channel spans every rank of the job: one data-parallel group only
-        single_host = rank.env.local_world_size == self.world_size and not self.model_parallel
-        if choice is None:
-            choice = "shm" if on_cpu and single_host and shm.available() else "torch"
-        if choice != "shm":
-            return None
-        if not (on_cpu and single_host):
-            raise ValueError("flowtrain.data_channel 'shm' needs every rank on one host and the "
-                             f"model on the CPU; world size {self.world_size}, ranks on this "
-                             f"host {rank.env.local_world_size}, model on "
-                             f"{next(self.module.parameters()).device}")
+            self._rank = current_rank()
         slot = max(b.numel for b in self.plan.buckets) * \
             torch.empty((), dtype=self.comm_dtype).element_size()
-        return shm.open_channel(rank, slot_bytes=min(slot, 64 * 2**20) + 64,
-                                timeout=comm.DEFAULT_TIMEOUT)
+        return shm.data_channel(choice, self._rank, world_size=self.world_size,
+                                model_parallel=self.model_parallel, module=self.module,
+                                largest_bucket_bytes=slot)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         """(name, shape, dtype, element size) of each trainable parameter, taken once before

@@ -14,6 +14,7 @@ from typing import Any
 from flowtrain.engine.parts import TelemetrySource, TimedEngine
 from flowtrain.engine.stages import StepDone
 from flowtrain.log import get_logger
+from flowtrain.plan import names
 from flowtrain.runtime.actor import Actor, ActorRef, handler
 from flowtrain.telemetry.schema import (
     SCHEMA_VERSION,
@@ -29,8 +30,8 @@ MODEL_STATES_REFRESH_S = 10.0  # model-state sizes (a walk over the optimizer st
 SPANS_MIN_GAP_S = 1.0  # a "spans" record at most once a second per rank (each is ~0.5 KB)
 WINDOW_TIMINGS = 4  # a "step" record averages the timings of the window's last 4 steps
 FLUSH_ASK_TIMEOUT = 0.5  # seconds the control client's goodbye waits for held records
-COMM_PREFIXES = ("reduce/", "gather/")  # spans of collectives, launch to completion
-WAIT_PREFIX = "comm/"  # spans where the step waited for collectives (exposed communication)
+COMM_CLASSES = ("reduce", "gather")  # spans of collectives, launch to completion
+WAIT_CLASS = "comm"  # spans where the step waited for collectives (exposed communication)
 
 Publish = Callable[[str, Mapping[str, Any]], bool]
 Snapshot = tuple[float, list[tuple[str, float, float]]]  # (step start, spans), perf_counter times
@@ -135,12 +136,12 @@ def step_timings(spans: list[tuple[str, float, float]], start: float) -> dict[st
     end = start
     for name, a, b in spans:
         end = max(end, b)
-        head = name.split("/", 1)[0]
+        head = names.task_class(name)
         if head in sums:
             sums[head] += b - a
-        elif name.startswith(WAIT_PREFIX):
+        elif head == WAIT_CLASS:
             exposed += b - a
-        elif name.startswith(COMM_PREFIXES):
+        elif head in COMM_CLASSES:
             collectives.append((a, b))
     busy = _union_length(collectives)
     overlap = None if busy <= 0 else min(1.0, max(0.0, 1.0 - exposed / busy))

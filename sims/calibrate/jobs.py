@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flowtrain.plan import names
 from sims.calibrate.job import BUCKETS_DIR, GLOO_FILE, ZERO3_DIR
 from sims.calibrate.probe import probe_seconds
 from sims.calibrate.settings import CalibrationError
@@ -167,9 +168,10 @@ def micro_batch_gap(steps: dict[int, list[list[tuple[str, float, float]]]]) -> f
     gaps = []
     for rows in steps.values():
         for spans in rows[1:] if len(rows) > 1 else rows:
-            ends = {n.split("/")[1]: b for n, _, b in spans if n.startswith("forward/")}
+            ends = {names.micro_batch_of(n): b for n, _, b in spans
+                    if names.task_class(n) == "forward"}
             for n, a, _ in spans:
-                mb = n.split("/")[1] if n.startswith("backward/") else None
+                mb = names.micro_batch_of(n) if names.task_class(n) == "backward" else None
                 if mb in ends and a >= ends[mb]:
                     gaps.append(a - ends[mb])
     return statistics.median(gaps) if gaps else 0.0
@@ -182,7 +184,7 @@ def gap_per_op(steps: dict[int, list[list[tuple[str, float, float]]]]) -> float:
     per_step = []
     for rows in steps.values():
         for spans in rows[1:] if len(rows) > 1 else rows:
-            passes = [(a, b) for n, a, b in spans if n.startswith(("forward/", "backward/"))]
+            passes = [(a, b) for n, a, b in spans if names.task_class(n) in names.PASSES]
             if not passes:
                 continue
             first, last = min(a for a, _ in passes), max(b for _, b in passes)
