@@ -293,8 +293,10 @@ class _StageBuilder(StageCosts):
         anything to the parameter fetcher (a bucket to wait for, or gathers to start), as the
         engine's hooks do then, the hand-off as a task of the pass. Returns the segment's new
         predecessor and refs."""
-        bucket = self.bucket_of_seg[j]
-        if not self.fetch_s or self.uses is None or bucket is None:
+        if not self.fetch_s or self.uses is None:
+            return last, refs
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
             return last, refs
         pos = self.use_pos[("fwd" if kind == "forward" else "bwd", bucket)]
         if not (self.uses.launched[pos] or self.uses.gathered_for[pos]):
@@ -305,8 +307,10 @@ class _StageBuilder(StageCosts):
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
         """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
         the task ahead of the use, is done) and returns the gathers the segment waits for."""
-        bucket = self.bucket_of_seg[j]
-        if self.uses is None or bucket is None:
+        if self.uses is None:
+            return []
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
             return []
         s, plan = self.stage, self.plan
         pos = self.use_pos[(direction, bucket)]
