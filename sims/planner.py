@@ -293,9 +293,12 @@ class _StageBuilder(StageCosts):
         anything to the parameter fetcher (a bucket to wait for, or gathers to start), as the
         engine's hooks do then, the hand-off as a task of the pass. Returns the segment's new
         predecessor and refs."""
-        if not self.fetch_s or self.uses is None or self.bucket_of_seg[j] is None:
+        if not self.fetch_s or self.uses is None:
             return last, refs
-        pos = self.use_pos[("fwd" if kind == "forward" else "bwd", self.bucket_of_seg[j])]
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
+            return last, refs
+        pos = self.use_pos[("fwd" if kind == "forward" else "bwd", bucket)]
         if not (self.uses.launched[pos] or self.uses.gathered_for[pos]):
             return last, refs
         return self.plan.add(self.stage, names.fetch(kind, k, self.segments[j].label), kind,
@@ -304,10 +307,13 @@ class _StageBuilder(StageCosts):
     def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
         """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
         the task ahead of the use, is done) and returns the gathers the segment waits for."""
-        if self.uses is None or self.bucket_of_seg[j] is None:
+        if self.uses is None:
+            return []
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
             return []
         s, plan = self.stage, self.plan
-        pos = self.use_pos[(direction, self.bucket_of_seg[j])]
+        pos = self.use_pos[(direction, bucket)]
         for b in self.uses.launched[pos]:
             # a gather serves the bucket's next use from here on
             use = next(p for p in range(pos, len(self.trace)) if self.trace[p] == b)

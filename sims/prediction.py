@@ -168,7 +168,7 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         raise SimulateError(str(exc)) from None
     tasks = plan.tasks
     if host_speed != 1.0:
-        tasks = [dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks]
+        tasks = tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
     elapsed = time.perf_counter() - started

@@ -6,11 +6,16 @@ optimizer step. The planner (``sims.planner``) lays out the tasks; this prices t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan.workload import Layout, ParamSpec, Workload
 from flowtrain.plan.workload import numel as _numel
 from sims import costs
+
+if TYPE_CHECKING:
+    from flowtrain.plan import BucketPlan
+    from sims.engine_costs import EngineCosts
+    from sims.plan_tasks import Segment
 
 # ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
 PIPELINE_JOB_RANKS = 2
@@ -18,6 +23,12 @@ PIPELINE_JOB_RANKS = 2
 
 class StageCosts:
     """The prices of one pipeline stage's tasks on hardware ``hw``."""
+
+    # Set by the planner's stage builder, which lays the tasks out; declared here (annotations
+    # only) so that the pricing below is checked against them.
+    segments: list[Segment]
+    buckets: tuple[BucketPlan, ...]
+    stage_flops: float  # the stage's forward FLOPs of one sample
 
     def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
@@ -35,7 +46,8 @@ class StageCosts:
         self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
         self.fp16 = cfg.precision == "fp16"
         # A CPU host calibrated with the engine's own costs (float32: what was measured)
-        self.engine = None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
+        self.engine: EngineCosts | None = \
+            None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
         ranks_here = layout.devices_per_node
         self.threads = costs.rank_threads(ranks_here, hw) if not self.gpu else 1
         # ranks sharing this host's cores compute, and stream memory, slower (1 on GPUs)
@@ -81,16 +93,17 @@ class StageCosts:
         # a pipeline stage's hand-offs per instruction, and per message delivered, as the
         # 2-rank pipeline job measured them: thread hand-offs that wait for a core, so with more
         # ranks sharing the host they take as much longer as its compute does
-        pipelined = self.engine is not None and self.pp > 1
+        piped = self.engine if self.pp > 1 else None
+        pipelined = piped is not None
         crowding = self.slowdown / costs.compute_slowdown(PIPELINE_JOB_RANKS, hw) \
             if pipelined else 1.0
-        self.op_s = self.engine.pipeline_op_s * crowding if pipelined else 0.0
-        self.message_s = self.engine.pipeline_message_s * crowding if pipelined else 0.0
+        self.op_s = piped.pipeline_op_s * crowding if piped is not None else 0.0
+        self.message_s = piped.pipeline_message_s * crowding if piped is not None else 0.0
         # model-parallel clipping sums the gradient norm over every rank (one all-reduce of
         # the world), and the pipeline broadcasts the step's loss from the last stage
         self.world_norm_s = costs.collective_seconds(
-            "all_reduce", 8, layout.world_size, hw) + self.engine.factor(ranks_here, "gloo_s") \
-            if pipelined and self.clip else 0.0
+            "all_reduce", 8, layout.world_size, hw) + piped.factor(ranks_here, "gloo_s") \
+            if piped is not None and self.clip else 0.0
         self.loss_broadcast_s = costs.collective_seconds("broadcast", 4, self.pp, hw) \
             if pipelined else 0.0
         # the engine reduces over its shared-memory channel when every rank of a

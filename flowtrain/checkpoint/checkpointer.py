@@ -92,7 +92,7 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
         engine.skipped_steps = shared["skipped_steps"]
         # With another accumulation count (the world size changed, the global batch did not)
         # the next micro-step starts a fresh window.
-        gas = engine.config.gradient_accumulation_steps
+        gas = engine.config.grad_accum
         engine.micro_steps = shared["micro_steps"] \
             if shared.get("gradient_accumulation_steps", gas) == gas \
             else engine.global_steps * gas

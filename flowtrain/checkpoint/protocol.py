@@ -37,7 +37,6 @@ class CheckpointableEngine(Protocol):
     zero_stage: int
     precision: str
     loss_scaler: LossScaler
-    lr_scheduler: Stateful | None
     config: FlowtrainConfig
     training_dataloader: DistributedLoader | None
 
@@ -55,6 +54,10 @@ class CheckpointableEngine(Protocol):
     global_samples: int
     skipped_steps: int
     micro_steps: int
+
+    # read-only here, so that an engine may hold a scheduler type that offers more (a step)
+    @property
+    def lr_scheduler(self) -> Stateful | None: ...
 
     @property
     def param_names(self) -> list[str]:

@@ -112,6 +112,21 @@ class FlowtrainConfig(Section):
         return self._dp_world_size
 
     @property
+    def global_batch(self) -> int:
+        """``train_batch_size``, which ``load_config``'s batch rule always sets."""
+        return _resolved(self.train_batch_size, "train_batch_size")
+
+    @property
+    def micro_batch(self) -> int:
+        """``train_micro_batch_size_per_gpu``, which ``load_config``'s batch rule always sets."""
+        return _resolved(self.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu")
+
+    @property
+    def grad_accum(self) -> int:
+        """``gradient_accumulation_steps``, which ``load_config``'s batch rule always sets."""
+        return _resolved(self.gradient_accumulation_steps, "gradient_accumulation_steps")
+
+    @property
     def precision(self) -> str:
         """Training precision: "fp16", "bf16" or "fp32"."""
         if self.fp16.enabled:
@@ -149,3 +164,12 @@ class FlowtrainConfig(Section):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
+
+
+def _resolved(value: int | None, key: str) -> int:
+    # The fields are optional only until the batch rule has run; a config that reaches the
+    # engine or the simulator without it was not built by load_config.
+    if value is None:
+        raise ValueError(f"{key} is not set: build the config with load_config, which applies "
+                         "the batch rule")
+    return value

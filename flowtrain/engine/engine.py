@@ -164,7 +164,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.training_dataloader = None
         if training_data is not None:
             self.training_dataloader = DistributedLoader(
-                training_data, batch_size=config.train_micro_batch_size_per_gpu,
+                training_data, batch_size=config.micro_batch,
                 rank=self.dp_rank, world_size=self.world_size, collate_fn=collate_fn,
                 seed=config.flowtrain.seed or 0)
 
@@ -229,8 +229,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return build_step_plan(
             self._param_specs(), world_size=self.world_size, groups=self._groups,
             buckets=buckets,
-            gradient_accumulation_steps=self.config.gradient_accumulation_steps,
-            micro_batch_size=self.config.train_micro_batch_size_per_gpu,
+            gradient_accumulation_steps=self.config.grad_accum,
+            micro_batch_size=self.config.micro_batch,
             bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
             comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order,
             reduce_every_micro_batch=self.transient, **self._pipeline_position())
@@ -283,7 +283,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
-        mb = self.micro_steps % self.config.gradient_accumulation_steps
+        mb = self.micro_steps % self.config.grad_accum
         if self.stage3 is not None and torch.is_grad_enabled():
             self.stage3.start_micro_batch(mb)
         if self._plan_pending:
@@ -321,7 +321,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.config.grad_accum == 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -345,7 +345,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._losses.append(loss.detach())
         scale = self.loss_scaler.loss_scale
         if scale_wrt_gas:
-            scale = scale / self.config.gradient_accumulation_steps
+            scale = scale / self.config.grad_accum
         self.backward_pass(lambda: (loss.float() * scale if scale != 1.0 else loss).backward(
             retain_graph=retain_graph))
         return loss
@@ -360,7 +360,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         reduce_now = (boundary or self.transient) and self.reducer is not None and \
             not self._no_sync
         self._handed.clear()
-        mb = self.micro_steps % self.config.gradient_accumulation_steps
+        mb = self.micro_steps % self.config.grad_accum
         if self.stage3 is not None:
             self.stage3.start_backward()
         with self.buckets.watch(self._bucket_ready if reduce_now else None,
@@ -382,7 +382,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _reduce_micro_batch(self, micro_step: int | None = None) -> int | None:
         """The micro-batch a reduce belongs to when every micro-batch reduces (ZeRO 2-3 with
         accumulation: the plan names each micro-batch's reduce), else None (once a step)."""
-        gas = self.config.gradient_accumulation_steps
+        gas = self.config.grad_accum
         if not self.transient or gas == 1:
             return None
         return (self.micro_steps if micro_step is None else micro_step) % gas
@@ -426,7 +426,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if not self._order_settled and self.reducer is not None and not self._no_sync:
             self._settle_bucket_order()
         self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
+        self.global_samples += self.config.global_batch
         loss = torch.stack(self._losses).float().mean().item() if self._losses else None
         self._losses.clear()
         lr = self.get_lr()[0] if self.get_lr() else 0.0
@@ -436,9 +436,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
                                                 self._global_grad_norm,
                                                 self.loss_scaler.loss_scale))
-        if self.global_rank == 0 and self.config.steps_per_print and \
-                self.global_steps % self.config.steps_per_print == 0:
-            self._log_step(loss, lr)
+        every = self.config.steps_per_print
+        if self.global_rank == 0 and every and self.global_steps % every == 0:
+            self._log_step(loss, lr, every)
 
     def _optimizer_step(self) -> bool:
         if self.zero is not None:
@@ -458,8 +458,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._zero_grads()
             return True
         clip = self.config.gradient_clipping
-        printing = bool(self.config.steps_per_print) and \
-            (self.global_steps + 1) % self.config.steps_per_print == 0
+        every = self.config.steps_per_print
+        printing = bool(every and (self.global_steps + 1) % every == 0)
         if (clip and clip > 0) or printing:
             # The norm costs a pass over every gradient: only when clipping or logging needs it.
             if self.model_parallel:  # every stage's and tensor slice's gradients count
@@ -504,8 +504,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def _zero_step(self) -> bool:
         clip = self.config.gradient_clipping
-        printing = bool(self.config.steps_per_print) and \
-            (self.global_steps + 1) % self.config.steps_per_print == 0
+        every = self.config.steps_per_print
+        printing = bool(every and (self.global_steps + 1) % every == 0)
         fp16 = self.precision == "fp16"
         if self.zero is None:
             raise RuntimeError("a ZeRO optimizer step on an engine built without ZeRO")
@@ -543,9 +543,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.stages.add(ref, at)
         return ref
 
-    def _log_step(self, loss: float | None, lr: float) -> None:
-        breakdown = self.timer.breakdown(self.config.steps_per_print)
-        samples_per_s = (self.config.train_batch_size / breakdown["step_s"]
+    def _log_step(self, loss: float | None, lr: float, every: int) -> None:
+        breakdown = self.timer.breakdown(every)
+        samples_per_s = (self.config.global_batch / breakdown["step_s"]
                          if breakdown.get("step_s") else None)
         memory = self.memory_breakdown()
         health = self.health.figures(breakdown.get("step_s"), breakdown.get("comm_s"))

@@ -31,12 +31,13 @@ class Health:
         self.parts = parts
         self.zero = zero
         self.forward_flops: float | None = None  # one micro-batch, set by the engine
-        self._peak: float | None | bool = False  # False: not looked up yet
+        self._peaks_read = False  # the peaks are looked up once, on first use
+        self._peak: float | None = None
         self._bandwidth: float | None = None
 
     def _peaks(self) -> tuple[float | None, float | None]:
-        if self._peak is False:
-            self._peak, self._bandwidth = None, None
+        if not self._peaks_read:
+            self._peaks_read = True
             param = next(iter(self.parts.module.parameters()), None)
             if param is None:
                 return None, None
@@ -52,13 +53,13 @@ class Health:
                     self._bandwidth = float(host.memory_bandwidth)
             except Exception:  # no calibrated profile: the figures read "n/a"
                 pass
-        return self._peak, self._bandwidth  # type: ignore[return-value]
+        return self._peak, self._bandwidth
 
     def step_bytes(self) -> float:
         parts = self.parts
         # the specs keep full shapes where ZeRO stage 3 left placeholders
         weights = sum(e * _numel(shape) for _, shape, _, e in parts.param_specs)
-        gas = parts.config.gradient_accumulation_steps
+        gas = parts.config.grad_accum
         if self.zero is not None:
             stepped = sum(m.numel() for m in self.zero.master)
         else:
@@ -71,7 +72,7 @@ class Health:
             return out
         out["comm_share"] = (comm_s or 0.0) / step_s
         peak, bandwidth = self._peaks()
-        gas = self.parts.config.gradient_accumulation_steps
+        gas = self.parts.config.grad_accum
         if peak and self.forward_flops:
             out["mfu"] = 3.0 * self.forward_flops * gas / (step_s * peak)
         if bandwidth:

@@ -7,18 +7,29 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from flowtrain.checkpoint.checkpointer import load_engine, save_engine
+from flowtrain.checkpoint.protocol import Stateful
 
 if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.dataloader import DistributedLoader
     from flowtrain.engine.mixed import MasterWeights
+    from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.precision.loss_scaler import LossScaler
     from flowtrain.zero.sharded import ZeroOptimizer
     from flowtrain.zero.stage3 import Stage3Params
+
+
+class LRScheduler(Stateful, Protocol):
+    """What the engine asks of an lr scheduler: a step after each optimizer step that is not
+    skipped, and the state a checkpoint keeps."""
+
+    def step(self) -> None: ...
 
 
 def job_world_size() -> int:
@@ -32,9 +43,10 @@ class EngineSurface:
     """Mixed into FlowtrainEngine (which provides the attributes used here)."""
 
     # Set by FlowtrainEngine.__init__; declared here (annotations only, no class attributes)
-    # so that the methods below are checked against them.
+    # so that the methods below are checked against them, and so that the mixin is the
+    # CheckpointableEngine that save_checkpoint and load_checkpoint hand on.
     module: torch.nn.Module
-    config: Any
+    config: FlowtrainConfig
     optimizer: torch.optim.Optimizer
     trainable: list[torch.nn.Parameter]
     buckets: GradBuckets
@@ -45,6 +57,24 @@ class EngineSurface:
     global_rank: int
     loss_scaler: LossScaler
     _global_grad_norm: float | None
+    _names: list[str]
+    zero_stage: int
+    precision: str
+    lr_scheduler: LRScheduler | None
+    training_dataloader: DistributedLoader | None
+    world_size: int
+    dp_rank: int
+    model_parallel: bool
+    grid: ProcessGrid | None
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    micro_steps: int
+
+    if TYPE_CHECKING:
+        # FlowtrainEngine's own; for the type checker only, since a method defined here would
+        # come before torch.nn.Module's in the engine's method order.
+        def zero_grad(self, set_to_none: bool = False) -> None: ...
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: parameters, gradients (stage 2: the rank's
@@ -132,13 +162,13 @@ class EngineSurface:
         return self._global_grad_norm
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self.config.global_batch
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self.config.micro_batch
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.config.grad_accum
 
     @property
     def loss_scale(self) -> float:

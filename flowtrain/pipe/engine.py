@@ -101,6 +101,10 @@ class PipelineEngine(FlowtrainEngine):
 
         from flowtrain.engine.spans import write_plan
 
+        run_dir = self._run_dir
+        if run_dir is None:  # _plan_pending is set only with one
+            raise RuntimeError("a pipeline stage records its plan only in a launched run's "
+                               "directory")
         self._plan_pending = False
         flops = float(census["matmul_flops"] + census["attention_flops"])
         record = {"v": 1, "stage": self.stage_id, "stages": self.num_stages,
@@ -111,11 +115,11 @@ class PipelineEngine(FlowtrainEngine):
                   "output_bytes_per_micro_batch": sum(t.numel() * t.element_size()
                                                       for t in tensors_of(out))}
         try:
-            stages = Path(self._run_dir) / "stages"
+            stages = Path(run_dir) / "stages"
             stages.mkdir(parents=True, exist_ok=True)
             (stages / f"stage{self.stage_id}.json").write_text(json.dumps(record))
             if self.global_rank == 0:
-                write_plan(self._run_dir, config=self.config.to_dict(),
+                write_plan(run_dir, config=self.config.to_dict(),
                            world_size=dist.get_world_size() if dist.is_initialized() else 1,
                            param_specs=self._param_specs(), forward_flops_per_micro_batch=flops)
         except OSError as exc:
@@ -126,7 +130,7 @@ class PipelineEngine(FlowtrainEngine):
         the loss on the last stage). ``last``: the step's last backward, whose micro-step the
         optimizer step after the sends counts. Called by the stage actor."""
         if self.grid.is_last_stage:
-            scale = self.loss_scaler.loss_scale / self.config.gradient_accumulation_steps
+            scale = self.loss_scaler.loss_scale / self.config.grad_accum
             self.backward_pass(lambda: (out.float() * scale).backward(), names.backward(mb))
         else:
             outs = [t for t in tensors_of(out) if t.requires_grad]
@@ -139,7 +143,7 @@ class PipelineEngine(FlowtrainEngine):
     # -- the DeepSpeed surface ---------------------------------------------------------------------
 
     def _batches(self, data_iter: Iterator[Any] | None) -> tuple[Any, ...]:
-        gas = self.config.gradient_accumulation_steps
+        gas = self.config.grad_accum
         if not (self.grid.is_first_stage or self.grid.is_last_stage):
             return (None,) * gas
         if data_iter is None:
@@ -177,7 +181,7 @@ class PipelineEngine(FlowtrainEngine):
                    compute_loss: bool = True) -> torch.Tensor:
         """Forward only over gradient_accumulation_steps micro-batches; the mean loss."""
         ops = tuple(op for op in stage_ops("gpipe", self.stage_id, self.num_stages,
-                                           self.config.gradient_accumulation_steps)
+                                           self.config.grad_accum)
                     if op.kind in ("recv_act", "forward", "send_act"))
         was = self.module.training
         self.module.eval()

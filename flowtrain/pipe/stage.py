@@ -114,10 +114,12 @@ class PipeStage(Actor):
         waits: dict[Any, Future[Any]] = {}
         for op in msg.ops:
             if op.kind == "recv_act":
-                waits[op.kind, op.mb] = self._receiver(prev, (TAG_ACT, TAG_ACT_DATA)).expect(
+                waits[op.kind, op.mb] = self._receiver(
+                    _peer(prev, op.kind), (TAG_ACT, TAG_ACT_DATA)).expect(
                     run, op.mb, names[op.kind].format(op.mb))
             elif op.kind == "recv_grad":
-                waits[op.kind, op.mb] = self._receiver(nxt, (TAG_GRAD, TAG_GRAD_DATA)).expect(
+                waits[op.kind, op.mb] = self._receiver(
+                    _peer(nxt, op.kind), (TAG_GRAD, TAG_GRAD_DATA)).expect(
                     run, op.mb, names[op.kind].format(op.mb))
         abort = threading.Event()
         try:
@@ -167,7 +169,7 @@ class PipeStage(Actor):
                 continue  # it records its own span
             elif op.kind == "send_act":
                 out = outputs[mb] if msg.train else outputs.pop(mb)
-                self._send(_detached(out), nxt, (TAG_ACT, TAG_ACT_DATA), mb,
+                self._send(_detached(out), _peer(nxt, op.kind), (TAG_ACT, TAG_ACT_DATA), mb,
                            names[op.kind].format(mb))
             elif op.kind == "recv_grad":
                 got = self._result(waits.pop((op.kind, mb)), names[op.kind].format(mb), abort)
@@ -180,13 +182,21 @@ class PipeStage(Actor):
                 continue
             elif op.kind == "send_grad":
                 x = inputs.pop(mb)
-                self._send(_input_grads(x), prev, (TAG_GRAD, TAG_GRAD_DATA), mb,
+                self._send(_input_grads(x), _peer(prev, op.kind), (TAG_GRAD, TAG_GRAD_DATA), mb,
                            names[op.kind].format(mb))
             spans.append((op.task_name, start, time.perf_counter()))
         if self._sender is not None:
             waits["drain"] = self._sender.drain()
             self._result(waits.pop("drain"), f"stage {self.grid.pp_rank}'s sends", abort)
         return ScheduleDone(tuple(losses))
+
+
+def _peer(rank: int | None, kind: str) -> int:
+    """The neighbouring stage's rank that a ``kind`` instruction talks to: a schedule has no
+    receive from, or send to, a stage before the first or after the last."""
+    if rank is None:
+        raise ValueError(f"a {kind} instruction on a stage with no neighbour on that side")
+    return rank
 
 
 def tensors_of(x: Any) -> tuple[torch.Tensor, ...]:

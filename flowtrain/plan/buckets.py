@@ -146,7 +146,7 @@ def plan_units(
         packed = plan_buckets(sub, bucket_numel, order=range(len(sub)), first_bucket_bytes=1 << 62,
                               groups=[groups[i] for i in resident] if groups is not None else None)
         for b in packed:
-            slots = tuple(ParamSlot(resident[s.index], s.name, s.shape, s.numel, s.offset)
-                          for s in b.slots)
-            buckets.append(BucketPlan(len(buckets), b.dtype, slots, b.numel, b.group, False))
+            renumbered = tuple(ParamSlot(resident[s.index], s.name, s.shape, s.numel, s.offset)
+                               for s in b.slots)
+            buckets.append(BucketPlan(len(buckets), b.dtype, renumbered, b.numel, b.group, False))
     return tuple(buckets)

@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -98,7 +98,9 @@ class RuntimeHandle(Protocol):
 
     def raise_if_failed(self) -> None: ...
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T: ...
+    # a coroutine function, not any awaitable: the call is handed to the loop's thread
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
+             timeout: float = 60.0) -> T: ...
 
     def spawn(self, actor: Actor, name: str | None = None, *,
               mailbox_size: int | None = None) -> ActorRef[Any]: ...

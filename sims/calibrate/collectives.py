@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_pipes
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,10 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
     if start_method is None:
         one_thread = (os.cpu_count() or 1) // min(ranks) <= 1
         start_method = "fork" if one_thread else "forkserver"
-    ctx = mp.get_context(start_method)
+    # typeshed types a context picked by a str as the BaseContext, which has no Process; each
+    # start method's context has one
+    ctx = cast("mp.context.ForkContext | mp.context.ForkServerContext | mp.context.SpawnContext",
+               mp.get_context(start_method))
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["sims.calibrate.collectives"])
     port = free_port()
@@ -85,15 +88,18 @@ def measure_collectives(settings: Settings, ranks: Sequence[int], timeout_s: flo
         # notice at their process-group timeout) and a dead rank is seen at once (EOF).
         while waiting:
             remaining = deadline - time.monotonic()
-            ready = wait_for_pipes(list(waiting), timeout=max(0.0, remaining))
+            # wait() hands back the very objects it was given, here the pipes; typeshed types
+            # them as any waitable (a socket or a file descriptor too)
+            ready = cast("list[Connection]",
+                         wait_for_pipes(list(waiting), timeout=max(0.0, remaining)))
             if not ready:
                 raise CalibrationError(
                     f"calibration ranks {sorted(waiting.values())} of {world} sent nothing within "
                     f"{timeout_s:g} s; rerun with a larger --timeout or on a less busy host")
             for pipe in ready:
-                rank = waiting.pop(pipe)  # type: ignore[call-overload]
+                rank = waiting.pop(pipe)
                 try:
-                    results[rank] = pipe.recv()  # type: ignore[union-attr]
+                    results[rank] = pipe.recv()
                 except EOFError:
                     procs[rank].join(1)
                     raise CalibrationError(f"calibration rank {rank} died without a result "

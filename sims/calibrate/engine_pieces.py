@@ -145,7 +145,8 @@ def measure_optimizer(sets: Sequence[tuple[int, int]],
                       torch.zeros(numel)) for _ in range(count)]
             steps = iter(range(1, 1 << 30))
 
-            def call(state: list[tuple[torch.Tensor, ...]] = state, steps: Any = steps) -> None:
+            def call(state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+                     = state, steps: Any = steps) -> None:
                 t = next(steps)
                 for p, g, m, v in state:
                     ops.adam_step(p, g, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,

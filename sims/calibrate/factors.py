@@ -37,7 +37,7 @@ def predict_job(profile: Any, job: dict[str, Any], host_speed: float = 1.0
     ``profile``, the host ``host_speed`` times slower than the profile says."""
     ranks, pp = int(job["ranks"]), int(job.get("pp", 1))
     cfg = load_config(job["plan"]["config"], world_size=ranks // pp, check_supported=False)
-    micro_batch = cfg.train_micro_batch_size_per_gpu
+    micro_batch = cfg.micro_batch
     work = Workload.from_stages(job["stages"], micro_batch) if pp > 1 else \
         Workload.from_run(job["plan"], micro_batch, name="calibration job")
     prediction = predict(None, cfg, Layout(1, ranks, 1, pp), profile, cluster=profile.name,
@@ -91,12 +91,14 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
         buckets = job.get("buckets")
         # the bucket hand-offs (and the reduces' own overhead) add to the sizes' own buckets
         # too: the sizes are fitted again with them in place, until they settle
-        for _ in range(BUCKET_PASSES if buckets is not None else 0):
-            before = (fitted.get("bucket_s", 0.0), fitted.get("reduce_s", 0.0))
-            _fit_buckets(predicted, fitted, ranks, buckets, sizes)
-            _fit_sizes(predicted, fitted, ranks, sizes)
-            if max(abs(fitted["bucket_s"] - before[0]), abs(fitted["reduce_s"] - before[1])) < 1e-6:
-                break
+        if buckets is not None:
+            for _ in range(BUCKET_PASSES):
+                before = (fitted.get("bucket_s", 0.0), fitted.get("reduce_s", 0.0))
+                _fit_buckets(predicted, fitted, ranks, buckets, sizes)
+                _fit_sizes(predicted, fitted, ranks, sizes)
+                if max(abs(fitted["bucket_s"] - before[0]),
+                       abs(fitted["reduce_s"] - before[1])) < 1e-6:
+                    break
         if job.get("gloo"):
             # what a gloo call takes beside a live engine over what the bare ranks measured
             fitted["gloo_s"] = max(0.0, statistics.median(

@@ -33,8 +33,11 @@ def measure_matmul(settings: Settings) -> list[dict[str, Any]]:
                     break  # this dtype is too slow here for larger sizes to be worth the time
                 a = torch.randn(n, n).to(getattr(torch, dtype))
                 b = torch.randn(n, n).to(getattr(torch, dtype))
-                seconds = repeat(lambda a=a, b=b: torch.mm(a, b), settings.seconds_per_point,
-                                 policy="min", min_reps=3)
+
+                def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+                    return torch.mm(a, b)
+
+                seconds = repeat(mm, settings.seconds_per_point, policy="min", min_reps=3)
                 records.append({"dtype": dtype, "n": n, "flops": 2.0 * n**3,
                                 "seconds": seconds})
                 last = (n, seconds)

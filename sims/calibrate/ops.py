@@ -73,6 +73,11 @@ def _attention(shape: tuple[int, int, int]) -> tuple[Callable[[], torch.Tensor],
         attention_flops(q, k, v), 1, [q, k, v]
 
 
+def _point_op(cls: str, i: int) -> tuple[Callable[[], torch.Tensor], float, int, list[Any]]:
+    """``cls``'s representative op at its ``i``-th size (``ATTENTION_SHAPES``, ``OP_SIZES``)."""
+    return _attention(ATTENTION_SHAPES[i]) if cls == "attention" else _op(cls, OP_SIZES[i])
+
+
 def time_op(forward: Callable[[], torch.Tensor], leaves: Sequence[Any],
             seconds: float) -> tuple[float, float]:
     """Median forward and median backward seconds of one op, each pass timed on its own."""
@@ -106,9 +111,8 @@ def measure_ops(thread_counts: Sequence[int], seconds_per_point: float,
                 torch.set_num_threads(threads)
                 for cls in OP_COST_CLASSES:
                     points = ATTENTION_SHAPES if cls == "attention" else OP_SIZES
-                    for i, point in enumerate(points):
-                        forward, size, calls, leaves = _attention(point) \
-                            if cls == "attention" else _op(cls, point)
+                    for i in range(len(points)):
+                        forward, size, calls, leaves = _point_op(cls, i)
                         fwd, bwd = time_op(forward, leaves, seconds_per_point / rounds)
                         timed.setdefault((threads, cls, i), []).append(
                             {"forward_s": fwd, "backward_s": bwd})

@@ -38,6 +38,7 @@ def check_measurements(m: Any) -> dict[str, Any]:
     host = _need(m, "host", dict, "")
     _need(host, "cores", int, "host.")
     _need(host, "memory_bytes", int, "host.")
+    fields: tuple[str, ...]
     for key, fields in (("matmul", ("dtype", "flops", "seconds")),
                         ("memory", ("kind", "bytes_moved", "seconds")),
                         ("collectives", ("op", "ranks", "bytes", "seconds"))):
