@@ -23,8 +23,8 @@ idle head and tail count too. Median over the steps after warm-up; each m is lau
 backward times (one figure for both stages) and this host's calibrated pipeline send
 (`flowtrain calibrate`; free sends when there is no profile), the bubble read off its timeline
 the same way. "per-stage" replays the same schedule with each stage's own median forward and
-backward and the same send, so per-stage minus formula is what unequal stages add (on this
-2-core host a process's matmuls can run ~20% slower than another's for the same shapes).
+backward and the same send, so per-stage minus formula is what unequal stages add (processes
+sharing cores need not run the same shapes at the same speed).
 "replay" replays it with each step's own forward and backward times (median over steps):
 what the run would take if nothing but its compute, as it happened, and the wire counted; so
 measured minus replay is what the engine adds, and replay minus per-stage what the jitter of
@@ -374,8 +374,7 @@ def main() -> int:
     ap.add_argument("--cluster", default="this-host", help="profile for the send cost")
     ap.add_argument("--bind", action="store_true",
                     help="launch with --bind-cores-to-rank: each rank pinned to its own share "
-                         "of the cores (one core each on a 2-core host); default: the ranks "
-                         "share every core (binding did not lower the bubble here)")
+                         "of the cores; default: the ranks share every core")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
     args.width = args.width or (512 if args.small else 1024)

@@ -36,8 +36,8 @@ SIM_TIMEOUT_S = 300
 def _run():
     if "result" not in _cache:
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-        # the simulator interprets every thread in Python: all checks take minutes on a slow
-        # 2-core host, so they get SIM_TIMEOUT_S rather than the suite's default
+        # the simulator interprets every thread in Python, so the checks take minutes: they
+        # get SIM_TIMEOUT_S rather than the suite's default
         proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CUDASIM_RESULT ")]

@@ -27,8 +27,8 @@ SAMPLE = Path(__file__).parent / "data" / "calibration_sample.json"
 
 @pytest.fixture(scope="module")
 def sample() -> dict[str, Any]:
-    """Measurements recorded once on the project's 2-core host (`flowtrain calibrate
-    --save-measurements`), so the fit is tested on real, noisy gloo and matmul numbers."""
+    """Measurements recorded once by `flowtrain calibrate --save-measurements`, so the fit is
+    tested on real, noisy gloo and matmul numbers."""
     return json.loads(SAMPLE.read_text())
 
 

@@ -2,8 +2,8 @@
 
 ``torch.utils.flop_counter`` counts the FLOPs of matmuls and attention only. On a CPU, and for
 small models anywhere, the rest of a forward (norms, activations, residual adds, softmax,
-embedding lookups, the views between them) takes a large share of the step: a third of the
-demo GPT's on this project's host. ``OpCensus`` records, for one forward, how many ops of each
+embedding lookups, the views between them) takes a large share of the step, which matmul
+FLOPs alone do not show. ``OpCensus`` records, for one forward, how many ops of each
 class ran and over how many elements, so the simulator can price them with rates that
 ``flowtrain calibrate`` measured for the same classes.
 
