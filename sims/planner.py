@@ -36,6 +36,7 @@ from typing import Any
 
 from flowtrain.plan import BucketPlan, StepPlan, build_step_plan, names, plan_buckets, plan_units
 from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
+from flowtrain.plan.step_plan import gather_uses
 from flowtrain.plan.workload import (
     DTYPE_BYTES,
     PRECISION_DTYPE,
@@ -156,12 +157,13 @@ class _StageBuilder(StageCosts):
         self.use_pos.update({("bwd", b): 2 * len(order) - 1 - p for p, b in enumerate(order)})
         self.last_gather: int | None = None  # gathers start in the order asked, step-wide
         numel = {b.index: b.numel for b in self.buckets}
-        return stage3_uses(self.trace, numel,
+        uses = stage3_uses(self.trace, numel,
                            prefetch_numel=self.zero.stage3_prefetch_bucket_size,
                            max_live_numel=self.zero.stage3_max_live_parameters,
                            max_reuse_distance=self.zero.stage3_max_reuse_distance)
-
-    # -- durations ---------------------------------------------------------------------------
+        # each gather named for the use it serves, as the plan names it
+        self.gather_tags = gather_uses(uses, self.trace)
+        return uses
 
     # -- passes ------------------------------------------------------------------------------
 
@@ -314,10 +316,7 @@ class _StageBuilder(StageCosts):
             return []
         s, plan = self.stage, self.plan
         pos = self.use_pos[(direction, bucket)]
-        for b in self.uses.launched[pos]:
-            # a gather serves the bucket's next use from here on
-            use = next(p for p in range(pos, len(self.trace)) if self.trace[p] == b)
-            tag = "fwd" if use < len(self.trace) // 2 else "bwd"
+        for b, tag in self.gather_tags[pos]:
             deps: list[int | None] = [before, self.last_gather]
             if self.offload_param:
                 shard = math.ceil(self.buckets[b].numel / self.dp) * self.param_elem

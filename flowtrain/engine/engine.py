@@ -238,15 +238,13 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _pipeline_position(self) -> dict[str, Any]:
         """This rank's pipeline stage, the number of stages and the schedule, as the plan takes
         them (one stage without a pipeline)."""
-        stages = self.grid.shape.pp if self.grid is not None else 1
-        if stages == 1:
+        if self.grid is None or self.grid.shape.pp == 1:
             return {"stage": 0, "stages": 1}
         schedule = str(getattr(self.config.pipeline, "schedule", "1f1b")).lower()
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule {schedule!r}: choose one of "
                              f"{', '.join(SCHEDULES)}")
-        assert self.grid is not None
-        return {"stage": self.grid.pp_rank, "stages": stages, "schedule": schedule}
+        return {"stage": self.grid.pp_rank, "stages": self.grid.shape.pp, "schedule": schedule}
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         buckets = GradBuckets(self.trainable, plan.buckets,
