@@ -18,7 +18,7 @@ _EXPORTS = {
     "SimTask": "sims.executor", "Timeline": "sims.executor", "StepFigures": "sims.executor",
     "execute": "sims.executor", "step_figures": "sims.executor",
     "Layout": "sims.planner", "Workload": "sims.planner", "SimPlan": "sims.planner",
-    "build_plan": "sims.planner", "pipeline_tasks": "sims.planner",
+    "build_plan": "sims.planner", "pipeline_tasks": "sims.pricing",
     "trace_events": "sims.trace", "write_trace": "sims.trace",
     "Prediction": "sims.prediction", "predict": "sims.prediction",
 }

@@ -1,11 +1,11 @@
 """What one pipeline stage's tasks cost: the factors a step's tasks are priced with (compute and
 memory slowdown of ranks sharing a host, a calibrated CPU host's measured engine costs, the
 collective and channel each reduce goes over), and the seconds of each pass, collective and
-optimizer step. The planner (``sims.planner``) lays out the tasks; this prices them."""
+optimizer step. ``flowtrain.plan.graph`` lays the tasks out; ``sims.pricing`` asks this for
+each one's time."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan.workload import Layout, ParamSpec, Workload
@@ -14,21 +14,16 @@ from sims import costs
 
 if TYPE_CHECKING:
     from flowtrain.plan import BucketPlan
+    from flowtrain.plan.graph import Segment
     from sims.engine_costs import EngineCosts
-    from sims.plan_tasks import Segment
 
 # ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
 PIPELINE_JOB_RANKS = 2
 
 
 class StageCosts:
-    """The prices of one pipeline stage's tasks on hardware ``hw``."""
-
-    # Set by the planner's stage builder, which lays the tasks out; declared here (annotations
-    # only) so that the pricing below is checked against them.
-    segments: list[Segment]
-    buckets: tuple[BucketPlan, ...]
-    stage_flops: float  # the stage's forward FLOPs of one sample
+    """The prices of one pipeline stage's tasks on hardware ``hw``; ``price_passes`` then
+    prices the stage's passes, once its segments and buckets are laid out."""
 
     def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
@@ -111,10 +106,17 @@ class StageCosts:
         self.channel = (self.engine is not None and bool(self.engine.channel)
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
-        self.offload_opt = self.zero.offloads_optimizer and self.stage_no >= 1
-        self.offload_param = self.partitioned and self.zero.offloads_params and self.gpu
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards
         self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
+
+    def overheads(self) -> dict[str, float]:
+        """The engine overheads (``flowtrain.plan.graph.OVERHEADS``) this host's costs model as
+        tasks of their own, and their seconds; the others are part of the passes."""
+        seconds = {"loss": self.micro_batch_s, "step": self.step_s,
+                   "loss_broadcast": self.loss_broadcast_s, "pass_start": self.op_s,
+                   "fetch": self.fetch_s, "release": self.release_s,
+                   "bucket_hand_off": self.bucket_s}
+        return {k: v for k, v in seconds.items() if v}
 
     def send_seconds(self, nbytes: float, sender: int) -> float:
         """A pipeline send of ``nbytes`` from stage ``sender`` to the next one."""
@@ -128,7 +130,7 @@ class StageCosts:
             if self.channel else None
         share = slowed = None
         if seconds is None:
-            seconds = self._collective(self.reduce_op, nbytes)
+            seconds = self.collective(self.reduce_op, nbytes)
         else:
             assert self.engine is not None
             share, slowed = self.engine.channel_interference, self.engine.channel_slowdown
@@ -138,6 +140,24 @@ class StageCosts:
             scaled = nbytes * 2 if self.reduce_op == "all_reduce" else nbytes / self.dp * 3
             seconds += scaled / self.hw.memory_bandwidth * self.memory_slowdown
         return seconds + self.reduce_s, share, slowed
+
+    def price_passes(self, segments: list[Segment], buckets: tuple[BucketPlan, ...], *,
+                     stage_flops: float, work: Workload, weights: list[int], total_weight: int,
+                     dtype: str, cfg: Any, act_bytes: float) -> None:
+        """Each of the stage's ``segments``' forward and backward seconds (``stage_flops``: the
+        stage's forward FLOPs of one sample; ``weights``: its parameters' unsharded element
+        counts), and a layer's tensor-parallel all-reduces of ``act_bytes``."""
+        self.segments, self.buckets, self.stage_flops = segments, buckets, stage_flops
+        self.forward_s = [0.0] * len(segments)
+        self.backward_s = [0.0] * len(segments)
+        self._cost_segments(work, weights, total_weight, dtype, cfg)
+        self.tp_s = 2 * costs.collective_seconds("all_reduce", act_bytes, self.tp, self.hw,
+                                                 nodes=1) if self.tp > 1 else 0.0
+
+    def pass_seconds(self, kind: str, segment: int) -> float:
+        """A ``kind`` pass over segment ``segment`` (-1: the whole stage)."""
+        seconds = self.forward_s if kind == "forward" else self.backward_s
+        return sum(seconds) if segment < 0 else seconds[segment]
 
     def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
                        cfg: Any) -> None:
@@ -151,15 +171,15 @@ class StageCosts:
         if self.engine is not None:
             self._cost_engine_segments(work, weights, recompute)
             return
-        for seg in self.segments:
+        for j, seg in enumerate(self.segments):
             for i in seg.params:
                 numel = _numel(self.params[i][1])
                 flops = weights[i] * scale
                 moved = numel * self.param_elem + weights[i] * act_scale
                 fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
                 bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
-                seg.forward_s += fwd
-                seg.backward_s += bwd + (fwd if recompute else 0.0)
+                self.forward_s[j] += fwd
+                self.backward_s[j] += bwd + (fwd if recompute else 0.0)
 
     def _cost_engine_segments(self, work: Workload, weights: list[int], recompute: bool) -> None:
         """Forward and backward per module at the rank's measured pass rates (its thread count,
@@ -173,7 +193,7 @@ class StageCosts:
             max(1, sum(weights)) / self.tp
         stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
         other = self._other_ops(census)
-        for seg in self.segments:
+        for j, seg in enumerate(self.segments):
             modules: dict[str, list[int]] = {}
             for i in seg.params:
                 modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
@@ -189,11 +209,11 @@ class StageCosts:
                                           weight_bytes) +
                        other["backward"] * share) * self.slowdown * self.backward_factor + \
                     numel * stash_bytes / self.hw.memory_bandwidth * self.memory_slowdown
-                seg.forward_s += fwd
-                seg.backward_s += bwd + (fwd if recompute else 0.0)
+                self.forward_s[j] += fwd
+                self.backward_s[j] += bwd + (fwd if recompute else 0.0)
         if self.segments:
-            self.segments[0].forward_s += self.forward_extra_s
-            self.segments[-1].backward_s += self.backward_extra_s
+            self.forward_s[0] += self.forward_extra_s
+            self.backward_s[-1] += self.backward_extra_s
 
     def stage_share(self, work: Workload) -> float:
         """This stage's part of the model's forward FLOPs (1 without pipeline stages)."""
@@ -225,7 +245,7 @@ class StageCosts:
         return {kind: self.engine.op_seconds(self.threads, kind, census)
                 for kind in ("forward", "backward")}
 
-    def _collective(self, op: str, nbytes: float) -> float:
+    def collective(self, op: str, nbytes: float) -> float:
         """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
         what such a call took beside a live engine over the bare ranks' figure, and slowed
         as compute is where more ranks than the group's share the host."""
@@ -233,10 +253,7 @@ class StageCosts:
                                         nodes=self.layout.dp_nodes) * self.comm_crowding + \
             self.gloo_s
 
-    def _shard(self, numel: int) -> int:
-        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
-
-    def _optimizer_seconds(self, numel: int) -> float:
+    def optimizer_seconds(self, numel: int) -> float:
         """The optimizer step over ``numel`` stepped elements. With the engine's measured costs
         it is what the engine's step does: its fused Adam called once per parameter (stage 0)
         or per bucket shard (ZeRO), a gradient-norm pass and a clip multiply when clipping
@@ -254,5 +271,5 @@ class StageCosts:
             self.optimizer_factor
         if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
             # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
-            seconds += self._collective("all_reduce", 8)
+            seconds += self.collective("all_reduce", 8)
         return seconds + self.world_norm_s

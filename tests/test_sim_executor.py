@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from flowtrain.config import load_config
-from sims import planner, stage_costs
+from sims import pricing, stage_costs
 from sims.executor import SimTask, execute, step_figures
 from sims.planner import Layout, Workload, build_plan, one_f_one_b, pipeline_tasks, stage3_uses
 from sims.trace import trace_events, write_trace
@@ -133,9 +133,9 @@ def test_pipeline_sends_lengthen_fill_and_drain(p: int, m: int) -> None:
 # -- planner over a cost model whose figures are easy to add up by hand ------------------------
 
 def fake_costs(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
-    """Prices every task of the planner (and the stage's costs it lays them out with) by
+    """Prices every task of the plan (the stage's costs and the pricing that asks them) by
     ``fake`` instead of the cost model."""
-    monkeypatch.setattr(planner, "costs", fake)
+    monkeypatch.setattr(pricing, "costs", fake)
     monkeypatch.setattr(stage_costs, "costs", fake)
 
 

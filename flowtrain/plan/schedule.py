@@ -87,3 +87,12 @@ def max_in_flight(ops: list[Op]) -> int:
         elif op.kind == "backward":
             alive -= 1
     return peak
+
+
+def one_f_one_b(stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s passes in 1F1B order, ("F", k) / ("B", k), as ``stage_ops`` has the
+    PipeStage run them: warm-up forwards fill the pipeline, then one forward and one backward
+    alternate, then the backwards drain."""
+    passes = {"forward": "F", "backward": "B"}
+    return [(passes[op.kind], op.mb) for op in stage_ops("1f1b", stage, stages, micro_batches)
+            if op.kind in passes]

@@ -21,6 +21,7 @@ from flowtrain import comm
 from flowtrain.engine.timing import completion_stamp, stamped_end
 from flowtrain.log import get_logger
 from flowtrain.plan import names
+from flowtrain.plan.stage3 import prefetch_window, reused_soon
 from flowtrain.runtime.actor import Actor, handler
 
 log = get_logger("flowtrain.zero")
@@ -187,37 +188,22 @@ class Stage3Params:
                           bucket=b, position=self._pos)
                 self._pos = len(trace)
                 return []
-        out: list[int] = []
-        budget = self.prefetch_numel
-        live = sum(self._numel[b] for b in self.live) + \
+        in_use = sum(self._numel[b] for b in self.live) + \
             sum(self._numel[b] for b in self.requested)
-        for b in trace[self._pos:]:
-            if b in self.live or b in self.requested or b in out or b in units:
-                continue
-            n = self._numel[b]
-            if n > budget or live + n > self.max_live_numel:
-                break
-            out.append(b)
-            budget -= n
-            live += n
-        return out
+        return prefetch_window(trace[self._pos:], self._numel,
+                               skip=self.live.keys() | self.requested | set(units),
+                               in_use=in_use, prefetch_numel=self.prefetch_numel,
+                               max_live_numel=self.max_live_numel)
 
     def _reused_soon(self, b: int) -> bool:
         """Whether bucket b comes back within max_reuse_distance elements of other uses."""
         trace = self.trace
         if trace is None or not self._in_micro_batch:
             return False
-        live = sum(self._numel[u] for u in self.live)
-        if live > self.max_live_numel:
-            return False
-        distance = 0
-        for u in trace[self._pos:]:
-            if u == b:
-                return distance <= self.max_reuse_distance
-            distance += self._numel[u]
-            if distance > self.max_reuse_distance:
-                return False
-        return False
+        return reused_soon(trace[self._pos:], b, self._numel,
+                           live_numel=sum(self._numel[u] for u in self.live),
+                           max_live_numel=self.max_live_numel,
+                           max_reuse_distance=self.max_reuse_distance)
 
     def _release(self, b: int) -> None:
         if self.live.pop(b, None) is not None:

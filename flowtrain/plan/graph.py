@@ -1,0 +1,433 @@
+"""One pipeline stage's step as a task graph at the grain the simulator prices it: the step plan
+(``build_step_plan``) with its passes cut into segments where communication overlaps them, each
+task saying what decides its time (``GraphTask.cost``) but not what that time is. The simulator
+prices the graph (``sims.pricing``) and its executor runs it.
+
+Task names (the first two path parts are the name the engine records for a span):
+
+- ``forward/mb{k}``, ``backward/mb{k}``: one micro-batch's pass on a stage; when the pass is
+  split (ZeRO-3 modules, TP layers, buckets that become ready during backward) its pieces are
+  ``forward/mb{k}/<segment>`` (segment: ``layer{l}``, ``embed``, ``head`` or a module name).
+  Where the engine's own overheads are modelled as tasks, ZeRO-3's hooks add
+  ``<pass>/mb{k}/<segment>/fetch`` (the use handed to the parameter fetcher) and
+  ``backward/mb{k}/<segment>/release``.
+- ``reduce/bucket{i}`` (once per step) or ``reduce/bucket{i}/mb{k}`` (every micro-batch,
+  ZeRO 2-3): the bucket's gradient all-reduce (stages 0-1) or reduce-scatter (2-3).
+- ``gather/bucket{i}/fwd/mb{k}``, ``gather/bucket{i}/bwd/mb{k}``: ZeRO-3 parameter all-gathers
+  before a module's forward and backward.
+- ``optimizer/step`` (``optimizer/step/bucket{i}`` per shard when the optimizer is offloaded).
+- ``allgather/bucket{i}``: after the step, the updated shards of a whole (not ZeRO-3
+  partitioned) bucket to every rank (the engine records this inside ``optimizer/step``).
+- ``copy/d2h/bucket{i}``, ``copy/h2d/bucket{i}``: offload copies of a gradient shard down and a
+  parameter shard up; ``copy/h2d/bucket{i}/fwd/mb{k}`` a parameter shard before its gather.
+- ``send_act/mb{k}``, ``send_grad/mb{k}``: pipeline sends of activations to the next stage and
+  of input gradients to the previous one (the engine's PipeStage names; its ``recv_*`` spans
+  are the receiving pass's wait for them).
+- ``tp/fwd/mb{k}/layer{l}``, ``tp/bwd/mb{k}/layer{l}``: a layer's two tensor-parallel
+  all-reduces of one pass (Megatron-style attention and MLP), merged into one task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowtrain.plan import names
+from flowtrain.plan.buckets import BucketPlan, plan_buckets, plan_units
+from flowtrain.plan.schedule import one_f_one_b
+from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
+from flowtrain.plan.step_plan import StepPlan, build_step_plan, gather_uses
+from flowtrain.plan.workload import ParamSpec, layer_of, module_units
+
+# What decides a task's time (``GraphTask.cost``), besides the engine's overheads below:
+# "forward" / "backward": a pass over segment ``arg`` of the stage (-1: every segment);
+# "send": a pipeline send of ``nbytes`` from stage ``arg``; "reduce": a gradient bucket's
+# reduce of ``nbytes``; "all_gather": a data-parallel all-gather of ``nbytes``; "tp": a layer's
+# tensor-parallel all-reduces of one pass; "copy": a host<->device copy of ``nbytes``;
+# "optimizer": the step over ``arg`` elements; "host_optimizer": an offloaded shard's step of
+# ``arg`` elements on the host.
+COSTS = ("forward", "backward", "send", "reduce", "all_gather", "tp", "copy", "optimizer",
+         "host_optimizer")
+# The engine's own work around the model's, each a task where the pricing models it as one
+# (on a calibrated CPU host; elsewhere it is part of the passes and no task is laid out):
+# "loss": between a micro-batch's forward and backward; "step": per-step bookkeeping;
+# "loss_broadcast": the pipeline's loss from the last stage; "pass_start": a pipeline stage's
+# actor getting a pass going once its input is there; "fetch": a ZeRO-3 use handed to the
+# parameter fetcher; "release": a partitioned module's backward bookkeeping;
+# "bucket_hand_off": a full bucket handed to the reducer on the backward's thread.
+OVERHEADS = ("loss", "step", "loss_broadcast", "pass_start", "fetch", "release",
+             "bucket_hand_off")
+
+
+@dataclass
+class Segment:
+    """A piece of a stage's forward order: one ZeRO-3 module, or a layer and the parts before
+    (``embed``) and after (``head``) the layers."""
+
+    label: str
+    params: list[int]  # stage-local parameter indices
+    layer: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GraphTask:
+    """One task of a stage's step, unpriced: ``cost`` (one of ``COSTS`` or ``OVERHEADS``) and
+    ``arg`` say what its time depends on."""
+
+    name: str
+    kind: str
+    resource: str
+    cost: str
+    stage: int = 0
+    deps: tuple[int, ...] = ()  # indices into the graph's task list
+    flops: float = 0.0
+    nbytes: float = 0.0
+    arg: int = -1
+
+
+class TaskGraph:
+    """Collects the tasks of every stage; dependencies on tasks of later stages are given by
+    (stage, name) and resolved once every task exists."""
+
+    def __init__(self) -> None:
+        self.tasks: list[GraphTask] = []
+        self.index: dict[tuple[int, str], int] = {}
+        self.forward_refs: list[tuple[int, tuple[int, str]]] = []
+
+    def add(self, stage: int, name: str, kind: str, resource: str, cost: str,
+            deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (), *,
+            arg: int = -1, flops: float = 0.0, nbytes: float = 0.0) -> int:
+        i = len(self.tasks)
+        self.tasks.append(GraphTask(name, kind, resource, cost, stage,
+                                    tuple(dict.fromkeys(d for d in deps if d is not None)),
+                                    flops, nbytes, arg))
+        self.index[(stage, name)] = i
+        self.forward_refs += [(i, ref) for ref in refs]
+        return i
+
+    def resolve(self) -> tuple[GraphTask, ...]:
+        for i, ref in self.forward_refs:
+            if ref not in self.index:
+                raise KeyError(f"the plan refers to task {ref[1]!r} of stage {ref[0]}, which "
+                               f"was never built")
+            t = self.tasks[i]
+            self.tasks[i] = dataclasses.replace(t, deps=t.deps + (self.index[ref],))
+        return tuple(self.tasks)
+
+
+def segments(params: Sequence[ParamSpec], stage3: bool) -> list[Segment]:
+    """A stage's forward order cut into pieces: one per module for ZeRO-3 (each is gathered
+    before it runs), otherwise one per layer plus the parts before and after the layers."""
+    if stage3:
+        return [Segment(params[u[0]][0].rpartition(".")[0] or params[u[0]][0], u,
+                        layer_of(params[u[0]][0])) for u in module_units(params)]
+    out: list[Segment] = []
+    seen_layer = False
+    for i, p in enumerate(params):
+        n = layer_of(p[0])
+        seen_layer = seen_layer or n is not None
+        label = names.layer(n) if n is not None else ("head" if seen_layer else "embed")
+        if out and out[-1].label == label:
+            out[-1].params.append(i)
+        else:
+            out.append(Segment(label, [i], n))
+    return out
+
+
+def bare_pipeline(stages: int, micro_batches: int) -> tuple[GraphTask, ...]:
+    """A bare 1F1B pipeline (no data parallelism): each stage's passes and sends."""
+    out = TaskGraph()
+    for s in range(stages):
+        last: int | None = None
+        for op, k in one_f_one_b(stages, s, micro_batches):
+            if op == "F":
+                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
+                last = out.add(s, names.forward(k), "forward", "compute", "forward", [last],
+                               refs)
+                if s < stages - 1:
+                    out.add(s, names.pipe_op("send_act", k), "send", "comm:pp", "send", [last],
+                            arg=s)
+            else:
+                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < stages - 1 else []
+                last = out.add(s, names.backward(k), "backward", "compute", "backward", [last],
+                               refs)
+                if s > 0:
+                    out.add(s, names.pipe_op("send_grad", k), "send", "comm:pp", "send",
+                            [last], arg=s - 1)
+    return out.resolve()
+
+
+class StageLayout:
+    """Lays out pipeline stage ``stage``'s tasks into a shared ``TaskGraph``.
+
+    ``params`` are the stage's parameters as one rank holds them (tensor-parallel shards);
+    ``zero`` is the config's ``zero_optimization`` section; ``forward_flops`` one micro-batch's
+    forward on the rank; ``act_bytes`` one layer's output (what a TP all-reduce sums),
+    ``send_bytes`` / ``recv_bytes`` what goes to the next stage and (its gradient) to the
+    previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own."""
+
+    def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec], stages: int,
+                 dp: int, tp: int, zero: Any, micro_batches: int, micro_batch: int,
+                 bucket_numel: int, comm_dtype: str, comm_elem: int, forward_flops: float,
+                 gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
+                 overheads: Collection[str] = ()) -> None:
+        unknown = set(overheads) - set(OVERHEADS)
+        if unknown:
+            raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
+                             f"{', '.join(OVERHEADS)}")
+        self.graph, self.stage, self.pp, self.dp, self.tp = graph, stage, stages, dp, tp
+        self.m, self.gpu = micro_batches, gpu
+        self.overheads = frozenset(overheads)
+        self.stage_no = zero.stage
+        self.partitioned = self.stage_no == 3 and dp > 1
+        self.param_elem = params[0][3] if params else 2
+        self.comm_elem = comm_elem
+        self.act_bytes, self.send_bytes, self.recv_bytes = act_bytes, send_bytes, recv_bytes
+        self.offload_opt = zero.offloads_optimizer and self.stage_no >= 1
+        self.offload_param = self.partitioned and zero.offloads_params and gpu
+        self.segments = segments(params, self.partitioned)
+        seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
+        units = [seg.params for seg in self.segments] if self.partitioned else None
+        buckets = plan_units(params, units, bucket_numel=bucket_numel,
+                             persistence_threshold=zero.stage3_param_persistence_threshold) \
+            if units is not None else plan_buckets(params, bucket_numel)
+        self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
+        self.reduce_every_mb = self.stage_no >= 2
+        self.uses = self._stage3_uses(zero) if self.partitioned else None
+        self.step_plan: StepPlan = build_step_plan(
+            params, world_size=dp, gradient_accumulation_steps=micro_batches,
+            micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
+            comm_elem_size=comm_elem, forward_flops=forward_flops, buckets=buckets,
+            reduce_every_micro_batch=self.reduce_every_mb, stage=stage, stages=stages,
+            stage3=(self.uses, self.trace) if self.uses is not None else None)
+        # a bucket's gradients are complete after the backward of its earliest-forward segment
+        self.ready_after: dict[int, list[BucketPlan]] = {}
+        for b in self.buckets:
+            self.ready_after.setdefault(min(seg_of[s.index] for s in b.slots), []).append(b)
+
+    def _stage3_uses(self, zero: Any) -> Stage3Uses:
+        """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
+        self.bucket_of_seg: list[int | None] = []
+        for seg in self.segments:
+            part = [b.index for b in self.buckets
+                    if b.partitioned and b.slots[0].index in seg.params]
+            self.bucket_of_seg.append(part[0] if part else None)
+        order = [b for b in self.bucket_of_seg if b is not None]
+        self.trace = order + order[::-1]
+        self.use_pos = {("fwd", b): p for p, b in enumerate(order)}
+        self.use_pos.update({("bwd", b): 2 * len(order) - 1 - p for p, b in enumerate(order)})
+        self.last_gather: int | None = None  # gathers start in the order asked, step-wide
+        numel = {b.index: b.numel for b in self.buckets}
+        uses = stage3_uses(self.trace, numel,
+                           prefetch_numel=zero.stage3_prefetch_bucket_size,
+                           max_live_numel=zero.stage3_max_live_parameters,
+                           max_reuse_distance=zero.stage3_max_reuse_distance)
+        # each gather named for the use it serves, as the plan names it
+        self.gather_tags = gather_uses(uses, self.trace)
+        return uses
+
+    def _overhead(self, which: str, name: str, kind: str, last: int | None,
+                  also: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = ()
+                  ) -> int | None:
+        """The engine overhead ``which`` as a task on the stage's compute after ``last`` (and
+        ``also``) when it is laid out as one; returns what the chain goes on from."""
+        if which not in self.overheads:
+            return last
+        return self.graph.add(self.stage, name, kind, "compute", which, [last, *also], refs)
+
+    # -- passes ------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        s, graph = self.stage, self.graph
+        last: int | None = None
+        reduces: list[int] = []
+        for op, k in self.step_plan.pass_order():
+            if op == "forward":
+                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
+                last, refs = self._pass_start("forward", k, last, refs)
+                last = self._forward(k, last, refs)
+                last = self._overhead("loss", names.overhead("loss", k), "overhead", last)
+                if s < self.pp - 1:
+                    graph.add(s, names.pipe_op("send_act", k), "send", "comm:pp", "send", [last],
+                              arg=s, nbytes=self.send_bytes)
+            else:
+                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < self.pp - 1 else []
+                last, refs = self._pass_start("backward", k, last, refs)
+                last = self._backward(k, last, refs, reduces)
+                if s > 0:
+                    graph.add(s, names.pipe_op("send_grad", k), "send", "comm:pp", "send",
+                              [last], arg=s - 1, nbytes=self.recv_bytes)
+        last = self._overhead("step", names.overhead("step"), "overhead", last,
+                              [reduces[-1] if reduces else None])
+        last = self._overhead("loss_broadcast", names.overhead("loss-broadcast"), "overhead",
+                              last)
+        self._step(last, reduces[-1] if reduces else None)
+
+    def _pass_start(self, kind: str, k: int, last: int | None, refs: list[tuple[int, str]]
+                    ) -> tuple[int | None, list[tuple[int, str]]]:
+        """A pipeline stage's actor getting a pass going once its input is there (the received
+        tensor handed to the event loop, the pass to the compute thread), as a task of its own
+        so the pass's span stays its compute, as the engine records it. Returns the pass's new
+        predecessor and refs."""
+        if "pass_start" not in self.overheads:
+            return last, refs
+        return self._overhead("pass_start", names.handoff(kind, k), "handoff", last,
+                              refs=refs), []
+
+    def _pass_chunked(self, k: int, backward: bool) -> bool:
+        if self.partitioned or self.tp > 1:
+            return True
+        reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
+        return backward and reduces_here and len(self.buckets) > 1
+
+    def _ends_layer(self, j: int, step: int) -> bool:
+        """Whether segment ``j`` is the last of its layer in a pass that goes ``step`` (+1:
+        forward, -1: backward) through the segments (a TP layer's all-reduces follow it)."""
+        seg, n = self.segments[j], j + step
+        return self.tp > 1 and seg.layer is not None and (
+            not 0 <= n < len(self.segments) or self.segments[n].layer != seg.layer)
+
+    def _forward(self, k: int, last: int | None, refs: list[tuple[int, str]]) -> int:
+        s, graph = self.stage, self.graph
+        if not self._pass_chunked(k, backward=False):
+            return graph.add(s, names.forward(k), "forward", "compute", "forward", [last], refs,
+                             flops=self.step_plan.task(names.forward(k)).flops)
+        for j, seg in enumerate(self.segments):
+            first = refs if j == 0 else []
+            last, first = self._fetch("forward", k, j, last, first)
+            waits = self._gathers(k, j, "fwd", last)
+            last = graph.add(s, names.forward(k, seg.label), "forward", "compute", "forward",
+                             [last, *waits], first, arg=j)
+            if self._ends_layer(j, +1):
+                assert seg.layer is not None
+                last = graph.add(s, names.tp("fwd", k, seg.layer), "tp", "comm:tp", "tp",
+                                 [last], nbytes=2 * self.act_bytes)
+        assert last is not None
+        return last
+
+    def _backward(self, k: int, last: int | None, refs: list[tuple[int, str]],
+                  reduces: list[int]) -> int:
+        s, graph = self.stage, self.graph
+        reduce_now = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
+        mb = k if self.reduce_every_mb and self.m > 1 else None
+        if not self._pass_chunked(k, backward=True):
+            last = graph.add(s, names.backward(k), "backward", "compute", "backward", [last],
+                             refs, flops=self.step_plan.task(names.backward(k)).flops)
+            if reduce_now:
+                for b in self.buckets:
+                    last = self._hand_off(k, b, last)
+                    reduces.append(self._reduce(b, mb, last, reduces))
+            return last
+        n = len(self.segments)
+        for j in range(n - 1, -1, -1):
+            seg = self.segments[j]
+            first = refs if j == n - 1 else []
+            last, first = self._fetch("backward", k, j, last, first)
+            waits = self._gathers(k, j, "bwd", last)
+            last = graph.add(s, names.backward(k, seg.label), "backward", "compute", "backward",
+                             [last, *waits], first, arg=j)
+            chunk = last
+            if self.uses is not None and self.bucket_of_seg[j] is not None:
+                last = self._overhead("release", names.release(k, seg.label), "backward",
+                                      last)
+            if self._ends_layer(j, -1):
+                assert seg.layer is not None
+                last = graph.add(s, names.tp("bwd", k, seg.layer), "tp", "comm:tp", "tp",
+                                 [last], nbytes=2 * self.act_bytes)
+            if reduce_now:
+                for b in self.ready_after.get(j, []):
+                    if "bucket_hand_off" in self.overheads:
+                        assert last is not None
+                        chunk = last = self._hand_off(k, b, last)
+                    reduces.append(self._reduce(b, mb, chunk, reduces))
+        assert last is not None
+        return last
+
+    def _hand_off(self, k: int, bucket: BucketPlan, last: int) -> int:
+        """The engine handing a full bucket to its reducer on the backward's thread (a task of
+        the backward), before the bucket's reduce can start."""
+        handed = self._overhead("bucket_hand_off", names.hand_off(k, bucket.index),
+                                "backward", last)
+        assert handed is not None
+        return handed
+
+    def _reduce(self, bucket: BucketPlan, mb: int | None, after: int,
+                reduces: list[int]) -> int:
+        return self.graph.add(self.stage, names.reduce(bucket.index, mb), "reduce", "comm:dp",
+                              "reduce", [after, reduces[-1] if reduces else None],
+                              nbytes=bucket.numel * self.comm_elem)
+
+    def _fetch(self, kind: str, k: int, j: int, last: int | None,
+               refs: list[tuple[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
+        """ZeRO-3: when segment ``j``'s use in a ``kind`` pass hands anything to the parameter
+        fetcher (a bucket to wait for, or gathers to start), as the engine's hooks do then, the
+        hand-off as a task of the pass. Returns the segment's new predecessor and refs."""
+        if "fetch" not in self.overheads or self.uses is None:
+            return last, refs
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
+            return last, refs
+        pos = self.use_pos[("fwd" if kind == "forward" else "bwd", bucket)]
+        if not (self.uses.launched[pos] or self.uses.gathered_for[pos]):
+            return last, refs
+        return self.graph.add(self.stage, names.fetch(kind, k, self.segments[j].label), kind,
+                              "compute", "fetch", [last], refs), []
+
+    def _gathers(self, k: int, j: int, direction: str, before: int | None) -> list[int]:
+        """ZeRO-3: starts the all-gathers launched when segment ``j`` is used (once ``before``,
+        the task ahead of the use, is done) and returns the gathers the segment waits for."""
+        if self.uses is None:
+            return []
+        bucket = self.bucket_of_seg[j]  # set with the uses
+        if bucket is None:
+            return []
+        s, graph = self.stage, self.graph
+        pos = self.use_pos[(direction, bucket)]
+        for b, tag in self.gather_tags[pos]:
+            deps: list[int | None] = [before, self.last_gather]
+            if self.offload_param:
+                shard = math.ceil(self.buckets[b].numel / self.dp) * self.param_elem
+                deps.append(graph.add(s, names.copy("h2d", b, tag, names.micro_batch(k)),
+                                      "copy", "copy:h2d", "copy", [before], nbytes=shard))
+            nbytes = self.buckets[b].numel * self.param_elem
+            self.last_gather = graph.add(s, names.gather(b, tag, k), "gather", "comm:dp",
+                                         "all_gather", deps, nbytes=nbytes)
+        return [graph.index[(s, names.gather(b, direction, k))]
+                for b in self.uses.gathered_for[pos]]
+
+    # -- optimizer -----------------------------------------------------------------------------
+
+    def _shard(self, numel: int) -> int:
+        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
+
+    def _step(self, last: int | None, last_reduce: int | None) -> None:
+        s, graph = self.stage, self.graph
+        after = [last, last_reduce]
+        whole = [b for b in self.buckets if not b.partitioned]
+        finished: list[int | None]
+        if self.offload_opt:
+            host = "host" if self.gpu else "compute"
+            finished = []
+            for b in self.buckets:
+                shard = self._shard(b.numel)
+                deps: list[int | None] = list(after)
+                if self.gpu:
+                    deps = [graph.add(s, names.copy("d2h", b.index), "copy", "copy:d2h", "copy",
+                                      after, nbytes=shard * self.comm_elem)]
+                stepped = graph.add(s, names.optimizer_step(b.index), "optimizer", host,
+                                    "host_optimizer", deps, arg=shard, nbytes=shard * 16)
+                if self.gpu:
+                    stepped = graph.add(s, names.copy("h2d", b.index), "copy", "copy:h2d",
+                                        "copy", [stepped], nbytes=shard * self.param_elem)
+                finished.append(stepped)
+        else:
+            numel = sum(self._shard(b.numel) for b in self.buckets)
+            finished = [graph.add(s, names.OPTIMIZER_STEP, "optimizer", "compute", "optimizer",
+                                  after, arg=numel, nbytes=numel * 16)]
+        if self.stage_no >= 1 and self.dp > 1:
+            for b in whole:
+                graph.add(s, names.allgather(b.index), "allgather", "comm:dp", "all_gather",
+                          finished, nbytes=b.numel * self.param_elem)

@@ -1,0 +1,115 @@
+"""The cost-free task graph (``flowtrain.plan.graph``) and its pricing (``sims.pricing``): the graph
+carries no time, only what decides it; every task belongs to a task of the engine's step plan;
+the engine's overheads are tasks only where the costs model them so; and the priced graph is
+what ``build_plan`` hands the executor."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from flowtrain.plan import names
+from flowtrain.plan.graph import COSTS, OVERHEADS, StageLayout, TaskGraph, bare_pipeline
+from flowtrain.plan.schedule import one_f_one_b
+from flowtrain.plan.workload import Layout
+from sim_helpers import cpu_profile, sim_config, tiny_workload
+from sims.hardware import get_profile
+from sims.pricing import price, task_seconds
+from sims.stage_costs import StageCosts
+
+
+def lay_out(cfg: Any, dp: int, overheads: tuple[str, ...] = ()) -> tuple[StageLayout, TaskGraph]:
+    work = tiny_workload()
+    graph = TaskGraph()
+    stage = StageLayout(graph, 0, params=list(work.params), stages=1, dp=dp, tp=1,
+                        zero=cfg.zero_optimization, micro_batches=cfg.gradient_accumulation_steps,
+                        micro_batch=cfg.train_micro_batch_size_per_gpu, bucket_numel=16,
+                        comm_dtype="float32", comm_elem=4, forward_flops=1e5, gpu=False,
+                        act_bytes=0.0, send_bytes=0.0, recv_bytes=0.0, overheads=overheads)
+    stage.build()
+    return stage, graph
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_graph_tasks_belong_to_the_step_plan(zero: int) -> None:
+    cfg = sim_config(2, gradient_accumulation_steps=2, zero_optimization={"stage": zero})
+    stage, graph = lay_out(cfg, dp=2)
+    tasks = graph.resolve()
+    assert {t.cost for t in tasks} <= set(COSTS)  # no overhead laid out unasked
+    plan_names = set(stage.step_plan.task_names())
+    for t in tasks:
+        assert names.plan_task_of(t.name) in plan_names, t.name
+    # every pass, reduce and gather of the plan has its piece(s) in the graph
+    covered = {names.plan_task_of(t.name) for t in tasks}
+    assert plan_names - covered <= {names.COMM_WAIT}
+
+
+def test_overheads_are_laid_out_only_when_asked() -> None:
+    cfg = sim_config(2, gradient_accumulation_steps=2,
+                     zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    _, bare = lay_out(cfg, dp=2)
+    _, full = lay_out(cfg, dp=2, overheads=("loss", "step", "fetch", "release",
+                                            "bucket_hand_off"))
+    extra = [t for t in full.resolve() if t.cost in OVERHEADS]
+    assert {t.cost for t in extra} == {"loss", "step", "fetch", "release", "bucket_hand_off"}
+    assert len(full.tasks) - len(bare.tasks) == len(extra)
+    assert [t.name for t in full.resolve() if t.cost not in OVERHEADS] == \
+        [t.name for t in bare.resolve()]
+    with pytest.raises(ValueError, match="unknown engine overheads.*'nap'"):
+        lay_out(cfg, dp=2, overheads=("nap",))
+
+
+def test_pricing_refuses_an_overhead_the_costs_do_not_model() -> None:
+    # a GPU profile folds the engine's overheads into the passes: a graph that lays one out
+    # as a task of its own was built for other costs
+    cfg = sim_config(2, zero_optimization={"stage": 1})
+    _, graph = lay_out(cfg, dp=2, overheads=("loss",))
+    gpu = StageCosts(0, layout=Layout(1, 2), hw=get_profile("h100-x8"), cfg=cfg,
+                     params=list(tiny_workload().params), micro_batches=1, micro_batch=2,
+                     dtype="bfloat16", comm_elem=4)
+    loss = next(t for t in graph.resolve() if t.cost == "loss")
+    with pytest.raises(ValueError, match="engine overhead 'loss'.*modelled: none"):
+        task_seconds(loss, gpu)
+
+
+def test_price_keeps_the_graph_and_asks_each_task_its_stage() -> None:
+    hw = cpu_profile(factors={2: {"forward": 1.25, "backward": 1.25, "optimizer": 2.0,
+                                  "micro_batch_s": 1e-3, "step_s": 2e-3, "bucket_s": 1e-4}})
+    cfg = sim_config(2, gradient_accumulation_steps=2, zero_optimization={"stage": 2})
+    work = tiny_workload()
+    costs = StageCosts(0, layout=Layout(1, 2), hw=hw, cfg=cfg, params=list(work.params),
+                       micro_batches=2, micro_batch=2, dtype="float32", comm_elem=4)
+    assert costs.overheads()  # a calibrated CPU host models some overheads as tasks
+    stage, graph = lay_out(cfg, dp=2, overheads=tuple(costs.overheads()))
+    weights = [math.prod(p[1]) for p in work.params]
+    costs.price_passes(stage.segments, stage.buckets, stage_flops=work.forward_flops_per_sample,
+                       work=work, weights=weights, total_weight=sum(weights), dtype="float32",
+                       cfg=cfg, act_bytes=0.0)
+    tasks = graph.resolve()
+    assert any(g.cost in OVERHEADS for g in tasks)
+    priced = price(tasks, [costs])
+    assert [(t.name, t.kind, t.resource, t.deps, t.bytes) for t in priced] == \
+        [(g.name, g.kind, g.resource, g.deps, g.nbytes) for g in tasks]
+    for g, t in zip(tasks, priced):
+        if g.cost == "reduce":
+            assert (t.duration, t.interference, t.slowdown) == costs.reduce_seconds(g.nbytes)
+        elif g.cost in OVERHEADS:
+            assert t.duration == costs.overheads()[g.cost]
+        elif g.cost in ("forward", "backward"):
+            per_segment = costs.forward_s if g.cost == "forward" else costs.backward_s
+            assert t.duration == (per_segment[g.arg] if g.arg >= 0 else sum(per_segment))
+            assert t.duration > 0
+        assert t.collective == t.resource.startswith("comm:")
+
+
+def test_bare_pipeline_runs_each_stage_in_1f1b_order() -> None:
+    tasks = bare_pipeline(3, 4)
+    for s in range(3):
+        passes = [(t.cost[0].upper(), int(t.name.split("mb")[1])) for t in tasks
+                  if t.stage == s and t.cost in ("forward", "backward")]
+        assert passes == one_f_one_b(3, s, 4)
+    sends = [t for t in tasks if t.cost == "send"]
+    assert len(sends) == 2 * 2 * 4  # each inner boundary: activations down, gradients back
+    assert all(t.deps for t in sends)
