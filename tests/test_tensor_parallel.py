@@ -63,11 +63,11 @@ def test_layers_in_one_process_equal_torch_linear() -> None:
 
 def test_indivisible_sizes_are_refused() -> None:
     from flowtrain.tp.auto import _qkv_rows
-    from flowtrain.tp.layers import _divide
+    from flowtrain.tp.layers import divide_evenly
 
     with pytest.raises(ValueError, match="out_features 10 is not divisible by "
                                          "tensor_parallel.tp_size 4"):
-        _divide(10, 4, "out_features")
+        divide_evenly(10, 4, "out_features")
     with pytest.raises(ValueError, match="fused qkv projection with 12 outputs"):
         _qkv_rows(nn.Linear(4, 12), 8, 0)
     rows = _qkv_rows(nn.Linear(4, 12), 2, 1)
@@ -243,7 +243,7 @@ def test_blocks_put_any_range_of_any_slice_in_place() -> None:
     import random
 
     from flowtrain.checkpoint.geometry import Split, placed
-    from flowtrain.tp.layers import _ranges
+    from flowtrain.tp.layers import index_runs
 
     rng = random.Random(0)
     for _ in range(60):
@@ -259,7 +259,7 @@ def test_blocks_put_any_range_of_any_slice_in_place() -> None:
         held[lo:hi] = True
         mask = torch.zeros(whole_shape, dtype=torch.bool)
         mask.index_copy_(d, torch.tensor(rows), held.view(shape))
-        split = Split(d, whole_shape[d], _ranges(torch.tensor(rows)))
+        split = Split(d, whole_shape[d], index_runs(torch.tensor(rows)))
         for stored in (whole_shape, (whole.numel(),)):
             out = torch.full(stored, float("nan"))
             for offsets, t in placed(local[lo:hi], shape, split, lo, hi, stored):

@@ -118,7 +118,7 @@ def scatter_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ScatterToTP.apply(x, group)
 
 
-def _divide(n: int, world: int, what: str) -> int:
+def divide_evenly(n: int, world: int, what: str) -> int:
     if n % world:
         raise ValueError(f"{what} {n} is not divisible by tensor_parallel.tp_size {world}")
     return n // world
@@ -138,7 +138,7 @@ def _mark(param: nn.Parameter, dim: int, full: int,
     return param
 
 
-def _ranges(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
+def index_runs(indices: torch.Tensor) -> tuple[tuple[int, int], ...]:
     """Whole-parameter indices, in the slice's order, as runs of consecutive ones:
     ((start, length), ...)."""
     out: list[list[int]] = []
@@ -161,7 +161,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.tp = group_size(group)
         self.in_features, self.out_features = in_features, out_features
-        self.local_out = _divide(out_features, self.tp, "out_features")
+        self.local_out = divide_evenly(out_features, self.tp, "out_features")
         self.gather_output = gather_output
         kw = {"device": device, "dtype": dtype}
         rows = ((group_rank(group) * self.local_out, self.local_out),)
@@ -189,7 +189,7 @@ class ColumnParallelLinear(nn.Module):
                 out.bias.copy_(linear.bias[rows])
         for param, like in ((out.weight, linear.weight), (out.bias, linear.bias)):
             if param is not None:
-                _mark(param, 0, linear.out_features, _ranges(rows))
+                _mark(param, 0, linear.out_features, index_runs(rows))
                 param.requires_grad_(like.requires_grad)  # a frozen layer stays frozen
         del tp
         return out
@@ -211,7 +211,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.tp = group_size(group)
         self.in_features, self.out_features = in_features, out_features
-        self.local_in = _divide(in_features, self.tp, "in_features")
+        self.local_in = divide_evenly(in_features, self.tp, "in_features")
         self.input_is_parallel = input_is_parallel
         kw = {"device": device, "dtype": dtype}
         self.weight = _mark(nn.Parameter(torch.empty(out_features, self.local_in, **kw)), 1,
@@ -251,7 +251,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.tp = group_size(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.local = _divide(num_embeddings, self.tp, "num_embeddings (vocabulary size)")
+        self.local = divide_evenly(num_embeddings, self.tp, "num_embeddings (vocabulary size)")
         self.start = group_rank(group) * self.local
         self.weight = _mark(nn.Parameter(torch.empty(self.local, embedding_dim, device=device,
                                                      dtype=dtype)), 0, num_embeddings,
