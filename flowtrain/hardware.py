@@ -62,11 +62,15 @@ class GpuNode:
     pcie_dir: float
     host_dram_node: float
     sources: dict[str, str] = field(default_factory=dict)
+    fp8: float = 0.0  # dense FP8 tensor-core FLOP/s; 0 where the GPU has none
 
     @property
     def peak_flops(self) -> dict[str, float]:
-        return {"float32": self.fp32, "tfloat32": self.tf32, "bfloat16": self.bf16,
-                "float16": self.bf16}
+        peaks = {"float32": self.fp32, "tfloat32": self.tf32, "bfloat16": self.bf16,
+                 "float16": self.bf16}
+        if self.fp8:
+            peaks["float8"] = self.fp8
+        return peaks
 
 
 BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
@@ -91,10 +95,32 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
                                      "(25.6 GB/s per channel) = 409.6 GB/s per node, / 8 GPUs",
         }),
     GpuNode(
+        "a100-40g-x8", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS,
+        hbm_bytes=40 * GB, hbm_bw=1555 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
+        pcie_dir=32 * GB, host_dram_node=2 * 8 * 25.6 * GB,
+        sources={
+            "peak_flops.bfloat16": f"{SRC_SIM}: A100 BF16 dense 312 TFLOPS (624 sparse)",
+            "peak_flops.float16": "A100 FP16 tensor core dense = BF16 rate (NVIDIA A100 "
+                                  "datasheet)",
+            "peak_flops.float32": "NVIDIA A100 datasheet: FP32 (non-tensor) 19.5 TFLOPS",
+            "peak_flops.tfloat32": "NVIDIA A100 datasheet: TF32 tensor core 156 TFLOPS dense",
+            "device_memory_bytes": f"{SRC_SIM}: A100 40 GB HBM2 (decimal GB)",
+            "memory_bandwidth": f"{SRC_SIM}: 40 GB @ 1.555 TB/s",
+            "intra_node.bandwidth": f"{SRC_SIM}: NVLink3 600 GB/s bidirectional = 300 GB/s "
+                                    "per direction",
+            "inter_node.bandwidth": f"{SRC_SIM}: InfiniBand HDR 200 Gb/s = 25 GB/s per port "
+                                    "per direction, 8 ports per node (as DGX A100)",
+            "host_to_device.bandwidth": f"{SRC_SIM}: PCIe Gen4 x16 32 GB/s per direction",
+            "host_memory_bandwidth": "DGX A100: 2x AMD EPYC 7742, 8 channels DDR4-3200 each "
+                                     "(25.6 GB/s per channel) = 409.6 GB/s per node, / 8 GPUs",
+        }),
+    GpuNode(
         "h100-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
         hbm_bytes=80 * GB, hbm_bw=3350 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
-        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
+        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB, fp8=1978.9 * TFLOPS,
         sources={
+            "peak_flops.float8": "stas00/ml-engineering compute/accelerator/README.md MAMF "
+                                 "table: H100 SXM FP8 peak 1979 TFLOPS dense",
             "peak_flops.bfloat16": f"{SRC_SIM}: H100 SXM BF16 dense 989.4 TFLOPS "
                                    "(1979 sparse)",
             "peak_flops.float16": "glennklockwood.com/garden/processors/h100: FP16 matrix "
@@ -115,8 +141,10 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
     GpuNode(
         "h200-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
         hbm_bytes=141 * GB, hbm_bw=4800 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
-        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB,
+        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB, fp8=1978.9 * TFLOPS,
         sources={
+            "peak_flops.float8": "stas00/ml-engineering compute/accelerator/README.md MAMF "
+                                 "table: H200 SXM FP8 peak 1979 TFLOPS dense",
             "peak_flops.bfloat16": f"{SRC_SIM}: H200 same compute as H100, 989 TFLOPS dense "
                                    "(1,979 listed elsewhere includes sparsity)",
             "peak_flops.float16": f"{SRC_SIM}: same compute as H100 (FP16 = BF16 dense)",

@@ -24,7 +24,9 @@ from flowtrain.hardware import (
     read_profile_file,
     resolve_profile,
 )
+from sims import gpu_figures
 from sims.engine_costs import ENGINE_FACTOR_KINDS, PASS_KINDS, EngineCosts, engine_from
+from sims.gpu_kernels import GpuKernels, kernels_from
 from sims.profile_fields import (
     Curve,
     Link,
@@ -82,6 +84,9 @@ class HardwareProfile:
     # CPU hosts: how much longer a gloo collective takes while its rank computes (the other
     # side of comm_compute_interference: the two share the cores)
     compute_comm_slowdown: float = 1.0
+    # GPUs: what their kernels reach (GEMM by shape, flash attention, HBM streaming, NCCL by
+    # message size); with it a known transformer is priced op by op
+    kernels: GpuKernels | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.efficiency, list):  # hand-written profiles may use lists
@@ -99,7 +104,7 @@ class HardwareProfile:
                      tuple((op, tuple(sorted(by_ranks.items())))
                            for op, by_ranks in sorted(self.collectives.items())),
                      self.comm_compute_interference, self.host_memory_bandwidth, self.engine,
-                     self.compute_comm_slowdown))
+                     self.compute_comm_slowdown, self.kernels))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``from_dict`` reads it back unchanged."""
@@ -123,6 +128,7 @@ class HardwareProfile:
             "compute_comm_slowdown": self.compute_comm_slowdown,
             "sources": dict(self.sources),
             **({"engine": self.engine.to_dict()} if self.engine is not None else {}),
+            **({"kernels": self.kernels.to_dict()} if self.kernels is not None else {}),
         }
 
     @classmethod
@@ -156,7 +162,7 @@ class HardwareProfile:
 _REQUIRED = ("name", "kind", "devices_per_node", "device_memory_bytes", "peak_flops",
              "memory_bandwidth", "intra_node", "inter_node", "host_to_device", "efficiency")
 _OPTIONAL = ("v", "collectives", "comm_compute_interference", "compute_comm_slowdown",
-             "sources", "host_memory_bandwidth", "engine")
+             "sources", "host_memory_bandwidth", "engine", "kernels")
 
 
 def _validate(p: HardwareProfile) -> None:
@@ -197,6 +203,12 @@ def _validate(p: HardwareProfile) -> None:
             raise ProfileError(f"field 'sources' must map names to text, got {key!r}: {text!r}")
     if p.engine is not None and not isinstance(p.engine, EngineCosts):
         raise ProfileError(f"field 'engine' must be EngineCosts, got {p.engine!r}")
+    if p.kernels is not None:
+        if not isinstance(p.kernels, GpuKernels):
+            raise ProfileError(f"field 'kernels' must be GpuKernels, got {p.kernels!r}")
+        if p.kind != "gpu":
+            raise ProfileError(f"field 'kernels' describes GPU kernels; this profile's kind "
+                               f"is {p.kind!r}")
 
 
 def _check_efficiency(curve: Any) -> None:
@@ -237,6 +249,7 @@ def _from_dict(d: Any) -> HardwareProfile:
                                    f"got {key!r}") from None
             collectives[op][ranks] = link_from(f"collectives.{op}.{key}", link)
     engine = engine_from(d["engine"]) if "engine" in d else None
+    kernels = kernels_from(d["kernels"]) if "kernels" in d else None
     return HardwareProfile(
         name=d["name"], kind=d["kind"], devices_per_node=d["devices_per_node"],
         device_memory_bytes=d["device_memory_bytes"], peak_flops=dict(d["peak_flops"]),
@@ -251,6 +264,7 @@ def _from_dict(d: Any) -> HardwareProfile:
         sources=dict(d.get("sources", {})),
         host_memory_bandwidth=d.get("host_memory_bandwidth", 0.0),
         engine=engine,
+        kernels=kernels,
     )
 
 
@@ -272,6 +286,12 @@ _COMMON_SOURCES = {
 }
 
 
+# the kernel figures of each builtin node's GPU
+_NODE_KERNELS = {"a100-40g-x8": gpu_figures.A100_40G, "a100-80g-x8": gpu_figures.A100_80G,
+                 "h100-x8": gpu_figures.H100, "h100-hbm2e-x8": gpu_figures.H100,
+                 "h200-x8": gpu_figures.H200}
+
+
 def _gpu_node(node: GpuNode) -> HardwareProfile:
     return HardwareProfile(
         name=node.name, kind="gpu", devices_per_node=8, device_memory_bytes=int(node.hbm_bytes),
@@ -283,6 +303,7 @@ def _gpu_node(node: GpuNode) -> HardwareProfile:
         efficiency=_GPU_EFFICIENCY,
         sources={**_COMMON_SOURCES, **node.sources},
         host_memory_bandwidth=node.host_dram_node / 8,
+        kernels=_NODE_KERNELS.get(node.name),
     )
 
 

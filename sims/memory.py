@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flowtrain.config import load_config
+from sims.layer_ops import cfg_checkpoints_activations
 from sims.models import ModelSpec, layer_activation_bytes, outside_activation_bytes
 
 # Adam's optimizer state in bytes per parameter (ZeRO paper Sec. 3.1, "K"): mixed precision
@@ -133,13 +134,7 @@ def _stage_params(model: ModelSpec, pp: int) -> list[int]:
 
 
 def _checkpointing(cfg: Any, asked: bool | None) -> bool:
-    if asked is not None:
-        return asked
-    # DeepSpeed's activation_checkpointing section configures deepspeed.checkpointing, which a
-    # model writes in only to call it: a section in the config is read as "layers are
-    # checkpointed". Pipeline modules say it with activation_checkpoint_interval.
-    return ("activation_checkpointing" in cfg.model_fields_set
-            or cfg.pipeline.activation_checkpoint_interval > 0)
+    return asked if asked is not None else cfg_checkpoints_activations(cfg)
 
 
 def _activations(model: ModelSpec, *, layers: int, tp: int, last_stage: bool,

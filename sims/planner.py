@@ -28,6 +28,7 @@ from flowtrain.plan.workload import (
 )
 from flowtrain.plan.workload import numel as _numel
 from sims.executor import SimTask
+from sims.layer_ops import SimOptions
 from sims.pricing import pipeline_tasks, price
 from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 
@@ -73,9 +74,12 @@ def config_bucket_numel(zero: Any, elem_size: int) -> int:
     return DEFAULT_BUCKET_BYTES // elem_size
 
 
-def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
+def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
+               options: SimOptions | None = None) -> SimPlan:
     """The step of ``work`` trained with ``cfg`` (a loaded FlowtrainConfig whose batch rule was
-    applied for ``layout.dp`` data-parallel ranks) on ``layout`` with hardware ``hw``."""
+    applied for ``layout.dp`` data-parallel ranks) on ``layout`` with hardware ``hw``;
+    ``options`` are what the config has no key for (recompute, sequence parallelism, the
+    attention kernel, fp8 GEMMs)."""
     if not work.params:
         raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
     zero = cfg.zero_optimization
@@ -112,7 +116,7 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
             flops = work.forward_flops_per_sample * sum(weights) / total_weight
         priced = StageCosts(s, layout=layout, hw=hw, cfg=cfg, params=params,
                             micro_batches=micro_batches, micro_batch=micro_batch, dtype=dtype,
-                            comm_elem=comm_elem)
+                            comm_elem=comm_elem, options=options)
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
                                    or work.layer_input_bytes_per_sample)
@@ -122,6 +126,10 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
             send_bytes = micro_batch * work.stage_output_bytes_per_sample[s]
             recv_bytes = micro_batch * work.stage_output_bytes_per_sample[s - 1] \
                 if s > 0 else 0.0
+        elif priced.kernels is not None and work.transformer is not None:
+            # Megatron's pipeline sends each tensor rank's 1/tp of the activations (gathered
+            # again over NVLink on the other side); with sequence parallelism they are split
+            send_bytes = recv_bytes = act_bytes / layout.tp
         stage = StageLayout(
             graph, s, params=params, stages=layout.pp, dp=layout.dp, tp=layout.tp,
             zero=zero, micro_batches=micro_batches, micro_batch=micro_batch,
@@ -144,7 +152,11 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any) -> SimPlan:
         notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
                      "only")
     cpu = getattr(hw, "kind", "gpu") == "cpu"
-    interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else 0.0
+    kernels = getattr(hw, "kernels", None)
+    # a CPU host's collectives take cores from compute; a GPU's NCCL kernels take SMs and
+    # memory bandwidth from the kernels they overlap
+    interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else \
+        (kernels.overlap_slowdown if kernels is not None else 0.0)
     slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
     return SimPlan(price(graph.resolve(), stage_costs), layout, work.name, micro_batch,
                    micro_batches, dtype, zero.stage, samples, samples * work.seq_len,

@@ -152,7 +152,7 @@ def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> 
 # -- one prediction ----------------------------------------------------------------------------
 
 def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
-            workload: Any = None, host_speed: float = 1.0) -> Prediction:
+            workload: Any = None, host_speed: float = 1.0, options: Any = None) -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
     ``host_speed`` scales every task's duration (the host computes that much slower now than
@@ -163,7 +163,7 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     started = time.perf_counter()
     work = workload if workload is not None else Workload.from_model(model, cfg.precision)
     try:
-        plan = build_plan(work, cfg, layout, hw)
+        plan = build_plan(work, cfg, layout, hw, options)
     except ValueError as exc:
         raise SimulateError(str(exc)) from None
     tasks = plan.tasks

@@ -24,7 +24,7 @@ def task_seconds(task: GraphTask, stage: StageCosts) -> tuple[float, float | Non
         case "all_gather":
             return stage.collective("all_gather", task.nbytes), None, None
         case "tp":
-            return stage.tp_s, None, None
+            return stage.tp_seconds("forward" if task.arg == 0 else "backward"), None, None
         case "copy":
             return costs.copy_seconds(task.nbytes, stage.hw), None, None
         case "optimizer":

@@ -8,9 +8,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flowtrain.plan.workload import Layout, ParamSpec, Workload
+from flowtrain.plan.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Workload
 from flowtrain.plan.workload import numel as _numel
-from sims import costs
+from sims import costs, gpu_costs
+from sims.gpu_kernels import GpuKernels
+from sims.layer_ops import (
+    RankShape,
+    SimOptions,
+    cfg_checkpoints_activations,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+    layer_backward,
+    layer_forward,
+    tp_collectives_per_layer,
+)
 
 if TYPE_CHECKING:
     from flowtrain.plan import BucketPlan
@@ -27,8 +40,13 @@ class StageCosts:
 
     def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
-                 comm_elem: int) -> None:
+                 comm_elem: int, options: SimOptions | None = None) -> None:
         self.stage, self.layout, self.hw = stage, layout, hw
+        self.options = options or SimOptions()
+        # a GPU profile with kernel figures prices a known transformer op by op
+        self.kernels: GpuKernels | None = getattr(hw, "kernels", None)
+        self.recompute = self.options.recompute or (
+            "full" if cfg_checkpoints_activations(cfg) else "none")
         self.zero = cfg.zero_optimization
         self.m, self.mb = micro_batches, micro_batch
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
@@ -119,7 +137,15 @@ class StageCosts:
         return {k: v for k, v in seconds.items() if v}
 
     def send_seconds(self, nbytes: float, sender: int) -> float:
-        """A pipeline send of ``nbytes`` from stage ``sender`` to the next one."""
+        """A pipeline send of ``nbytes`` from stage ``sender`` to the next one (a GPU with
+        kernel figures: at the achieved NVLink or NIC rate)."""
+        if self.kernels is not None:
+            if self.layout.pipe_link_inter_node(sender):
+                rate = self.hw.inter_node.bandwidth / self.hw.devices_per_node * \
+                    self.kernels.network_efficiency
+            else:
+                rate = self.hw.intra_node.bandwidth * self.kernels.p2p_efficiency
+            return self.kernels.collective_base_latency_s + nbytes / rate
         return costs.p2p_seconds(nbytes, self.hw, self.layout.pipe_link_inter_node(sender)) + \
             self.message_s
 
@@ -150,9 +176,72 @@ class StageCosts:
         self.segments, self.buckets, self.stage_flops = segments, buckets, stage_flops
         self.forward_s = [0.0] * len(segments)
         self.backward_s = [0.0] * len(segments)
-        self._cost_segments(work, weights, total_weight, dtype, cfg)
-        self.tp_s = 2 * costs.collective_seconds("all_reduce", act_bytes, self.tp, self.hw,
-                                                 nodes=1) if self.tp > 1 else 0.0
+        self.shape = RankShape(micro_batch=self.mb, tp=self.tp,
+                               sequence_parallel=self.options.sequence_parallel,
+                               flash=self.attention != "unfused", recompute=self.recompute,
+                               act_bytes=DTYPE_BYTES.get(dtype, 2))
+        if self.kernels is not None and work.transformer is not None:
+            self._cost_op_segments(work.transformer, weights, dtype)
+        else:
+            self._cost_segments(work, weights, total_weight, dtype, cfg)
+        one = self.collective_seconds_tp(act_bytes)
+        self.tp_pass_s = {kind: tp_collectives_per_layer(self.shape, kind) * one
+                          for kind in ("forward", "backward")} if self.kernels is not None \
+            else {"forward": 2 * one, "backward": 2 * one}
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel: as asked, else the profile's default flash kernel."""
+        if self.options.attention is not None:
+            return self.options.attention
+        return self.kernels.default_attention if self.kernels is not None else "flash2"
+
+    def collective_seconds_tp(self, nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` over the tensor-parallel group (inside a node)."""
+        if self.tp == 1:
+            return 0.0
+        if self.kernels is not None:
+            return gpu_costs.intra_node_seconds("all_reduce", nbytes, self.tp, self.kernels)
+        return costs.collective_seconds("all_reduce", nbytes, self.tp, self.hw, nodes=1)
+
+    def tp_seconds(self, kind: str) -> float:
+        """A layer's tensor-parallel collectives in a ``kind`` ("forward"/"backward") pass."""
+        return self.tp_pass_s[kind]
+
+    def _cost_op_segments(self, shape: TransformerShape, weights: list[int],
+                          dtype: str) -> None:
+        """Each segment's seconds from the ops it runs on the GPU (``sims.layer_ops``): a
+        layer's ops are shared among the layer's segments (ZeRO-3 modules) by parameter count;
+        segments before the first layer run the embedding, those after the last the final
+        norm, the LM head and the loss."""
+        kern = self.kernels
+        assert kern is not None
+
+        def seconds(ops: list[Any]) -> float:
+            return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
+                                         hbm=self.hw.memory_bandwidth, kern=kern,
+                                         attention=self.attention,
+                                         gemm_dtype=self.options.gemm_dtype)
+
+        r = self.shape
+        parts = {"layer": (seconds(layer_forward(shape, r)), seconds(layer_backward(shape, r))),
+                 "embed": (seconds(embed_forward(shape, r)), seconds(embed_backward(shape, r))),
+                 "head": (seconds(head_forward(shape, r)), seconds(head_backward(shape, r)))}
+        groups: dict[tuple[str, int], list[int]] = {}
+        seen_layer = False
+        for j, seg in enumerate(self.segments):
+            seen_layer = seen_layer or seg.layer is not None
+            key = ("layer", seg.layer) if seg.layer is not None else \
+                ("head" if seen_layer else "embed", -1)
+            groups.setdefault(key, []).append(j)
+        for (part, _), members in groups.items():
+            weight = [sum(weights[i] for i in self.segments[j].params) for j in members]
+            total = sum(weight)
+            fwd, bwd = parts[part]
+            for j, w in zip(members, weight):
+                share = w / total if total else 1 / len(members)
+                self.forward_s[j] += fwd * share
+                self.backward_s[j] += bwd * share
 
     def pass_seconds(self, kind: str, segment: int) -> float:
         """A ``kind`` pass over segment ``segment`` (-1: the whole stage)."""
@@ -248,7 +337,12 @@ class StageCosts:
     def collective(self, op: str, nbytes: float) -> float:
         """A gloo/NCCL collective over the data-parallel group; on a calibrated CPU host, plus
         what such a call took beside a live engine over the bare ranks' figure, and slowed
-        as compute is where more ranks than the group's share the host."""
+        as compute is where more ranks than the group's share the host. A GPU with kernel
+        figures: NCCL at its measured bus bandwidth (``sims.gpu_costs``)."""
+        if self.kernels is not None:
+            return gpu_costs.collective_seconds(
+                op, nbytes, self.dp, self.layout.dp_nodes,
+                self.hw.inter_node.bandwidth / self.hw.devices_per_node, self.kernels)
         return costs.collective_seconds(op, nbytes, self.dp, self.hw,
                                         nodes=self.layout.dp_nodes) * self.comm_crowding + \
             self.gloo_s

@@ -46,9 +46,9 @@ from flowtrain.plan.workload import ParamSpec, layer_of, module_units
 # "forward" / "backward": a pass over segment ``arg`` of the stage (-1: every segment);
 # "send": a pipeline send of ``nbytes`` from stage ``arg``; "reduce": a gradient bucket's
 # reduce of ``nbytes``; "all_gather": a data-parallel all-gather of ``nbytes``; "tp": a layer's
-# tensor-parallel all-reduces of one pass; "copy": a host<->device copy of ``nbytes``;
-# "optimizer": the step over ``arg`` elements; "host_optimizer": an offloaded shard's step of
-# ``arg`` elements on the host.
+# tensor-parallel collectives of one pass (``arg`` 0: forward, 1: backward); "copy": a
+# host<->device copy of ``nbytes``; "optimizer": the step over ``arg`` elements;
+# "host_optimizer": an offloaded shard's step of ``arg`` elements on the host.
 COSTS = ("forward", "backward", "send", "reduce", "all_gather", "tp", "copy", "optimizer",
          "host_optimizer")
 # The engine's own work around the model's, each a task where the pricing models it as one
@@ -304,7 +304,7 @@ class StageLayout:
             if self._ends_layer(j, +1):
                 assert seg.layer is not None
                 last = graph.add(s, names.tp("fwd", k, seg.layer), "tp", "comm:tp", "tp",
-                                 [last], nbytes=2 * self.act_bytes)
+                                 [last], arg=0, nbytes=2 * self.act_bytes)
         assert last is not None
         return last
 
@@ -336,7 +336,7 @@ class StageLayout:
             if self._ends_layer(j, -1):
                 assert seg.layer is not None
                 last = graph.add(s, names.tp("bwd", k, seg.layer), "tp", "comm:tp", "tp",
-                                 [last], nbytes=2 * self.act_bytes)
+                                 [last], arg=1, nbytes=2 * self.act_bytes)
             if reduce_now:
                 for b in self.ready_after.get(j, []):
                     if "bucket_hand_off" in self.overheads:

@@ -67,6 +67,38 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class TransformerShape:
+    """A decoder-only transformer's shapes, when the model is known by its architecture (a
+    preset or a published configuration): what lets the simulator price each of a layer's ops
+    by its own shape instead of sharing FLOPs among parameters. ``gated_mlp``: SwiGLU (three
+    matrices of ``ffn``) instead of one activation between two; ``norm``: "layernorm" or
+    "rmsnorm"; ``rotary``: rotary position embedding applied to Q and K in every layer;
+    ``tied``: the LM head reuses the token embedding."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    gated_mlp: bool = False
+    biases: bool = True
+    norm: str = "layernorm"
+    dropout: bool = False
+    rotary: bool = False
+    tied: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the planner needs of a model: its trainable parameters as the engine lists them,
     forward FLOPs of one sample, and the shapes that size pipeline and TP messages (0 when
@@ -100,6 +132,9 @@ class Workload:
     # The parameters are one tensor-parallel rank's own (a run's record of a split model),
     # not the whole model's: the planner takes them as they are instead of splitting them.
     split_for_tp: bool = False
+    # The model's shapes, when known (presets, published configurations): the simulator then
+    # prices a GPU's ops one by one (sims.layer_ops).
+    transformer: TransformerShape | None = None
 
     @staticmethod
     def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
@@ -121,10 +156,17 @@ class Workload:
         dtype = PRECISION_DTYPE[precision]
         elem = DTYPE_BYTES[dtype]
         params = tuple((name, tuple(shape), dtype, elem) for name, shape in model.params)
+        arch = getattr(model, "arch", None)
+        shape = None if arch is None else TransformerShape(
+            arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn, arch.vocab,
+            model.seq_len, gated_mlp=arch.gated_mlp, biases=not arch.gated_mlp,
+            norm="rmsnorm" if arch.gated_mlp else "layernorm", dropout=bool(arch.dropout),
+            rotary=arch.gated_mlp, tied=arch.tied_embeddings)
         return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
                    model.hidden, model.layers, float(model.activation_bytes_per_sample),
                    float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
-                   **cls.census_fields(getattr(model, "op_census", None), 1))
+                   **cls.census_fields(getattr(model, "op_census", None), 1),
+                   transformer=shape)
 
     @classmethod
     def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,

@@ -1,0 +1,169 @@
+"""`flowtrain simulate` against published large-scale GPU training runs.
+
+Each run of ``benchmarks/published_runs.json`` (papers' and repositories' tables: model shape,
+parallel layout, batch, precision, recompute, hardware, and the step time its published
+throughput implies, each with its citation and assumptions) is simulated with the builtin
+profile of its GPU and network, and the predicted step time is set beside the published one:
+signed error per run, then MAPE, mean signed error (bias) and the count of optimistic
+predictions per source and overall. Nothing here is fitted to these runs: every factor the
+simulator uses is a property of the hardware or software (``sims/gpu_figures.py``).
+
+    .venv/bin/python benchmarks/sim_published.py            # the table
+    .venv/bin/python benchmarks/sim_published.py --json out.json --source megatron-2021
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flowtrain.config import load_config  # noqa: E402
+from flowtrain.plan.workload import Layout, Workload  # noqa: E402
+from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
+from sims.layer_ops import SimOptions  # noqa: E402
+from sims.models import Architecture, spec_from_architecture  # noqa: E402
+from sims.prediction import predict  # noqa: E402
+
+RUNS = Path(__file__).with_name("published_runs.json")
+
+# the builtin node profile of each GPU name the runs use
+GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm": "h100-x8",
+                "h100-sxm-hbm2e-capped": "h100-x8", "h200": "h200-x8"}
+# per-NIC bytes/s of each network the runs name (one direction)
+NETWORKS = {"ib-hdr-200": 25e9, "roce-200": 25e9, "ib-ndr-400": 50e9, "roce-400": 50e9,
+            "rdma-400": 50e9, "omnipath-100": 12.5e9}
+PRECISION = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
+
+
+def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
+    return list(json.loads(path.read_text())["runs"])
+
+
+def unmodelled(run: Mapping[str, Any]) -> list[str]:
+    """What a run uses that the simulator does not model yet (its prediction is still made)."""
+    par = run["parallel"]
+    out = []
+    if int(par.get("cp") or 1) > 1:
+        out.append(f"context parallel {par['cp']}")
+    if int(par.get("virtual_stages") or 1) > 1:
+        out.append(f"interleaved 1F1B x{par['virtual_stages']}")
+    return out
+
+
+def architecture(run: Mapping[str, Any]) -> Architecture:
+    m = run["model"]
+    family = "llama" if m["family"] == "llama" else "gpt2"
+    return Architecture(family, int(m["layers"]), int(m["hidden"]), int(m["heads"]),
+                        int(m.get("kv_heads") or m["heads"]), int(m["ffn"]), int(m["vocab"]),
+                        int(m["seq_len"]), source=run["citation"],
+                        dropout=bool(m.get("dropout", False)))
+
+
+def profile(run: Mapping[str, Any]) -> HardwareProfile:
+    hw = run["hardware"]
+    base = get_profile(GPU_PROFILES[hw["gpu"]])
+    per_nic = NETWORKS.get(str(hw.get("inter_node")))
+    nics = int(hw.get("nics_per_node") or base.devices_per_node)
+    if per_nic is None:
+        return base
+    return dataclasses.replace(base, inter_node=Link(base.inter_node.latency_s, per_nic * nics))
+
+
+def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, SimOptions]:
+    """The simulator's inputs for ``run``: model, config, layout, hardware and options."""
+    par, batch, train = run["parallel"], run["batch"], run["training"]
+    hw = profile(run)
+    per_node = int(run["hardware"].get("gpus_per_node") or hw.devices_per_node)
+    gpus = int(run["hardware"]["gpus"])
+    cp = int(par.get("cp") or 1)
+    tp, pp = int(par["tp"]), int(par["pp"])
+    # context parallelism is not modelled yet: its ranks are counted as data parallel, each
+    # with its share of the sequences
+    layout = Layout(gpus // per_node, per_node, tp, pp)
+    dp = layout.dp
+    micro = int(batch["micro_batch"])
+    accumulation = max(1, int(batch["global_batch"]) // (micro * dp))
+    precision = PRECISION[train["precision"]]
+    cfg = load_config({
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 1.0,
+        precision: {"enabled": True},
+        "zero_optimization": {"stage": int(par.get("zero_stage") or 0)},
+        "communication_data_type": "fp32" if precision == "bf16" else "fp16",
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }, world_size=dp, check_supported=False)
+    arch = architecture(run)
+    model = spec_from_architecture(run["id"], arch, int(run["model"]["seq_len"]) // cp)
+    options = SimOptions(
+        recompute=str(train.get("recompute") or "none"),
+        sequence_parallel=bool(par.get("sequence_parallel")) and tp > 1,
+        attention=None if train.get("flash_attention") else "unfused",
+        gemm_dtype="float8" if train["precision"] == "fp8" else None)
+    return model, cfg, layout, hw, options
+
+
+def simulate(run: Mapping[str, Any]) -> float:
+    model, cfg, layout, hw, options = prepare(run)
+    work = Workload.from_model(model, cfg.precision)
+    prediction = predict(model, cfg, layout, hw, cluster=hw.name, workload=work,
+                         options=options)
+    return prediction.step_time_s
+
+
+def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    errors = [r["error"] for r in rows]
+    if not errors:
+        return {"runs": 0, "mape": 0.0, "bias": 0.0, "optimistic": 0}
+    return {"runs": len(errors), "mape": statistics.fmean(abs(e) for e in errors),
+            "bias": statistics.fmean(errors), "optimistic": sum(e < 0 for e in errors)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=Path, default=RUNS)
+    ap.add_argument("--source", action="append", help="only these sources")
+    ap.add_argument("--id", action="append", help="only these run ids")
+    ap.add_argument("--json", type=Path, help="write every row and summary here")
+    ns = ap.parse_args(argv)
+    runs = [r for r in load_runs(ns.runs)
+            if (not ns.source or r["source"] in ns.source) and (not ns.id or r["id"] in ns.id)]
+    rows = []
+    print(f"{'run':42s} {'source':28s} {'GPUs':>6s} {'published s':>12s} {'predicted s':>12s}"
+          f" {'error':>8s}  not modelled")
+    for run in runs:
+        predicted = simulate(run)
+        published = float(run["step_time_s"])
+        error = (predicted - published) / published
+        rows.append({"id": run["id"], "source": run["source"], "gpus": run["hardware"]["gpus"],
+                     "published_s": published, "predicted_s": predicted, "error": error,
+                     "unmodelled": unmodelled(run)})
+        print(f"{run['id'][:42]:42s} {run['source'][:28]:28s} {run['hardware']['gpus']:6d} "
+              f"{published:12.3f} {predicted:12.3f} {error * 100:+7.1f}%  "
+              f"{', '.join(unmodelled(run))}")
+    print()
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_source.setdefault(row["source"], []).append(row)
+    summary = {source: summarize(rs) for source, rs in sorted(by_source.items())}
+    summary["all"] = summarize(rows)
+    summary["all, fully modelled"] = summarize(r for r in rows if not r["unmodelled"])
+    print(f"{'source':30s} {'runs':>5s} {'MAPE':>8s} {'bias':>8s} {'optimistic':>11s}")
+    for source, s in summary.items():
+        print(f"{source:30s} {s['runs']:5d} {s['mape'] * 100:7.1f}% {s['bias'] * 100:+7.1f}% "
+              f"{s['optimistic']:>6d}/{s['runs']}")
+    if ns.json:
+        ns.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

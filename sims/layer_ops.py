@@ -1,0 +1,265 @@
+"""A transformer's work on one GPU rank, op by op: the matmuls with their shapes, the attention
+core, and the memory-bound ops (norms, activations, residuals, dropout, rotary, softmax, loss) with
+the bytes they stream. ``sims.gpu_costs`` prices each op on a GPU profile; the op lists follow the
+Megatron-LM layer (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4 and 5, for what each op
+reads and writes, what tensor and sequence parallelism split, and what selective recompute
+repeats).
+
+Shapes are per rank: ``tp`` tensor-parallel ranks split the attention heads and the MLP width;
+with ``sequence_parallel`` the norms, dropouts and residuals run on 1/tp of the tokens;
+otherwise every tensor rank repeats them on all tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from flowtrain.plan.workload import TransformerShape
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """(m x k) @ (k x n), ``count`` times: 2·m·n·k FLOPs each."""
+
+    label: str
+    m: int
+    n: int
+    k: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """The attention core of ``batch_heads`` (micro-batch x heads on the rank) heads: scores
+    Q·Kᵀ over ``seq`` queries and keys, softmax, and its product with V. ``flash``: one fused
+    kernel that never stores the scores (causal: the masked half is skipped); otherwise two
+    batched matmuls of the full s x s scores and the softmax/mask/dropout between them as
+    memory-bound ops."""
+
+    label: str
+    batch_heads: int
+    seq: int
+    head_dim: int
+    causal: bool = True
+    flash: bool = True
+    backward: bool = False
+
+    @property
+    def flops(self) -> float:
+        """The matmul FLOPs done: 4·s²·d per head forward (2 products), 2.5x that backward
+        for flash attention (it recomputes the scores), 2x for the unfused core; causal flash
+        does half."""
+        forward = 4.0 * self.batch_heads * self.seq * self.seq * self.head_dim
+        if self.flash:
+            done = forward * (0.5 if self.causal else 1.0)
+            return done * (2.5 if self.backward else 1.0)
+        return forward * (2.0 if self.backward else 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A memory-bound op (elementwise or a row reduction): ``bytes`` read plus written."""
+
+    label: str
+    bytes: float
+
+
+Op = Gemm | Attention | Stream
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """How one rank runs the model: micro-batch, tensor-parallel width, the options that change
+    a layer's ops, and the activation element size."""
+
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    flash: bool = True
+    recompute: str = "none"
+    act_bytes: int = 2  # bf16/fp16 activations
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
+                             f"{self.recompute!r}")
+
+
+def _heads_per_rank(heads: int, tp: int) -> int:
+    return max(1, math.ceil(heads / tp))
+
+
+def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
+    """One layer's forward on one rank, in order."""
+    tokens = r.micro_batch * t.seq_len
+    h, e = t.hidden, r.act_bytes
+    heads = _heads_per_rank(t.heads, r.tp)
+    kv = max(1, math.ceil(t.kv_heads / r.tp)) * t.head_dim
+    ffn = math.ceil(t.ffn / r.tp)
+    # tokens the per-token ops (norms, residuals, dropouts) see on this rank
+    local = tokens // r.tp if r.sequence_parallel else tokens
+    norm = Stream("norm", local * h * e * 2 + local * 4 * 2)  # read x, write y; row stats
+    residual = Stream("residual", local * h * e * 3)  # read x and the branch, write the sum
+    drop = Stream("dropout", local * h * (2 * e + 1)) if t.dropout else None
+    ops: list[Op] = [norm]
+    ops.append(Gemm("qkv", tokens, heads * t.head_dim + 2 * kv, h))
+    if t.rotary:
+        ops.append(Stream("rotary", tokens * (heads * t.head_dim + kv) * e * 2))
+    ops += attention_core(t, r, backward=False)
+    ops.append(Gemm("attn_out", tokens, h, heads * t.head_dim))
+    ops += [o for o in (drop, residual) if o is not None]
+    ops.append(norm)
+    if t.gated_mlp:
+        ops.append(Gemm("mlp_gate_up", tokens, 2 * ffn, h))
+        ops.append(Stream("swiglu", tokens * ffn * e * 3))  # read gate and up, write product
+        ops.append(Gemm("mlp_down", tokens, h, ffn))
+    else:
+        ops.append(Gemm("mlp_up", tokens, ffn, h))
+        ops.append(Stream("gelu", tokens * ffn * e * 2))
+        ops.append(Gemm("mlp_down", tokens, h, ffn))
+    ops += [o for o in (drop, residual) if o is not None]
+    return ops
+
+
+def attention_core(t: TransformerShape, r: RankShape, *, backward: bool) -> list[Op]:
+    """The attention core: one flash kernel, or the unfused matmuls and the softmax, mask and
+    dropout over the stored s x s scores (fp16/bf16 scores, 1-byte dropout mask)."""
+    heads = _heads_per_rank(t.heads, r.tp)
+    bh = r.micro_batch * heads
+    core = Attention("attention", bh, t.seq_len, t.head_dim, flash=r.flash, backward=backward)
+    if r.flash:
+        return [core]
+    scores = bh * t.seq_len * t.seq_len
+    e = r.act_bytes
+    # scale + mask + softmax fused (read, write); dropout (read, write, mask); backward reads
+    # the saved output and its gradient and writes the input's gradient for each
+    softmax = Stream("softmax", scores * e * (3 if backward else 2))
+    dropout = Stream("attn_dropout", scores * (e * 3 + 1 if backward else e * 2 + 1)) \
+        if t.dropout else None
+    ops: list[Op] = [core, softmax]
+    if dropout is not None:
+        ops.append(dropout)
+    return ops
+
+
+def layer_backward(t: TransformerShape, r: RankShape) -> list[Op]:
+    """One layer's backward on one rank: each matmul's input gradient and weight gradient
+    (two matmuls of the forward's size), the attention core's backward, and each memory-bound
+    op's backward (reading what the forward saved and the output gradient, writing the input
+    gradient: about twice the forward's bytes); plus what recompute runs again first."""
+    ops: list[Op] = []
+    if r.recompute == "full":
+        ops += [_recomputed(op) for op in layer_forward(t, r)]
+    elif r.recompute == "selective" and not r.flash:
+        # selective recompute keeps everything but the attention core, which it runs again
+        ops += [_recomputed(op) for op in attention_core(t, r, backward=False)]
+    for op in reversed(layer_forward(t, r)):
+        if isinstance(op, Gemm):
+            ops.append(Gemm(op.label + ".dgrad", op.m, op.k, op.n, op.count))
+            ops.append(Gemm(op.label + ".wgrad", op.k, op.n, op.m, op.count))
+        elif isinstance(op, Attention):
+            ops += attention_core(t, r, backward=True)[:1]
+        else:
+            ops.append(Stream(op.label + ".grad", op.bytes * 2))
+    if not r.flash:
+        ops += attention_core(t, r, backward=True)[1:]
+    return ops
+
+
+def _recomputed(op: Op) -> Op:
+    if isinstance(op, Gemm):
+        return Gemm("recompute." + op.label, op.m, op.n, op.k, op.count)
+    if isinstance(op, Attention):
+        return Attention("recompute." + op.label, op.batch_heads, op.seq, op.head_dim,
+                         op.causal, op.flash, op.backward)
+    return Stream("recompute." + op.label, op.bytes)
+
+
+def head_forward(t: TransformerShape, r: RankShape) -> list[Op]:
+    """After the layers: the final norm, the LM head (vocabulary split over tensor ranks) and
+    the cross-entropy over fp32 logits (written, then read for the softmax and the loss)."""
+    tokens = r.micro_batch * t.seq_len
+    local = tokens // r.tp if r.sequence_parallel else tokens
+    vocab = math.ceil(t.vocab / r.tp)
+    return [Stream("final_norm", local * t.hidden * r.act_bytes * 2),
+            Gemm("lm_head", tokens, vocab, t.hidden),
+            Stream("cross_entropy", tokens * vocab * (r.act_bytes + 4 * 2))]
+
+
+def head_backward(t: TransformerShape, r: RankShape) -> list[Op]:
+    tokens = r.micro_batch * t.seq_len
+    vocab = math.ceil(t.vocab / r.tp)
+    return [Stream("cross_entropy.grad", tokens * vocab * (4 + r.act_bytes)),
+            Gemm("lm_head.dgrad", tokens, t.hidden, vocab),
+            Gemm("lm_head.wgrad", vocab, t.hidden, tokens),
+            Stream("final_norm.grad", tokens * t.hidden * r.act_bytes * 4)]
+
+
+def embed_forward(t: TransformerShape, r: RankShape) -> list[Op]:
+    """Token (and, without rotary, position) embedding lookups: rows read, activations
+    written."""
+    tokens = r.micro_batch * t.seq_len
+    tables = 1 if t.rotary else 2
+    return [Stream("embedding", tokens * t.hidden * r.act_bytes * (tables + 1))]
+
+
+def embed_backward(t: TransformerShape, r: RankShape) -> list[Op]:
+    """The lookups' backward: the output gradient scattered (added) into the tables' rows."""
+    tokens = r.micro_batch * t.seq_len
+    tables = 1 if t.rotary else 2
+    return [Stream("embedding.grad", tokens * t.hidden * 4 * 3 * tables)]
+
+
+def tp_collectives_per_layer(r: RankShape, kind: str) -> int:
+    """Tensor-parallel collectives of one layer's ``kind`` pass, each over one layer output
+    (micro-batch x seq x hidden): two all-reduces (or, with sequence parallelism, two
+    all-gathers and two reduce-scatters, the same bytes) in forward and in backward; full
+    recompute runs the forward's again inside backward."""
+    if r.tp == 1:
+        return 0
+    if kind == "forward":
+        return 2
+    return 4 if r.recompute == "full" else 2
+
+
+ATTENTION = ("flash2", "flash3", "unfused")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the simulated run trains beyond what its ds_config says (Megatron-style options a
+    DeepSpeed config has no key for). ``recompute`` None: full when the config checkpoints
+    activations, else none; ``attention`` None: the GPU profile's default flash kernel;
+    ``gemm_dtype`` "float8" for fp8 GEMMs (Transformer Engine), None: the training dtype."""
+
+    recompute: str | None = None
+    sequence_parallel: bool = False
+    attention: str | None = None
+    gemm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
+                             f"{self.recompute!r}")
+        if self.attention is not None and self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got "
+                             f"{self.attention!r}")
+        if self.gemm_dtype not in (None, "float8"):
+            raise ValueError(f"gemm_dtype must be float8 or unset, got {self.gemm_dtype!r}")
+
+
+def cfg_checkpoints_activations(cfg: Any) -> bool:
+    """Whether a ds_config says the model's layers are checkpointed: DeepSpeed's
+    activation_checkpointing section configures deepspeed.checkpointing, which a model sets
+    up only to call it, so the section's presence is read as "layers are checkpointed";
+    pipeline modules say it with activation_checkpoint_interval."""
+    return ("activation_checkpointing" in cfg.model_fields_set
+            or cfg.pipeline.activation_checkpoint_interval > 0)
