@@ -53,7 +53,11 @@ class PipelineEngine(FlowtrainEngine):
                  config: FlowtrainConfig, **kwargs: Any) -> None:
         if not isinstance(model, PipelineModule):
             raise TypeError("PipelineEngine needs a flowtrain.pipe.PipelineModule")
-        _apply_virtual_stages(model, config)
+        if model.virtual_stages != config.pipeline.virtual_stages:
+            raise ValueError(f"the PipelineModule has {model.virtual_stages} model chunks per "
+                             f"stage but pipeline.virtual_stages is "
+                             f"{config.pipeline.virtual_stages}: cut it first (flowtrain."
+                             f"initialize does), before its parameters go to the optimizer")
         super().__init__(model, optimizer, config, grid=model.grid, **kwargs)
         self.virtual_stages = model.virtual_stages
         self.num_stages = model.num_stages
@@ -245,9 +249,10 @@ def _nbytes(out: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(out))
 
 
-def _apply_virtual_stages(model: PipelineModule, config: FlowtrainConfig) -> None:
+def apply_virtual_stages(model: PipelineModule, config: FlowtrainConfig) -> None:
     """Cuts ``model`` into the config's ``pipeline.virtual_stages`` chunks per stage (the
-    interleaved schedule), or refuses a module cut into chunks for another schedule."""
+    interleaved schedule), or refuses a module cut into chunks for another schedule. Before
+    the optimizer takes the module's parameters: the stage's layers change."""
     wanted = int(config.pipeline.virtual_stages)
     if model.virtual_stages > 1 and wanted != model.virtual_stages:
         raise ValueError(f"the PipelineModule has virtual_stages={model.virtual_stages}, but the "

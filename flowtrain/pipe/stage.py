@@ -111,7 +111,13 @@ class PipeStage(Actor):
         if self._sender is None:
             self._sender = Sender(self.group, self.device, self.timeout, "flowtrain-pipe-send")
         dst, what = self._peer(op)
-        self._sender.send(tensors, dst, _TAGS[op.kind], op.mb, what, op.chunk)
+        # the message names the chunk that takes it: the same local chunk on the neighbour,
+        # the next (activations) or previous (gradients) one across the ring's wrap
+        chunk = op.chunk
+        stage = self.grid.pp_rank + _STEP[op.kind]
+        if chunk is not None and not 0 <= stage < self.grid.shape.pp:
+            chunk += _STEP[op.kind]
+        self._sender.send(tensors, dst, _TAGS[op.kind], op.mb, what, chunk)
 
     def _result(self, future: Future[Any], what: str, abort: threading.Event) -> Any:
         # the helper threads' own waits time out first; this only guards a lost answer
