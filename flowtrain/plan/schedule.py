@@ -55,6 +55,20 @@ def check_interleaving(stages: int, micro_batches: int, virtual_stages: int) -> 
                          f"must be a multiple of {stages}")
 
 
+def handover(kind: str, stage: int, stages: int, chunk: int | None) -> tuple[int, int | None]:
+    """The (stage, chunk) at the other end of a point-to-point instruction of ``stage``'s chunk
+    ``chunk``: activations go to the next stage, gradients back to the previous one; across the
+    ring's wrap (interleaved) the last stage's chunk c hands over to the first stage's c + 1."""
+    step = {"recv_act": -1, "send_grad": -1, "send_act": 1, "recv_grad": 1}[kind]
+    peer = stage + step
+    if 0 <= peer < stages:
+        return peer, chunk
+    if chunk is None:
+        raise ValueError(f"a {kind} instruction on stage {stage}, which has no neighbour on "
+                         f"that side")
+    return peer % stages, chunk + step
+
+
 def interleaved_order(stages: int, micro_batches: int, virtual_stages: int
                       ) -> list[tuple[int, int]]:
     """(local chunk, micro-batch) of each forward, in the order every stage runs them:
