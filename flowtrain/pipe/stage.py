@@ -31,6 +31,7 @@ from flowtrain.pipe.p2p import (
     Sender,
 )
 from flowtrain.pipe.schedule import Op
+from flowtrain.plan.schedule import handover
 from flowtrain.runtime.actor import Actor, handler
 
 
@@ -46,8 +47,6 @@ class ScheduleDone:
     losses: tuple[float, ...]  # the last stage's per-micro-batch losses
 
 
-# the direction each point-to-point instruction goes: -1 to the previous stage, +1 to the next
-_STEP = {"recv_act": -1, "send_grad": -1, "send_act": 1, "recv_grad": 1}
 _TAGS = {"recv_act": (TAG_ACT, TAG_ACT_DATA), "send_act": (TAG_ACT, TAG_ACT_DATA),
          "recv_grad": (TAG_GRAD, TAG_GRAD_DATA), "send_grad": (TAG_GRAD, TAG_GRAD_DATA)}
 _WHAT = {"recv_act": "activations of micro-batch {mb}{chunk} from stage {peer} (rank {rank})",
@@ -96,13 +95,7 @@ class PipeStage(Actor):
     def _peer(self, op: Op) -> tuple[int, str]:
         """The rank a point-to-point instruction talks to, and the message's description.
         Interleaved, the last stage's chunk hands over to the first stage's next chunk."""
-        stages, s = self.grid.shape.pp, self.grid.pp_rank
-        peer = s + _STEP[op.kind]
-        if not 0 <= peer < stages:
-            if op.chunk is None:
-                raise ValueError(f"a {op.kind} instruction on stage {s}, which has no "
-                                 f"neighbour on that side")
-            peer %= stages
+        peer, _ = handover(op.kind, self.grid.pp_rank, self.grid.shape.pp, op.chunk)
         rank = self.grid.stage_rank(peer)
         chunk = "" if op.chunk is None else f" (chunk {op.chunk})"
         return rank, _WHAT[op.kind].format(mb=op.mb, chunk=chunk, peer=peer, rank=rank)
@@ -111,12 +104,9 @@ class PipeStage(Actor):
         if self._sender is None:
             self._sender = Sender(self.group, self.device, self.timeout, "flowtrain-pipe-send")
         dst, what = self._peer(op)
-        # the message names the chunk that takes it: the same local chunk on the neighbour,
-        # the next (activations) or previous (gradients) one across the ring's wrap
-        chunk = op.chunk
-        stage = self.grid.pp_rank + _STEP[op.kind]
-        if chunk is not None and not 0 <= stage < self.grid.shape.pp:
-            chunk += _STEP[op.kind]
+        # the message names the chunk that takes it (across the ring's wrap, the next or
+        # previous one), which its receiver checks
+        _, chunk = handover(op.kind, self.grid.pp_rank, self.grid.shape.pp, op.chunk)
         self._sender.send(tensors, dst, _TAGS[op.kind], op.mb, what, chunk)
 
     def _result(self, future: Future[Any], what: str, abort: threading.Event) -> Any:
