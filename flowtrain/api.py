@@ -98,6 +98,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                       scheduler_given=lr_scheduler is not None,
                       micro_batch_size=micro_batch)
 
+    if pipe_module is not None:
+        # before the optimizer takes the parameters: interleaving re-cuts the module's layers
+        _check_pipeline_config(cfg, pipe_module)
     params = list(model_parameters) if model_parameters is not None else \
         [p for p in model.parameters() if p.requires_grad]
     if grid is not None and grid.shape.tp > 1 and pipe_module is None:
@@ -123,7 +126,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     if pipe_module is not None:
         from flowtrain.pipe.engine import PipelineEngine
 
-        _check_pipeline_config(cfg, pipe_module)
         engine = PipelineEngine(pipe_module, optim, cfg, training_data=training_data,
                                 collate_fn=collate_fn, bucket_numel=bucket_numel)
     else:
@@ -204,6 +206,13 @@ def _check_pipeline_config(cfg: Any, model: Any) -> None:
     if tp != model.grid.shape.tp:
         raise ValueError(f"tensor_parallel.tp_size {tp} in the config, but the PipelineModule "
                          f"was built with tp_size {model.grid.shape.tp}; make them agree")
+    if cfg.pipeline.schedule == "interleaved":
+        from flowtrain.plan.schedule import check_interleaving
+
+        check_interleaving(model.num_stages, cfg.grad_accum, cfg.pipeline.virtual_stages)
+    from flowtrain.pipe.engine import apply_virtual_stages
+
+    apply_virtual_stages(model, cfg)
 
 
 def _warm_up_kernels(optimizer: Any) -> None:

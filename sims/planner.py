@@ -21,6 +21,7 @@ from flowtrain.plan.workload import (
     Layout,
     ParamSpec,
     Workload,
+    interleaved_chunks,
     layer_of,
     module_units,
     split_stages,
@@ -99,11 +100,25 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
     graph = TaskGraph()
     stage_costs = []
     step_plans = []
+    v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
+    chunks: list[list[list[int]]] | None = None  # each stage's chunks' global param indices
     if work.stage_params:
         if len(work.stage_params) != layout.pp:
             raise ValueError(f"the run was split into {len(work.stage_params)} pipeline stages; "
                              f"plan it with pp {len(work.stage_params)}, not {layout.pp}")
         split = [list(indices) for indices in work.stage_params]
+        if v > 1:
+            if len(work.stage_chunk_layers) != layout.pp or \
+                    any(len(c) != v for c in work.stage_chunk_layers):
+                raise ValueError(f"pipeline.virtual_stages {v}: the run's stage records do not "
+                                 f"hold {v} model chunks per stage")
+            chunks = [interleaved_chunks(work.params, indices, layers)
+                      for indices, layers in zip(split, work.stage_chunk_layers)]
+    elif v > 1:
+        # interleaved: p * v chunks, stage s holding chunks s, s + p, ... (Megatron's order)
+        parts = split_stages(work.params, layout.pp * v)
+        chunks = [[parts[c * layout.pp + s] for c in range(v)] for s in range(layout.pp)]
+        split = [[i for chunk in stage for i in chunk] for stage in chunks]
     else:
         split = split_stages(work.params, layout.pp)
     for s, indices in enumerate(split):
@@ -137,7 +152,9 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
             comm_dtype=comm_dtype, comm_elem=comm_elem,
             forward_flops=flops * micro_batch / layout.tp, gpu=priced.gpu,
             act_bytes=act_bytes, send_bytes=send_bytes, recv_bytes=recv_bytes,
-            overheads=priced.overheads())
+            overheads=priced.overheads(),
+            chunk_params=[[indices.index(i) for i in chunk] for chunk in chunks[s]]
+            if chunks is not None else None)
         priced.price_passes(stage.segments, stage.buckets, stage_flops=flops, work=work,
                             weights=weights, total_weight=total_weight, dtype=dtype, cfg=cfg,
                             act_bytes=act_bytes)

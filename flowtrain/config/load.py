@@ -196,6 +196,13 @@ def _check_sections(cfg: FlowtrainConfig, ctx: AutoContext,
     # DeepSpeedConfig asserts the same: "bfloat16 and fp16 modes cannot be simultaneously enabled".
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+    pipe = cfg.pipeline
+    if pipe.schedule == "interleaved" and pipe.virtual_stages < 2:
+        problems.append(f"pipeline.virtual_stages {pipe.virtual_stages}: pipeline.schedule "
+                        f"'interleaved' needs at least 2 model chunks per stage")
+    if pipe.schedule != "interleaved" and pipe.virtual_stages > 1:
+        problems.append(f"pipeline.virtual_stages {pipe.virtual_stages} needs pipeline.schedule "
+                        f"'interleaved', not {pipe.schedule!r}")
     if cfg.optimizer is not None:
         canon = canonical_optimizer(cfg.optimizer.type)
         if canon is None:

@@ -87,9 +87,11 @@ class PipelineConfig(Section):
     # "auto": the stage count comes from the PipelineModule, as in DeepSpeed.
     stages: Annotated[int | str, BeforeValidator(_stages_check)] = "auto"
     # Not DeepSpeed keys: "enabled" is accepted for configs written that way (a PipelineModule
-    # is what turns the pipeline on); "schedule" picks 1F1B (PipeDream-Flush) or GPipe.
+    # is what turns the pipeline on); "schedule" picks 1F1B (PipeDream-Flush), GPipe or
+    # interleaved 1F1B (Megatron's virtual pipeline: "virtual_stages" model chunks per stage).
     enabled: Bool = True
-    schedule: Annotated[str, Choice("1f1b", "gpipe")] = "1f1b"
+    schedule: Annotated[str, Choice("1f1b", "gpipe", "interleaved")] = "1f1b"
+    virtual_stages: Annotated[int, Int(ge=1)] = 1
     partition: Annotated[str, Str()] = "best"
     seed_layers: Bool = False
     activation_checkpoint_interval: Annotated[int, Int(ge=0)] = 0

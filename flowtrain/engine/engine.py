@@ -244,7 +244,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule {schedule!r}: choose one of "
                              f"{', '.join(SCHEDULES)}")
-        return {"stage": self.grid.pp_rank, "stages": self.grid.shape.pp, "schedule": schedule}
+        return {"stage": self.grid.pp_rank, "stages": self.grid.shape.pp, "schedule": schedule,
+                "virtual_stages": int(getattr(self.config.pipeline, "virtual_stages", 1))}
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         buckets = GradBuckets(self.trainable, plan.buckets,

@@ -53,7 +53,13 @@ class PipelineEngine(FlowtrainEngine):
                  config: FlowtrainConfig, **kwargs: Any) -> None:
         if not isinstance(model, PipelineModule):
             raise TypeError("PipelineEngine needs a flowtrain.pipe.PipelineModule")
+        if model.virtual_stages != config.pipeline.virtual_stages:
+            raise ValueError(f"the PipelineModule has {model.virtual_stages} model chunks per "
+                             f"stage but pipeline.virtual_stages is "
+                             f"{config.pipeline.virtual_stages}: cut it first (flowtrain."
+                             f"initialize does), before its parameters go to the optimizer")
         super().__init__(model, optimizer, config, grid=model.grid, **kwargs)
+        self.virtual_stages = model.virtual_stages
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
         self.schedule = self.plan.schedule  # checked when the engine planned its step
@@ -63,43 +69,60 @@ class PipelineEngine(FlowtrainEngine):
         group = dist.new_group(ranks=list(range(dist.get_world_size()))) \
             if dist.is_initialized() and dist.get_world_size() > 1 else None
         self._p2p_group = group
-        self._stage_actor = PipeStage(self, self.grid, self.device, group, comm.DEFAULT_TIMEOUT)
+        self._stage_actor = PipeStage(self, self.grid, self.device, group, comm.DEFAULT_TIMEOUT,
+                                      virtual_stages=self.virtual_stages)
         self._stage_ref = self._runtime.spawn(self._stage_actor)
         self.agg_train_loss: torch.Tensor | None = None
         # each stage's first rank records its part of the plan (for simulate --compare)
         self._plan_pending = self._run_dir is not None and self.grid.dp_rank == 0 and \
             self.grid.tp_rank == 0
+        self._chunk_census: dict[int, tuple[dict[str, Any], Any]] = {}
 
     # -- compute (on the stage actor's compute thread) --------------------------------------------
 
-    def stage_forward(self, mb: int, x: Any, labels: Any, train: bool) -> Any:
-        """Micro-batch ``mb``'s forward on this stage; on the last stage with labels, its loss.
-        Called by the stage actor (``flowtrain.pipe.stage.PipeStage``)."""
+    def stage_forward(self, mb: int, x: Any, labels: Any, train: bool,
+                      chunk: int | None = None) -> Any:
+        """Micro-batch ``mb``'s forward on this stage (its model chunk ``chunk`` with the
+        interleaved schedule); with labels (the model's last chunk), its loss. Called by the
+        stage actor (``flowtrain.pipe.stage.PipeStage``)."""
         from flowtrain.profiling.census import OpCensus
 
-        # the first training forward takes the op census (the data-parallel engine's), loss included
-        census = OpCensus() if self._plan_pending and train else None
-        with self.timer.span("forward", names.forward(mb)), torch.set_grad_enabled(train), \
+        # the first training forward of each chunk takes the op census (the data-parallel
+        # engine's), loss included
+        census = OpCensus() if self._plan_pending and train and \
+            (chunk or 0) not in self._chunk_census else None
+        with self.timer.span("forward", names.forward(mb, chunk=chunk)), \
+                torch.set_grad_enabled(train), \
                 census if census is not None else contextlib.nullcontext():
-            out = self.module(x)
+            out = self.module(x, chunk=chunk or 0)
             result = out
-            if self.grid.is_last_stage and labels is not None:
+            if labels is not None:
                 if self.module.loss_fn is None:
                     raise ValueError("the last pipeline stage needs PipelineModule(loss_fn=...) "
                                      "to train or evaluate with labels")
                 result = self.module.loss_fn(out, labels)
         if census is not None:
-            self._record_stage_plan(census.summary(), out)
+            self._chunk_census[chunk or 0] = (census.summary(), out)
+            if len(self._chunk_census) == self.virtual_stages:
+                self._record_stage_plan()
         return result
 
-    def _record_stage_plan(self, census: dict[str, Any], out: Any) -> None:
+    def _record_stage_plan(self) -> None:
         """``stages/stage{s}.json`` in the run directory: this stage's parameters, forward FLOPs
         (matmuls and attention), its other ops (``OpCensus.summary()``) and output bytes of one
         micro-batch; rank 0 also writes ``plan.json`` (world size: all ranks). ``flowtrain
-        simulate --compare`` rebuilds the pipeline's plan from them."""
+        simulate --compare`` rebuilds the pipeline's plan from them. With virtual stages, the
+        figures are the sum over the stage's chunks (its output: the last chunk's), and
+        ``chunks`` holds each chunk's layers, FLOPs and output bytes."""
         from pathlib import Path
 
         from flowtrain.engine.spans import write_plan
+        from flowtrain.profiling.census import merge_summaries
+
+        counted = [self._chunk_census[c] for c in range(self.virtual_stages)]
+        self._chunk_census = {}
+        census = merge_summaries([summary for summary, _ in counted])
+        out = counted[-1][1]
 
         run_dir = self._run_dir
         if run_dir is None:  # _plan_pending is set only with one
@@ -112,8 +135,14 @@ class PipelineEngine(FlowtrainEngine):
                                   self._param_specs()],
                   "forward_flops_per_micro_batch": flops,
                   "forward_ops_per_micro_batch": census,
-                  "output_bytes_per_micro_batch": sum(t.numel() * t.element_size()
-                                                      for t in tensors_of(out))}
+                  "output_bytes_per_micro_batch": _nbytes(out)}
+        if self.virtual_stages > 1:
+            record["chunks"] = [
+                {"layers": list(span),
+                 "forward_flops_per_micro_batch": float(summary["matmul_flops"] +
+                                                        summary["attention_flops"]),
+                 "output_bytes_per_micro_batch": _nbytes(chunk_out)}
+                for span, (summary, chunk_out) in zip(self.module.chunk_ranges, counted)]
         try:
             stages = Path(run_dir) / "stages"
             stages.mkdir(parents=True, exist_ok=True)
@@ -125,20 +154,24 @@ class PipelineEngine(FlowtrainEngine):
         except OSError as exc:
             log.warning("could not record the pipeline stage's plan", error=str(exc))
 
-    def stage_backward(self, mb: int, out: Any, grad: Any, last: bool) -> None:
-        """Micro-batch ``mb``'s backward from its output and the next stage's gradients (from
-        the loss on the last stage). ``last``: the step's last backward, whose micro-step the
-        optimizer step after the sends counts. Called by the stage actor."""
-        if self.grid.is_last_stage:
+    def stage_backward(self, mb: int, out: Any, grad: Any, last: bool,
+                       chunk: int | None = None) -> None:
+        """Micro-batch ``mb``'s backward (of model chunk ``chunk``) from its output and the next
+        chunk's gradients (None: ``out`` is the loss, on the model's last chunk). ``last``: the
+        step's last backward, whose micro-step the optimizer step after the sends counts.
+        Called by the stage actor."""
+        name = names.backward(mb, chunk=chunk)
+        if grad is None:
             scale = self.loss_scaler.loss_scale / self.config.grad_accum
-            self.backward_pass(lambda: (out.float() * scale).backward(), names.backward(mb))
+            self.backward_pass(lambda: (out.float() * scale).backward(), name)
         else:
             outs = [t for t in tensors_of(out) if t.requires_grad]
             grads = [g for t, g in zip(tensors_of(out), tensors_of(grad)) if t.requires_grad]
-            self.backward_pass(lambda: torch.autograd.backward(outs, grads),
-                               names.backward(mb))
+            self.backward_pass(lambda: torch.autograd.backward(outs, grads), name)
         if not last:
-            self.micro_steps += 1  # the boundary (the last backward) steps after the sends
+            # the boundary (the last backward) steps after the sends; with virtual stages a
+            # micro-step is one chunk's backward, so the boundary stays the step's last one
+            self.micro_steps += 1
 
     # -- the DeepSpeed surface ---------------------------------------------------------------------
 
@@ -180,8 +213,9 @@ class PipelineEngine(FlowtrainEngine):
     def eval_batch(self, data_iter: Iterator[Any] | None = None,
                    compute_loss: bool = True) -> torch.Tensor:
         """Forward only over gradient_accumulation_steps micro-batches; the mean loss."""
-        ops = tuple(op for op in stage_ops("gpipe", self.stage_id, self.num_stages,
-                                           self.config.grad_accum)
+        schedule = "interleaved" if self.virtual_stages > 1 else "gpipe"
+        ops = tuple(op for op in stage_ops(schedule, self.stage_id, self.num_stages,
+                                           self.config.grad_accum, self.virtual_stages)
                     if op.kind in ("recv_act", "forward", "send_act"))
         was = self.module.training
         self.module.eval()
@@ -209,3 +243,20 @@ class PipelineEngine(FlowtrainEngine):
     def destroy(self) -> None:
         self._runtime.stop_actor(self._stage_ref.name)
         super().destroy()
+
+
+def _nbytes(out: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(out))
+
+
+def apply_virtual_stages(model: PipelineModule, config: FlowtrainConfig) -> None:
+    """Cuts ``model`` into the config's ``pipeline.virtual_stages`` chunks per stage (the
+    interleaved schedule), or refuses a module cut into chunks for another schedule. Before
+    the optimizer takes the module's parameters: the stage's layers change."""
+    wanted = int(config.pipeline.virtual_stages)
+    if model.virtual_stages > 1 and wanted != model.virtual_stages:
+        raise ValueError(f"the PipelineModule has virtual_stages={model.virtual_stages}, but the "
+                         f"config's pipeline.virtual_stages is {wanted} (schedule "
+                         f"{config.pipeline.schedule!r}); set pipeline.schedule 'interleaved' "
+                         f"and pipeline.virtual_stages {model.virtual_stages}")
+    model.set_virtual_stages(wanted)

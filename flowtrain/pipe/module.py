@@ -2,7 +2,9 @@
 
 Each rank keeps only its stage's layers (``LayerSpec`` layers are built only where they run).
 Parameter names carry the layer's global index (``layers.5.weight``), so checkpoints of any
-stage count line up."""
+stage count line up. With v virtual stages (the interleaved schedule) the layers are cut into
+p * v chunks and stage s holds chunks s, s + p, s + 2p, ... (Megatron-LM's assignment), running
+each as its own forward (``forward(x, chunk=c)``)."""
 
 from __future__ import annotations
 
@@ -90,13 +92,17 @@ class PipelineModule(nn.Module):
     parameter counts plus one when no example is given) or "type:<regex>" (balance the layers
     whose class name matches). ``loss_fn(outputs, labels)`` runs on the last stage.
     ``activation_checkpoint_interval`` > 0 recomputes every that many layers in backward.
+    ``virtual_stages`` > 1 (the interleaved schedule) gives each stage that many model chunks;
+    the pipeline engine sets it from ``pipeline.virtual_stages`` when the module was built
+    without it.
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None, *,
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0, tp_size: int = 1,
-                 example_input: Any = None, grid: ProcessGrid | None = None) -> None:
+                 example_input: Any = None, grid: ProcessGrid | None = None,
+                 virtual_stages: int = 1) -> None:
         super().__init__()
         if not layers:
             raise ValueError("PipelineModule needs at least one layer")
@@ -115,20 +121,52 @@ class PipelineModule(nn.Module):
                 raise TypeError(f"layer {i} is {type(spec).__name__}: a layer must be an "
                                 f"nn.Module, a LayerSpec or a callable")
         self.partition_method = partition_method
-        self.parts = partition_balanced(self._costs(specs, partition_method, example_input),
-                                        self.num_stages)
-        start, end = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        self.layer_range = (start, end)
+        # kept (a plain list, not submodules) so the engine can re-cut the layers into the
+        # config's virtual stages
+        self._specs = specs
+        self._layer_costs = self._costs(specs, partition_method, example_input)
+        self._funcs: list[tuple[int, Any]] = []  # the stage's layers over all its chunks
+        self._cut(virtual_stages)
+
+    def _cut(self, virtual_stages: int) -> None:
+        """Cuts the layers into ``num_stages * virtual_stages`` chunks and keeps this stage's,
+        building the layers it did not hold yet and dropping those it no longer holds."""
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+        p, v, n = self.num_stages, virtual_stages, len(self._specs)
+        if v > 1 and n < p * v:
+            raise ValueError(f"cannot cut {n} layers into {p * v} model chunks ({p} pipeline "
+                             f"stages x pipeline.virtual_stages {v}): each chunk needs at least "
+                             f"one layer")
+        self.virtual_stages = v
+        self.parts = partition_balanced(self._layer_costs, p * v)
+        # local chunk c is the model's chunk c * p + stage
+        first = [c * p + self.stage_id for c in range(v)]
+        self.chunk_ranges = [(self.parts[g], self.parts[g + 1]) for g in first]
+        self.layer_range = self.chunk_ranges[0]
+        held = dict(self._funcs)
         self.layers = nn.ModuleDict()
-        self._funcs: list[tuple[int, Any]] = []
-        for index in range(start, end):
-            spec = specs[index]
-            layer = spec.build() if isinstance(spec, LayerSpec) else spec
-            if isinstance(layer, nn.Module):
-                self.layers[str(index)] = layer
-            self._funcs.append((index, layer))
-        log.debug("pipeline stage built", stage=self.stage_id, layers=f"{start}..{end - 1}",
+        self._chunk_funcs: list[list[tuple[int, Any]]] = []
+        for start, end in self.chunk_ranges:
+            funcs = []
+            for index in range(start, end):
+                spec = self._specs[index]
+                layer = held[index] if index in held else \
+                    spec.build() if isinstance(spec, LayerSpec) else spec
+                if isinstance(layer, nn.Module):
+                    self.layers[str(index)] = layer
+                funcs.append((index, layer))
+            self._chunk_funcs.append(funcs)
+        self._funcs = [f for funcs in self._chunk_funcs for f in funcs]
+        log.debug("pipeline stage built", stage=self.stage_id,
+                  layers=", ".join(f"{a}..{b - 1}" for a, b in self.chunk_ranges),
                   parts=self.parts)
+
+    def set_virtual_stages(self, virtual_stages: int) -> None:
+        """Re-cuts the model into ``virtual_stages`` chunks per stage (before training: the
+        layers this stage newly holds are built afresh or taken from the layer list)."""
+        if virtual_stages != self.virtual_stages:
+            self._cut(virtual_stages)
 
     def _costs(self, specs: list[Any], method: str, example: Any) -> list[float]:
         if method == "uniform":
@@ -149,19 +187,22 @@ class PipelineModule(nn.Module):
 
     # -- running a stage ----------------------------------------------------------------------
 
-    def forward(self, inputs: Any) -> Any:
-        """This stage's layers, in order (with activation checkpointing every
-        ``activation_checkpoint_interval`` layers)."""
+    def forward(self, inputs: Any, chunk: int = 0) -> Any:
+        """This stage's layers of model chunk ``chunk`` (its only one without virtual stages),
+        in order (with activation checkpointing every ``activation_checkpoint_interval``
+        layers)."""
+        if not 0 <= chunk < self.virtual_stages:
+            raise ValueError(f"model chunk {chunk} is outside 0..{self.virtual_stages - 1}")
         x = inputs
         interval = self.activation_checkpoint_interval
         if interval > 0 and torch.is_grad_enabled():
-            funcs = [f for _, f in self._funcs]
+            funcs = [f for _, f in self._chunk_funcs[chunk]]
             for i in range(0, len(funcs), interval):
-                chunk = funcs[i:i + interval]
-                x = torch.utils.checkpoint.checkpoint(_run_chunk(chunk), *_as_tuple(x),
+                piece = funcs[i:i + interval]
+                x = torch.utils.checkpoint.checkpoint(_run_chunk(piece), *_as_tuple(x),
                                                       use_reentrant=False)
             return x
-        for _, layer in self._funcs:
+        for _, layer in self._chunk_funcs[chunk]:
             x = layer(*x) if isinstance(x, tuple) else layer(x)
         return x
 

@@ -9,7 +9,12 @@ timeout on every wait, and hands each message over through a future the compute 
 from; sends are posted by the compute thread and a long-lived sender thread waits on them (and
 keeps their tensors alive). At the start of a schedule every receive it holds is queued, so a
 message's receive is posted as soon as the one before it is in. A message is a header
-(micro-batch, then each tensor's dtype and shape) on one tag and its tensors on another. Both
+(micro-batch, model chunk, then each tensor's dtype and shape) on one tag and its tensors on
+another. A stream is one (peer, direction): with the interleaved schedule the last stage also
+sends activations to the first and the first gradients to the last (a ring), so two stages
+can hold two streams each way (p = 2), told apart by their tags; sends never wait for the
+peer's compute and each stream's receives are queued in the order its sender sends, so the
+ring cannot deadlock on the streams. Both
 ends remember the stream's last shapes: the receiver posts the payload's receives with them at
 once, next to the header's, so the payload does not wait for the header to arrive. When the
 shapes change (a smaller last micro-batch, eval after train) the sender first sends
@@ -33,7 +38,8 @@ from flowtrain import comm
 
 TAG_ACT, TAG_GRAD = 11, 12  # the headers of activations and of gradients
 TAG_ACT_DATA, TAG_GRAD_DATA = 13, 14  # their tensors
-HEADER = 64  # int64 slots: micro-batch, count, then per tensor dtype code, ndim, dims
+HEADER = 64  # int64 slots: micro-batch, chunk (-1: none), count, then per tensor dtype
+# code, ndim, dims
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
@@ -51,8 +57,8 @@ def _shapes(tensors: list[torch.Tensor]) -> Shapes:
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
-def _encode(mb: int, shapes: Shapes) -> torch.Tensor:
-    slots = [mb, len(shapes)]
+def _encode(mb: int, shapes: Shapes, chunk: int | None = None) -> torch.Tensor:
+    slots = [mb, -1 if chunk is None else chunk, len(shapes)]
     for dtype, dims in shapes:
         if dtype not in _DTYPES:
             raise ValueError(f"a pipeline stage cannot send a tensor of {dtype}; use one of "
@@ -64,15 +70,15 @@ def _encode(mb: int, shapes: Shapes) -> torch.Tensor:
     return torch.tensor(slots + [0] * (HEADER - len(slots)), dtype=torch.int64)
 
 
-def _decode(header: torch.Tensor) -> tuple[int, Shapes]:
+def _decode(header: torch.Tensor) -> tuple[int, int | None, Shapes]:
     slots = header.tolist()
-    mb, count, i = int(slots[0]), int(slots[1]), 2
+    mb, chunk, count, i = int(slots[0]), int(slots[1]), int(slots[2]), 3
     shapes = []
     for _ in range(count):
         code, ndim = int(slots[i]), int(slots[i + 1])
         shapes.append((_DTYPES[code], tuple(int(d) for d in slots[i + 2:i + 2 + ndim])))
         i += 2 + ndim
-    return mb, tuple(shapes)
+    return mb, None if chunk < 0 else chunk, tuple(shapes)
 
 
 Future = concurrent.futures.Future
@@ -103,10 +109,12 @@ class Receiver:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def expect(self, run: int, mb: int, what: str) -> Future[list[torch.Tensor]]:
-        """Queues the receive of micro-batch ``mb``'s message; the future gets its tensors."""
+    def expect(self, run: int, mb: int, what: str,
+               chunk: int | None = None) -> Future[list[torch.Tensor]]:
+        """Queues the receive of micro-batch ``mb``'s message (for model chunk ``chunk``);
+        the future gets its tensors."""
         future: Future[list[torch.Tensor]] = Future()
-        self._jobs.put((run, mb, what, future))
+        self._jobs.put((run, (mb, chunk), what, future))
         return future
 
     def close(self) -> None:
@@ -114,7 +122,7 @@ class Receiver:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            run, mb, what, future = job
+            run, key, what, future = job
             if run <= self.cancelled:
                 continue
             value: list[torch.Tensor] | None = None
@@ -124,7 +132,7 @@ class Receiver:
                                              f"({self.failure})")
             else:
                 try:
-                    value = self._receive(mb, what)
+                    value = self._receive(key, what)
                 except BaseException as exc:  # noqa: BLE001 - handed to the schedule
                     self.failure = error = exc
             _settle(future, value, error)
@@ -151,17 +159,19 @@ class Receiver:
                 raise PipelineChannelError(f"{what} could not be received: that stage may "
                                            f"have died ({exc})") from None
 
-    def _receive(self, mb: int, what: str) -> list[torch.Tensor]:
+    def _receive(self, key: tuple[int, int | None], what: str) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout
         header_tag, data_tag = self.tags
         header = self._post(((torch.int64, (HEADER,)),), header_tag, what)
         # the tensors' receives go out with the header's, in the stream's last shapes
         posted = self._post(self.shapes or (), data_tag, what)
         self._wait(header, what, deadline)
-        sent_mb, shapes = _decode(header[0][1])
-        if sent_mb != mb:
-            raise PipelineChannelError(f"{what}: micro-batch {sent_mb}'s message came instead; "
-                                       f"the stages' schedules disagree")
+        sent_mb, sent_chunk, shapes = _decode(header[0][1])
+        if (sent_mb, sent_chunk) != key:
+            came = f"micro-batch {sent_mb}" + \
+                (f" (chunk {sent_chunk})" if sent_chunk is not None else "")
+            raise PipelineChannelError(f"{what}: {came}'s message came instead; the stages' "
+                                       f"schedules disagree")
         self._wait(posted, what, deadline)  # the tensors, or placeholders before new shapes
         if shapes != self.shapes:
             posted = self._post(shapes, data_tag, what)
@@ -189,7 +199,7 @@ class Sender:
             thread.start()
 
     def send(self, tensors: tuple[torch.Tensor, ...], dst: int, tags: tuple[int, int], mb: int,
-             what: str) -> None:
+             what: str, chunk: int | None = None) -> None:
         if self.failure is not None:
             raise PipelineChannelError(f"{what}: not sent, an earlier send failed "
                                        f"({self.failure})")
@@ -197,7 +207,7 @@ class Sender:
         out = [t.contiguous() for t in tensors]
         shapes = _shapes(out)
         # on the stage's device, like every tensor it sends (NCCL moves device memory only)
-        messages = [(_encode(mb, shapes).to(self.device), header_tag)]
+        messages = [(_encode(mb, shapes, chunk).to(self.device), header_tag)]
         last = self.shapes.get((dst, header_tag))
         if last is not None and last != shapes:
             # fill the receives the peer posted in the old shapes, then the new tensors

@@ -1,6 +1,9 @@
 """The pipeline stage actor: ``PipeStage`` runs one stage's instruction list for one batch on
 its compute thread, forward and backward on the pipeline engine (a ``StageCompute``) and
-activations and gradients through the point-to-point streams (``flowtrain.pipe.p2p``)."""
+activations and gradients through the point-to-point streams (``flowtrain.pipe.p2p``). With the
+interleaved schedule each instruction names the stage's model chunk it belongs to: activations
+and gradients are kept per (chunk, micro-batch), and the model's chunk c * p + s hands over to
+chunk c * p + s + 1, on the next stage or, from the last stage, on the first."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from flowtrain.pipe.p2p import (
     Sender,
 )
 from flowtrain.pipe.schedule import Op
+from flowtrain.plan.schedule import handover
 from flowtrain.runtime.actor import Actor, handler
 
 
@@ -43,6 +47,14 @@ class ScheduleDone:
     losses: tuple[float, ...]  # the last stage's per-micro-batch losses
 
 
+_TAGS = {"recv_act": (TAG_ACT, TAG_ACT_DATA), "send_act": (TAG_ACT, TAG_ACT_DATA),
+         "recv_grad": (TAG_GRAD, TAG_GRAD_DATA), "send_grad": (TAG_GRAD, TAG_GRAD_DATA)}
+_WHAT = {"recv_act": "activations of micro-batch {mb}{chunk} from stage {peer} (rank {rank})",
+         "recv_grad": "gradients of micro-batch {mb}{chunk} from stage {peer} (rank {rank})",
+         "send_act": "activations of micro-batch {mb}{chunk} to stage {peer} (rank {rank})",
+         "send_grad": "gradients of micro-batch {mb}{chunk} to stage {peer} (rank {rank})"}
+
+
 class PipeStage(Actor):
     """Runs one stage's schedule for one batch. The whole instruction list runs on the
     stage's compute thread, handed over once per schedule: forward and backward, posting
@@ -52,14 +64,15 @@ class PipeStage(Actor):
     mailbox_size = 16
 
     def __init__(self, compute: StageCompute, grid: ProcessGrid, device: torch.device,
-                 group: Any, timeout: float) -> None:
+                 group: Any, timeout: float, virtual_stages: int = 1) -> None:
         self.compute = compute  # runs the forward and backward instructions
         self.grid = grid
         self.device = device  # where received tensors go and sent headers are made
         self.group = group  # the point-to-point process group
         self.timeout = timeout
+        self.virtual_stages = virtual_stages  # model chunks per stage
         self.limiter = anyio.CapacityLimiter(1)
-        self._receivers: dict[int, Receiver] = {}  # by source rank
+        self._receivers: dict[tuple[int, int], Receiver] = {}  # by source rank, header tag
         self._sender: Sender | None = None
         self._runs = 0
         self._failed: str | None = None
@@ -71,16 +84,30 @@ class PipeStage(Actor):
             self._sender.close()
 
     def _receiver(self, src: int, tags: tuple[int, int]) -> Receiver:
-        if src not in self._receivers:
-            self._receivers[src] = Receiver(self.group, src, tags, self.device, self.timeout,
-                                            f"flowtrain-pipe-recv-{src}")
-        return self._receivers[src]
+        # one stream per peer and direction: with interleaving on two stages, activations and
+        # gradients both come from the other stage
+        key = (src, tags[0])
+        if key not in self._receivers:
+            self._receivers[key] = Receiver(self.group, src, tags, self.device, self.timeout,
+                                            f"flowtrain-pipe-recv-{src}-{tags[0]}")
+        return self._receivers[key]
 
-    def _send(self, tensors: tuple[torch.Tensor, ...], dst: int, tags: tuple[int, int], mb: int,
-              what: str) -> None:
+    def _peer(self, op: Op) -> tuple[int, str]:
+        """The rank a point-to-point instruction talks to, and the message's description.
+        Interleaved, the last stage's chunk hands over to the first stage's next chunk."""
+        peer, _ = handover(op.kind, self.grid.pp_rank, self.grid.shape.pp, op.chunk)
+        rank = self.grid.stage_rank(peer)
+        chunk = "" if op.chunk is None else f" (chunk {op.chunk})"
+        return rank, _WHAT[op.kind].format(mb=op.mb, chunk=chunk, peer=peer, rank=rank)
+
+    def _send(self, tensors: tuple[torch.Tensor, ...], op: Op) -> None:
         if self._sender is None:
             self._sender = Sender(self.group, self.device, self.timeout, "flowtrain-pipe-send")
-        self._sender.send(tensors, dst, tags, mb, what)
+        dst, what = self._peer(op)
+        # the message names the chunk that takes it (across the ring's wrap, the next or
+        # previous one), which its receiver checks
+        _, chunk = handover(op.kind, self.grid.pp_rank, self.grid.shape.pp, op.chunk)
+        self._sender.send(tensors, dst, _TAGS[op.kind], op.mb, what, chunk)
 
     def _result(self, future: Future[Any], what: str, abort: threading.Event) -> Any:
         # the helper threads' own waits time out first; this only guards a lost answer
@@ -103,27 +130,20 @@ class PipeStage(Actor):
                 f"stages; start a new engine")
         self._runs += 1
         run = self._runs
-        prev = grid.stage_rank(s - 1) if not grid.is_first_stage else None
-        nxt = grid.stage_rank(s + 1) if not grid.is_last_stage else None
-        names = {"recv_act": f"activations of micro-batch {{}} from stage {s - 1} (rank {prev})",
-                 "recv_grad": f"gradients of micro-batch {{}} from stage {s + 1} (rank {nxt})",
-                 "send_act": f"activations of micro-batch {{}} to stage {s + 1} (rank {nxt})",
-                 "send_grad": f"gradients of micro-batch {{}} to stage {s - 1} (rank {prev})"}
         # every receive of the schedule is queued now: each is posted as soon as the one
         # before it on its stream is in
         waits: dict[Any, Future[Any]] = {}
+        whats: dict[Any, str] = {}
         for op in msg.ops:
-            if op.kind == "recv_act":
-                waits[op.kind, op.mb] = self._receiver(
-                    _peer(prev, op.kind), (TAG_ACT, TAG_ACT_DATA)).expect(
-                    run, op.mb, names[op.kind].format(op.mb))
-            elif op.kind == "recv_grad":
-                waits[op.kind, op.mb] = self._receiver(
-                    _peer(nxt, op.kind), (TAG_GRAD, TAG_GRAD_DATA)).expect(
-                    run, op.mb, names[op.kind].format(op.mb))
+            if op.kind in ("recv_act", "recv_grad"):
+                src, what = self._peer(op)
+                key = (op.kind, op.chunk, op.mb)
+                whats[key] = what
+                waits[key] = self._receiver(src, _TAGS[op.kind]).expect(run, op.mb, what,
+                                                                         op.chunk)
         abort = threading.Event()
         try:
-            return await anyio.to_thread.run_sync(self._run, msg, names, prev, nxt, waits, abort,
+            return await anyio.to_thread.run_sync(self._run, msg, whats, waits, abort,
                                                   limiter=self.limiter, abandon_on_cancel=True)
         except BaseException as exc:
             self._failed = f"{type(exc).__name__}: {exc}"
@@ -134,69 +154,64 @@ class PipeStage(Actor):
                 future.cancel()
             raise
 
-    def _run(self, msg: RunSchedule, names: dict[str, str], prev: int | None, nxt: int | None,
-             waits: dict[Any, Future[Any]], abort: threading.Event) -> ScheduleDone:
+    def _run(self, msg: RunSchedule, whats: dict[Any, str], waits: dict[Any, Future[Any]],
+             abort: threading.Event) -> ScheduleDone:
         """On the compute thread: the schedule's instructions in order."""
         compute = self.compute
-        last_stage = self.grid.is_last_stage
-        inputs: dict[int, Any] = {}
-        outputs: dict[int, Any] = {}
-        grads: dict[int, Any] = {}
+        # the chunk that ends the model computes the loss: the last stage's last chunk
+        loss_chunk = self.virtual_stages - 1 if self.grid.is_last_stage else -1
+        # activations, outputs and gradients by (chunk, micro-batch)
+        inputs: dict[Any, Any] = {}
+        outputs: dict[Any, Any] = {}
+        grads: dict[Any, Any] = {}
         losses: list[float] = []
         spans = compute.timer.spans
         last_backward = max((i for i, op in enumerate(msg.ops) if op.kind == "backward"),
                             default=-1)
         for i, op in enumerate(msg.ops):
-            mb = op.mb
+            mb, at = op.mb, (op.chunk, op.mb)
             start = time.perf_counter()
             if op.kind == "recv_act":
-                got = self._result(waits.pop((op.kind, mb)), names[op.kind].format(mb), abort)
+                key = (op.kind, op.chunk, mb)
+                got = self._result(waits.pop(key), whats[key], abort)
                 if msg.train:
                     for t in got:
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                inputs[mb] = got[0] if len(got) == 1 else tuple(got)
+                inputs[at] = got[0] if len(got) == 1 else tuple(got)
             elif op.kind == "forward":
                 if abort.is_set():
                     raise concurrent.futures.CancelledError("the schedule was cancelled")
-                x = inputs[mb] if mb in inputs else msg.batches[mb][0]
-                labels = msg.batches[mb][1] if last_stage else None
-                outputs[mb] = compute.stage_forward(mb, x, labels, msg.train)
-                if last_stage and outputs[mb] is not None:
-                    losses.append(float(outputs[mb].detach()))
+                x = inputs[at] if at in inputs else msg.batches[mb][0]
+                loss_here = (op.chunk or 0) == loss_chunk
+                labels = msg.batches[mb][1] if loss_here else None
+                outputs[at] = compute.stage_forward(mb, x, labels, msg.train, op.chunk)
+                if loss_here and outputs[at] is not None:
+                    losses.append(float(outputs[at].detach()))
                 if not msg.train:
-                    inputs.pop(mb, None)
+                    inputs.pop(at, None)
                 continue  # it records its own span
             elif op.kind == "send_act":
-                out = outputs[mb] if msg.train else outputs.pop(mb)
-                self._send(_detached(out), _peer(nxt, op.kind), (TAG_ACT, TAG_ACT_DATA), mb,
-                           names[op.kind].format(mb))
+                out = outputs[at] if msg.train else outputs.pop(at)
+                self._send(_detached(out), op)
             elif op.kind == "recv_grad":
-                got = self._result(waits.pop((op.kind, mb)), names[op.kind].format(mb), abort)
-                grads[mb] = got[0] if len(got) == 1 else tuple(got)
+                key = (op.kind, op.chunk, mb)
+                got = self._result(waits.pop(key), whats[key], abort)
+                grads[at] = got[0] if len(got) == 1 else tuple(got)
             elif op.kind == "backward":
                 if abort.is_set():
                     raise concurrent.futures.CancelledError("the schedule was cancelled")
-                compute.stage_backward(mb, outputs.pop(mb), grads.pop(mb, None),
-                                       i == last_backward)
+                compute.stage_backward(mb, outputs.pop(at), grads.pop(at, None),
+                                       i == last_backward, op.chunk)
                 continue
             elif op.kind == "send_grad":
-                x = inputs.pop(mb)
-                self._send(_input_grads(x), _peer(prev, op.kind), (TAG_GRAD, TAG_GRAD_DATA), mb,
-                           names[op.kind].format(mb))
+                x = inputs.pop(at)
+                self._send(_input_grads(x), op)
             spans.append((op.task_name, start, time.perf_counter()))
         if self._sender is not None:
             waits["drain"] = self._sender.drain()
             self._result(waits.pop("drain"), f"stage {self.grid.pp_rank}'s sends", abort)
         return ScheduleDone(tuple(losses))
-
-
-def _peer(rank: int | None, kind: str) -> int:
-    """The neighbouring stage's rank that a ``kind`` instruction talks to: a schedule has no
-    receive from, or send to, a stage before the first or after the last."""
-    if rank is None:
-        raise ValueError(f"a {kind} instruction on a stage with no neighbour on that side")
-    return rank
 
 
 def tensors_of(x: Any) -> tuple[torch.Tensor, ...]:

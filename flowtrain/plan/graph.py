@@ -37,7 +37,7 @@ from typing import Any
 
 from flowtrain.plan import names
 from flowtrain.plan.buckets import BucketPlan, plan_buckets, plan_units
-from flowtrain.plan.schedule import one_f_one_b
+from flowtrain.plan.schedule import handover, stage_ops
 from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
 from flowtrain.plan.step_plan import StepPlan, build_step_plan, gather_uses
 from flowtrain.plan.workload import ParamSpec, layer_of, module_units
@@ -86,6 +86,8 @@ class GraphTask:
     flops: float = 0.0
     nbytes: float = 0.0
     arg: int = -1
+    # the stage's model chunk (interleaved schedule) a pass or send belongs to; None otherwise
+    chunk: int | None = None
 
 
 class TaskGraph:
@@ -99,11 +101,12 @@ class TaskGraph:
 
     def add(self, stage: int, name: str, kind: str, resource: str, cost: str,
             deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (), *,
-            arg: int = -1, flops: float = 0.0, nbytes: float = 0.0) -> int:
+            arg: int = -1, flops: float = 0.0, nbytes: float = 0.0,
+            chunk: int | None = None) -> int:
         i = len(self.tasks)
         self.tasks.append(GraphTask(name, kind, resource, cost, stage,
                                     tuple(dict.fromkeys(d for d in deps if d is not None)),
-                                    flops, nbytes, arg))
+                                    flops, nbytes, arg, chunk))
         self.index[(stage, name)] = i
         self.forward_refs += [(i, ref) for ref in refs]
         return i
@@ -116,6 +119,10 @@ class TaskGraph:
             t = self.tasks[i]
             self.tasks[i] = dataclasses.replace(t, deps=t.deps + (self.index[ref],))
         return tuple(self.tasks)
+
+
+def _size(param: ParamSpec) -> int:
+    return math.prod(param[1])
 
 
 def segments(params: Sequence[ParamSpec], stage3: bool) -> list[Segment]:
@@ -137,26 +144,34 @@ def segments(params: Sequence[ParamSpec], stage3: bool) -> list[Segment]:
     return out
 
 
-def bare_pipeline(stages: int, micro_batches: int) -> tuple[GraphTask, ...]:
-    """A bare 1F1B pipeline (no data parallelism): each stage's passes and sends."""
+def link_of(kind: str, stage: int, stages: int) -> int:
+    """The stage boundary a pipeline send of ``stage`` crosses, as the pricing takes it (a send
+    from stage ``arg`` to ``arg + 1``): the ring's wrap (interleaved) is the last stage's."""
+    return min(stage, stages - 1) if kind == "send_act" else \
+        (stage - 1 if stage > 0 else stages - 1)
+
+
+def bare_pipeline(stages: int, micro_batches: int,
+                  virtual_stages: int = 1) -> tuple[GraphTask, ...]:
+    """A bare 1F1B pipeline (no data parallelism): each stage's passes and sends; with
+    ``virtual_stages`` > 1, interleaved 1F1B, each pass one model chunk's."""
+    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
     out = TaskGraph()
     for s in range(stages):
         last: int | None = None
-        for op, k in one_f_one_b(stages, s, micro_batches):
-            if op == "F":
-                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
-                last = out.add(s, names.forward(k), "forward", "compute", "forward", [last],
-                               refs)
-                if s < stages - 1:
-                    out.add(s, names.pipe_op("send_act", k), "send", "comm:pp", "send", [last],
-                            arg=s)
+        refs: list[tuple[int, str]] = []
+        for op in stage_ops(schedule, s, stages, micro_batches, virtual_stages):
+            if op.kind in ("recv_act", "recv_grad"):
+                peer, chunk = handover(op.kind, s, stages, op.chunk)
+                sent = "send_act" if op.kind == "recv_act" else "send_grad"
+                refs = [(peer, names.pipe_op(sent, op.mb, chunk))]
+            elif op.kind in names.PASSES:
+                last = out.add(s, op.task_name, op.kind, "compute", op.kind, [last], refs,
+                               chunk=op.chunk)
+                refs = []
             else:
-                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < stages - 1 else []
-                last = out.add(s, names.backward(k), "backward", "compute", "backward", [last],
-                               refs)
-                if s > 0:
-                    out.add(s, names.pipe_op("send_grad", k), "send", "comm:pp", "send",
-                            [last], arg=s - 1)
+                out.add(s, op.task_name, "send", "comm:pp", "send", [last],
+                        arg=link_of(op.kind, s, stages), chunk=op.chunk)
     return out.resolve()
 
 
@@ -167,13 +182,16 @@ class StageLayout:
     ``zero`` is the config's ``zero_optimization`` section; ``forward_flops`` one micro-batch's
     forward on the rank; ``act_bytes`` one layer's output (what a TP all-reduce sums),
     ``send_bytes`` / ``recv_bytes`` what goes to the next stage and (its gradient) to the
-    previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own."""
+    previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own.
+    ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
+    chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
     def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec], stages: int,
                  dp: int, tp: int, zero: Any, micro_batches: int, micro_batch: int,
                  bucket_numel: int, comm_dtype: str, comm_elem: int, forward_flops: float,
                  gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
-                 overheads: Collection[str] = ()) -> None:
+                 overheads: Collection[str] = (),
+                 chunk_params: Sequence[Sequence[int]] | None = None) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -190,6 +208,21 @@ class StageLayout:
         self.offload_param = self.partitioned and zero.offloads_params and gpu
         self.segments = segments(params, self.partitioned)
         seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
+        self.v = len(chunk_params) if chunk_params else 1
+        # each chunk's segments, in forward order (one chunk, every segment, without them)
+        self.chunk_segments = [list(range(len(self.segments)))]
+        chunk_flops = None
+        if chunk_params and self.v > 1:
+            chunk_of = {i: c for c, chunk in enumerate(chunk_params) for i in chunk}
+            self.chunk_segments = [[j for j, seg in enumerate(self.segments)
+                                    if chunk_of[seg.params[0]] == c] for c in range(self.v)]
+            empty = [c for c, segs in enumerate(self.chunk_segments) if not segs]
+            if empty:
+                raise ValueError(f"model chunk {empty[0]} of pipeline stage {stage} has no "
+                                 f"parameters: the simulator prices a chunk's passes by its "
+                                 f"parameters")
+            sizes = [sum(_size(params[i]) for i in chunk) for chunk in chunk_params]
+            chunk_flops = [forward_flops * n / max(1, sum(sizes)) for n in sizes]
         units = [seg.params for seg in self.segments] if self.partitioned else None
         buckets = plan_units(params, units, bucket_numel=bucket_numel,
                              persistence_threshold=zero.stage3_param_persistence_threshold) \
@@ -202,6 +235,8 @@ class StageLayout:
             micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
             comm_elem_size=comm_elem, forward_flops=forward_flops, buckets=buckets,
             reduce_every_micro_batch=self.reduce_every_mb, stage=stage, stages=stages,
+            schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
+            chunk_flops=chunk_flops,
             stage3=(self.uses, self.trace) if self.uses is not None else None)
         # a bucket's gradients are complete after the backward of its earliest-forward segment
         self.ready_after: dict[int, list[BucketPlan]] = {}
@@ -244,41 +279,53 @@ class StageLayout:
         s, graph = self.stage, self.graph
         last: int | None = None
         reduces: list[int] = []
-        for op, k in self.step_plan.pass_order():
+        passes = self.step_plan.chunk_pass_order()
+        self.last_backward = max((i for i, (op, _, _) in enumerate(passes) if op == "backward"),
+                                 default=-1)
+        for i, (op, k, c) in enumerate(passes):
+            here = s if c is None else c * self.pp + s  # the model's chunk
             if op == "forward":
-                refs = [(s - 1, names.pipe_op("send_act", k))] if s > 0 else []
-                last, refs = self._pass_start("forward", k, last, refs)
-                last = self._forward(k, last, refs)
-                last = self._overhead("loss", names.overhead("loss", k), "overhead", last)
-                if s < self.pp - 1:
-                    graph.add(s, names.pipe_op("send_act", k), "send", "comm:pp", "send", [last],
-                              arg=s, nbytes=self.send_bytes)
+                refs = self._handed("recv_act", k, c) if here > 0 else []
+                last, refs = self._pass_start("forward", k, c, last, refs)
+                last = self._forward(k, c, last, refs)
+                last = self._overhead("loss", names.overhead("loss", k, c), "overhead", last)
+                if here < self.pp * self.v - 1:
+                    graph.add(s, names.pipe_op("send_act", k, c), "send", "comm:pp", "send",
+                              [last], arg=link_of("send_act", s, self.pp),
+                              nbytes=self.send_bytes, chunk=c)
             else:
-                refs = [(s + 1, names.pipe_op("send_grad", k))] if s < self.pp - 1 else []
-                last, refs = self._pass_start("backward", k, last, refs)
-                last = self._backward(k, last, refs, reduces)
-                if s > 0:
-                    graph.add(s, names.pipe_op("send_grad", k), "send", "comm:pp", "send",
-                              [last], arg=s - 1, nbytes=self.recv_bytes)
+                refs = self._handed("recv_grad", k, c) if here < self.pp * self.v - 1 else []
+                last, refs = self._pass_start("backward", k, c, last, refs)
+                last = self._backward(k, c, last, refs, reduces, i == self.last_backward)
+                if here > 0:
+                    graph.add(s, names.pipe_op("send_grad", k, c), "send", "comm:pp", "send",
+                              [last], arg=link_of("send_grad", s, self.pp),
+                              nbytes=self.recv_bytes, chunk=c)
         last = self._overhead("step", names.overhead("step"), "overhead", last,
                               [reduces[-1] if reduces else None])
         last = self._overhead("loss_broadcast", names.overhead("loss-broadcast"), "overhead",
                               last)
         self._step(last, reduces[-1] if reduces else None)
 
-    def _pass_start(self, kind: str, k: int, last: int | None, refs: list[tuple[int, str]]
-                    ) -> tuple[int | None, list[tuple[int, str]]]:
+    def _handed(self, kind: str, k: int, c: int | None) -> list[tuple[int, str]]:
+        """The send a pass waits for: (stage, task name) of the chunk that hands it over."""
+        peer, chunk = handover(kind, self.stage, self.pp, c)
+        return [(peer, names.pipe_op("send_act" if kind == "recv_act" else "send_grad", k,
+                                     chunk))]
+
+    def _pass_start(self, kind: str, k: int, c: int | None, last: int | None,
+                    refs: list[tuple[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
         """A pipeline stage's actor getting a pass going once its input is there (the received
         tensor handed to the event loop, the pass to the compute thread), as a task of its own
         so the pass's span stays its compute, as the engine records it. Returns the pass's new
         predecessor and refs."""
         if "pass_start" not in self.overheads:
             return last, refs
-        return self._overhead("pass_start", names.handoff(kind, k), "handoff", last,
+        return self._overhead("pass_start", names.handoff(kind, k, c), "handoff", last,
                               refs=refs), []
 
     def _pass_chunked(self, k: int, backward: bool) -> bool:
-        if self.partitioned or self.tp > 1:
+        if self.partitioned or self.tp > 1 or self.v > 1:
             return True
         reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
         return backward and reduces_here and len(self.buckets) > 1
@@ -290,28 +337,40 @@ class StageLayout:
         return self.tp > 1 and seg.layer is not None and (
             not 0 <= n < len(self.segments) or self.segments[n].layer != seg.layer)
 
-    def _forward(self, k: int, last: int | None, refs: list[tuple[int, str]]) -> int:
+    def _forward(self, k: int, c: int | None, last: int | None,
+                 refs: list[tuple[int, str]]) -> int:
         s, graph = self.stage, self.graph
         if not self._pass_chunked(k, backward=False):
             return graph.add(s, names.forward(k), "forward", "compute", "forward", [last], refs,
                              flops=self.step_plan.task(names.forward(k)).flops)
-        for j, seg in enumerate(self.segments):
-            first = refs if j == 0 else []
+        segs = self.chunk_segments[c or 0]
+        for j in segs:
+            seg = self.segments[j]
+            first = refs if j == segs[0] else []
             last, first = self._fetch("forward", k, j, last, first)
             waits = self._gathers(k, j, "fwd", last)
-            last = graph.add(s, names.forward(k, seg.label), "forward", "compute", "forward",
-                             [last, *waits], first, arg=j)
+            last = graph.add(s, names.forward(k, seg.label, chunk=c), "forward", "compute",
+                             "forward", [last, *waits], first, arg=j, chunk=c)
             if self._ends_layer(j, +1):
                 assert seg.layer is not None
-                last = graph.add(s, names.tp("fwd", k, seg.layer), "tp", "comm:tp", "tp",
-                                 [last], arg=0, nbytes=2 * self.act_bytes)
+                last = graph.add(s, names.tp("fwd", k, seg.layer, c), "tp", "comm:tp", "tp",
+                                 [last], arg=0, nbytes=2 * self.act_bytes, chunk=c)
         assert last is not None
         return last
 
-    def _backward(self, k: int, last: int | None, refs: list[tuple[int, str]],
-                  reduces: list[int]) -> int:
+    def _backward(self, k: int, c: int | None, last: int | None, refs: list[tuple[int, str]],
+                  reduces: list[int], final: bool) -> int:
+        """Micro-batch ``k``'s backward over chunk ``c``; ``final``: the step's last one."""
         s, graph = self.stage, self.graph
-        reduce_now = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
+        reduce_now = self.dp > 1 and (self.reduce_every_mb or final)
+        if self.v > 1:
+            last = self._chunk_backward(k, c or 0, last, refs)
+            if reduce_now:
+                # a bucket may hold several chunks' gradients: they all go once the step's
+                # last backward is done, in the order the reducer launches them
+                for b in self.buckets:
+                    reduces.append(self._reduce(b, None, last, reduces))
+            return last
         mb = k if self.reduce_every_mb and self.m > 1 else None
         if not self._pass_chunked(k, backward=True):
             last = graph.add(s, names.backward(k), "backward", "compute", "backward", [last],
@@ -343,6 +402,22 @@ class StageLayout:
                         assert last is not None
                         chunk = last = self._hand_off(k, b, last)
                     reduces.append(self._reduce(b, mb, chunk, reduces))
+        assert last is not None
+        return last
+
+    def _chunk_backward(self, k: int, c: int, last: int | None,
+                        refs: list[tuple[int, str]]) -> int:
+        """Chunk ``c``'s backward over its segments, last first (interleaved)."""
+        s, graph = self.stage, self.graph
+        segs = self.chunk_segments[c]
+        for j in reversed(segs):
+            seg = self.segments[j]
+            last = graph.add(s, names.backward(k, seg.label, chunk=c), "backward", "compute",
+                             "backward", [last], refs if j == segs[-1] else [], arg=j, chunk=c)
+            if self._ends_layer(j, -1):
+                assert seg.layer is not None
+                last = graph.add(s, names.tp("bwd", k, seg.layer, c), "tp", "comm:tp", "tp",
+                                 [last], arg=1, nbytes=2 * self.act_bytes, chunk=c)
         assert last is not None
         return last
 

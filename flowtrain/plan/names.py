@@ -7,6 +7,11 @@ records plan tasks (``forward/mb0``, ``reduce/bucket3``); the simulator may cut 
 pieces named below it (``forward/mb0/layer2``) or add work that runs inside one
 (``allgather/bucket1`` inside ``optimizer/step``): ``plan_task_of`` maps such a name back to the
 plan task it belongs to.
+
+With the interleaved pipeline schedule a stage runs several model chunks (virtual stages), and a
+pass or pipeline instruction names its chunk with the micro-batch: ``forward/mb0.chunk1``,
+``send_act/mb2.chunk0`` (the sender's chunk; a receive names the receiver's). Without
+interleaving there is no chunk part, so those names are unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ def _check(kind: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def micro_batch(mb: int) -> str:
-    return f"mb{mb}"
+def micro_batch(mb: int, chunk: int | None = None) -> str:
+    """``mb{k}``; with a model chunk (interleaved schedule), ``mb{k}.chunk{c}``."""
+    return f"mb{mb}" if chunk is None else f"mb{mb}.chunk{chunk}"
 
 
 def bucket(index: int) -> str:
@@ -37,24 +43,25 @@ def layer(index: int) -> str:
     return f"layer{index}"
 
 
-def pass_task(kind: str, mb: int, *piece: str) -> str:
-    """``forward/mb{k}`` or ``backward/mb{k}``; with ``piece``, a part of that pass."""
-    return "/".join((_check("pass", kind, PASSES), micro_batch(mb), *piece))
+def pass_task(kind: str, mb: int, *piece: str, chunk: int | None = None) -> str:
+    """``forward/mb{k}`` or ``backward/mb{k}`` (of model chunk ``chunk``); with ``piece``, a
+    part of that pass."""
+    return "/".join((_check("pass", kind, PASSES), micro_batch(mb, chunk), *piece))
 
 
-def forward(mb: int, *piece: str) -> str:
-    return pass_task("forward", mb, *piece)
+def forward(mb: int, *piece: str, chunk: int | None = None) -> str:
+    return pass_task("forward", mb, *piece, chunk=chunk)
 
 
-def backward(mb: int, *piece: str) -> str:
-    return pass_task("backward", mb, *piece)
+def backward(mb: int, *piece: str, chunk: int | None = None) -> str:
+    return pass_task("backward", mb, *piece, chunk=chunk)
 
 
-def pipe_op(kind: str, mb: int) -> str:
+def pipe_op(kind: str, mb: int, chunk: int | None = None) -> str:
     """A pipeline instruction: a pass, or a send/receive of activations or gradients."""
     if kind in PASSES:
-        return pass_task(kind, mb)
-    return f"{_check('pipeline instruction', kind, PIPE_OPS)}/{micro_batch(mb)}"
+        return pass_task(kind, mb, chunk=chunk)
+    return f"{_check('pipeline instruction', kind, PIPE_OPS)}/{micro_batch(mb, chunk)}"
 
 
 def reduce(index: int, mb: int | None = None) -> str:
@@ -86,14 +93,15 @@ def copy(direction: str, index: int, *use: str) -> str:
                      *use))
 
 
-def tp(direction: str, mb: int, layer_index: int) -> str:
+def tp(direction: str, mb: int, layer_index: int, chunk: int | None = None) -> str:
     """A layer's tensor-parallel all-reduces of one pass."""
-    return f"tp/{_check('direction', direction, DIRECTIONS)}/{micro_batch(mb)}/{layer(layer_index)}"
+    return (f"tp/{_check('direction', direction, DIRECTIONS)}/{micro_batch(mb, chunk)}/"
+            f"{layer(layer_index)}")
 
 
-def handoff(kind: str, mb: int) -> str:
+def handoff(kind: str, mb: int, chunk: int | None = None) -> str:
     """A pipeline stage getting a pass going once its input is there."""
-    return f"handoff/{_check('pass', kind, PASSES)}/{micro_batch(mb)}"
+    return f"handoff/{_check('pass', kind, PASSES)}/{micro_batch(mb, chunk)}"
 
 
 def fetch(kind: str, mb: int, segment: str) -> str:
@@ -111,10 +119,10 @@ def hand_off(mb: int, index: int) -> str:
     return pass_task("backward", mb, bucket(index), "hand_off")
 
 
-def overhead(what: str, mb: int | None = None) -> str:
+def overhead(what: str, mb: int | None = None, chunk: int | None = None) -> str:
     """Engine time between tasks that the simulator prices on a calibrated host (the loss
     between a micro-batch's passes, the step's bookkeeping), belonging to no plan task."""
-    return f"overhead/{what}" + (f"/{micro_batch(mb)}" if mb is not None else "")
+    return f"overhead/{what}" + (f"/{micro_batch(mb, chunk)}" if mb is not None else "")
 
 
 def task_class(name: str) -> str:
@@ -127,11 +135,29 @@ def span_key(name: str) -> str:
     return "/".join(name.split("/")[:2])
 
 
+def _parse_micro_batch(part: str) -> tuple[int, int | None] | None:
+    """(micro-batch, chunk) of a name part ``mb{k}`` or ``mb{k}.chunk{c}``; None otherwise."""
+    if not part.startswith("mb"):
+        return None
+    mb, _, chunk = part[2:].partition(".chunk")
+    if not mb.isdigit() or (chunk and not chunk.isdigit()):
+        return None
+    return int(mb), int(chunk) if chunk else None
+
+
 def micro_batch_of(name: str) -> int | None:
     """The micro-batch a task belongs to, when its name has one."""
     for part in name.split("/"):
-        if part.startswith("mb") and part[2:].isdigit():
-            return int(part[2:])
+        if (found := _parse_micro_batch(part)) is not None:
+            return found[0]
+    return None
+
+
+def chunk_of(name: str) -> int | None:
+    """The model chunk (interleaved schedule) a task belongs to, when its name has one."""
+    for part in name.split("/"):
+        if (found := _parse_micro_batch(part)) is not None:
+            return found[1]
     return None
 
 
@@ -145,7 +171,7 @@ def plan_task_of(name: str) -> str | None:
     if head in PASSES:
         return "/".join(parts[:2])
     if head == "tp":
-        return pass_task("forward" if parts[1] == "fwd" else "backward", int(parts[2][2:]))
+        return "/".join(("forward" if parts[1] == "fwd" else "backward", parts[2]))
     if head in ("overhead", "handoff"):
         return None
     if head == "optimizer" or head == "allgather":

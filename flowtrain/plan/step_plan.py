@@ -35,6 +35,8 @@ class Task:
     bytes: int = 0
     micro_batch: int | None = None
     bucket: int | None = None  # the gradient or parameter bucket a collective moves
+    chunk: int | None = None  # the stage's model chunk of a pass or pipeline instruction
+    # (interleaved schedule; None otherwise)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class StepPlan:
     stages: int = 1
     schedule: str = "1f1b"
     reduce_every_micro_batch: bool = False
+    virtual_stages: int = 1
 
     def bucket_of(self) -> dict[int, int]:
         """Parameter index -> bucket index."""
@@ -70,12 +73,18 @@ class StepPlan:
         """The pipeline stage's instructions in the order it runs them: its passes and its
         sends and receives (what the engine's PipeStage executes)."""
         kinds = (*names.PASSES, *names.PIPE_OPS)
-        return [Op(names.task_class(t.name), t.micro_batch) for t in self.tasks
+        return [Op(names.task_class(t.name), t.micro_batch, t.chunk) for t in self.tasks
                 if t.micro_batch is not None and names.task_class(t.name) in kinds]
 
     def pass_order(self) -> list[tuple[str, int]]:
-        """The stage's passes in the order they run: (``forward`` | ``backward``, micro-batch)."""
+        """The stage's passes in the order they run: (``forward`` | ``backward``, micro-batch);
+        with interleaving, ``chunk_pass_order`` also says which chunk each runs."""
         return [(t.kind, t.micro_batch) for t in self.tasks
+                if t.kind in names.PASSES and t.micro_batch is not None]
+
+    def chunk_pass_order(self) -> list[tuple[str, int, int | None]]:
+        """The stage's passes in the order they run: (kind, micro-batch, model chunk or None)."""
+        return [(t.kind, t.micro_batch, t.chunk) for t in self.tasks
                 if t.kind in names.PASSES and t.micro_batch is not None]
 
 
@@ -110,6 +119,8 @@ def build_step_plan(
     stage: int = 0,
     stages: int = 1,
     schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    chunk_flops: Sequence[float] | None = None,
     stage3: tuple[Stage3Uses, Sequence[int]] | None = None,
 ) -> StepPlan:
     """The plan of one step of a rank of pipeline stage ``stage`` of ``stages`` (its
@@ -120,7 +131,9 @@ def build_step_plan(
     waits for the reduces (``comm/wait``) and the optimizer steps. ``buckets`` overrides the
     bucketing (ZeRO stage 3 passes ``plan_units``'s); ``stage3`` is ZeRO-3's gathers of one
     micro-batch (``stage3_uses`` over the bucket use order, and that order), each named for the
-    use it serves."""
+    use it serves. With the interleaved schedule the stage runs ``virtual_stages`` model chunks,
+    a pass over chunk c costing ``chunk_flops[c]`` forward FLOPs (``forward_flops`` shared
+    evenly when not given)."""
     buckets = tuple(buckets) if buckets is not None else \
         plan_buckets(params, bucket_numel, order, groups=groups)
     gas = gradient_accumulation_steps
@@ -152,22 +165,30 @@ def build_step_plan(
                                     bytes=bucket.numel * comm_elem_size, micro_batch=mb,
                                     bucket=bucket.index)))
 
-    for op in stage_ops(schedule, stage, stages, gas):
+    v = virtual_stages
+    per_chunk = list(chunk_flops) if chunk_flops is not None else [forward_flops / v] * v
+    if len(per_chunk) != v:
+        raise ValueError(f"chunk_flops has {len(per_chunk)} entries for {v} virtual stages")
+    ops = stage_ops(schedule, stage, stages, gas, v)
+    # gradients are complete after the step's last backward (of every chunk)
+    last_backward = max((i for i, op in enumerate(ops) if op.kind == "backward"), default=-1)
+    for i, op in enumerate(ops):
         mb = op.mb
         if op.kind in _PIPE_KINDS:
             kind, resource = _PIPE_KINDS[op.kind]
-            name = add(Task(names.pipe_op(op.kind, mb), kind, resource, previous,
-                            micro_batch=mb))
+            name = add(Task(op.task_name, kind, resource, previous, micro_batch=mb,
+                            chunk=op.chunk))
             if kind == "recv":
                 previous = (name,)
             continue
         forward = op.kind == "forward"
         positions = range(0, half) if forward else range(half, 2 * half)
         waits = add_gathers(mb, positions, previous) if gathers is not None else ()
-        flops = forward_flops if forward else 2 * forward_flops
-        previous = (add(Task(names.pass_task(op.kind, mb), op.kind, "compute", previous + waits,
-                             flops, micro_batch=mb)),)
-        if not forward and world_size > 1 and (every or mb == gas - 1):
+        fwd_flops = forward_flops if op.chunk is None else per_chunk[op.chunk]
+        flops = fwd_flops if forward else 2 * fwd_flops
+        previous = (add(Task(op.task_name, op.kind, "compute", previous + waits, flops,
+                             micro_batch=mb, chunk=op.chunk)),)
+        if not forward and world_size > 1 and (every or i == last_backward):
             # buckets launch as the backward produces them
             add_reduces(mb if every and gas > 1 else None, previous)
     if world_size > 1:
@@ -175,4 +196,4 @@ def build_step_plan(
     total = sum(b.numel for b in buckets)
     add(Task(names.OPTIMIZER_STEP, "optimizer", "compute", previous, bytes=total * 16))
     return StepPlan(world_size, gas, micro_batch_size, comm_dtype, buckets, tuple(tasks), stage,
-                    stages, schedule, every)
+                    stages, schedule, every, v)

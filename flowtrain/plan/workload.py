@@ -119,6 +119,8 @@ class Workload:
     stage_params: tuple[tuple[int, ...], ...] = ()
     stage_flops_per_sample: tuple[float, ...] = ()
     stage_output_bytes_per_sample: tuple[float, ...] = ()
+    # an interleaved run's chunks: per stage, each chunk's [first, end) layer numbers
+    stage_chunk_layers: tuple[tuple[tuple[int, int], ...], ...] = ()
     # A forward's ops besides its matmuls (flowtrain.profiling.census): (class, calls per
     # forward, elements per sample) triples, and attention's calls and FLOPs per sample (part
     # of forward_flops_per_sample, priced at attention's own rate on a calibrated CPU host).
@@ -202,9 +204,12 @@ class Workload:
         # prediction then leaves the stages' other ops out, as it did)
         census = tuple(cls.census_fields(r.get("forward_ops_per_micro_batch"),
                                          micro_batch_size) for r in stages)
+        chunk_layers = tuple(tuple((int(c["layers"][0]), int(c["layers"][1]))
+                                   for c in r.get("chunks", ())) for r in stages)
         return cls(name, tuple(params), sum(flops), stage_params=tuple(split),
                    stage_flops_per_sample=flops, stage_output_bytes_per_sample=sent,
-                   stage_census=census if any(census) else ())
+                   stage_census=census if any(census) else (),
+                   stage_chunk_layers=chunk_layers if any(chunk_layers) else ())
 
 
 def layer_of(name: str) -> int | None:
@@ -237,6 +242,26 @@ def split_stages(params: Sequence[ParamSpec], stages: int) -> list[list[int]]:
         else:
             out[stages - 1 if seen_layer else 0].append(i)
     return out
+
+
+def interleaved_chunks(params: Sequence[ParamSpec], indices: Sequence[int],
+                       layers: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A measured interleaved stage's parameters (``indices`` into ``params``) cut into its
+    chunks, chunk c holding layers ``layers[c]`` = [first, end) (its stage record's); a
+    parameter without a layer number goes with the chunk of the layer before it (the first
+    chunk when none is)."""
+    chunks: list[list[int]] = [[] for _ in layers]
+    at = 0
+    for i in indices:
+        n = layer_of(params[i][0])
+        if n is not None:
+            found = [c for c, (a, b) in enumerate(layers) if a <= n < b]
+            if not found:
+                raise ValueError(f"parameter {params[i][0]!r} is in none of the stage's "
+                                 f"chunks' layers {[list(r) for r in layers]}")
+            at = found[0]
+        chunks[at].append(i)
+    return chunks
 
 
 def numel(shape: Sequence[int]) -> int:

@@ -173,3 +173,18 @@ class OpCensus:
         return {"matmul_flops": self.matmul_flops, "attention_calls": self.attention_calls,
                 "attention_flops": self.attention_flops,
                 "ops": {cls: [int(c), int(e)] for cls, (c, e) in sorted(self.ops.items())}}
+
+
+def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``summary()`` of several forwards run one after another (a pipeline stage's model
+    chunks): FLOPs, calls and elements added up."""
+    ops: dict[str, list[int]] = {}
+    for summary in summaries:
+        for cls, (calls, elements) in summary["ops"].items():
+            entry = ops.setdefault(cls, [0, 0])
+            entry[0] += int(calls)
+            entry[1] += int(elements)
+    return {"matmul_flops": sum(float(s["matmul_flops"]) for s in summaries),
+            "attention_calls": sum(int(s["attention_calls"]) for s in summaries),
+            "attention_flops": sum(float(s["attention_flops"]) for s in summaries),
+            "ops": dict(sorted(ops.items()))}

@@ -2,7 +2,7 @@
 layout, launched with ``flowtrain launch --run-dir``, so the run directory holds what each rank
 recorded (``spans/rank{R}.jsonl``) and planned (``plan.json``, ``stages/``).
 
-argv: MODE, one of dp | zero3 | pipe | tpdp
+argv: MODE, one of dp | zero3 | pipe | interleaved | tpdp
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def config(mode: str) -> dict[str, object]:
         cfg["zero_optimization"] = {"stage": 3, "reduce_bucket_size": 3000,
                                     "stage3_param_persistence_threshold": 0,
                                     "stage3_prefetch_bucket_size": 5000}
-    if mode == "pipe":
+    if mode in ("pipe", "interleaved"):
         cfg["gradient_accumulation_steps"] = 4
+    if mode == "interleaved":  # two model chunks on each of the 2 stages
+        cfg["pipeline"] = {"schedule": "interleaved", "virtual_stages": 2}
     if mode == "tpdp":
         cfg["tensor_parallel"] = {"tp_size": 2}
     return cfg
@@ -72,7 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     flowtrain.init_distributed()
     cfg = config(mode)
-    if mode == "pipe":
+    if mode in ("pipe", "interleaved"):
         layers = [LayerSpec(nn.Linear, 8, WIDTH), nn.ReLU(), LayerSpec(nn.Linear, WIDTH, WIDTH),
                   nn.ReLU(), LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.Linear, WIDTH, 4)]
         module = PipelineModule(layers, num_stages=2, loss_fn=nn.functional.mse_loss,
