@@ -36,7 +36,7 @@ RUNS = Path(__file__).with_name("published_runs.json")
 
 # the builtin node profile of each GPU name the runs use
 GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm": "h100-x8",
-                "h100-sxm-hbm2e-capped": "h100-x8", "h200": "h200-x8"}
+                "h100-sxm-hbm2e-capped": "h100-hbm2e-x8", "h200": "h200-x8"}
 # per-NIC bytes/s of each network the runs name (one direction)
 NETWORKS = {"ib-hdr-200": 25e9, "roce-200": 25e9, "ib-ndr-400": 50e9, "roce-400": 50e9,
             "rdma-400": 50e9, "omnipath-100": 12.5e9}
@@ -49,13 +49,7 @@ def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
 
 def unmodelled(run: Mapping[str, Any]) -> list[str]:
     """What a run uses that the simulator does not model yet (its prediction is still made)."""
-    par = run["parallel"]
-    out = []
-    if int(par.get("cp") or 1) > 1:
-        out.append(f"context parallel {par['cp']}")
-    if int(par.get("virtual_stages") or 1) > 1:
-        out.append(f"interleaved 1F1B x{par['virtual_stages']}")
-    return out
+    return []
 
 
 def architecture(run: Mapping[str, Any]) -> Architecture:
@@ -85,38 +79,45 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
     gpus = int(run["hardware"]["gpus"])
     cp = int(par.get("cp") or 1)
     tp, pp = int(par["tp"]), int(par["pp"])
-    # context parallelism is not modelled yet: its ranks are counted as data parallel, each
-    # with its share of the sequences
+    # context-parallel ranks count as data-parallel ranks whose samples are 1/cp of a sequence
+    # (the gradient reduce spans both), with attention over the whole sequence (SimOptions.cp)
     layout = Layout(gpus // per_node, per_node, tp, pp)
     dp = layout.dp
     micro = int(batch["micro_batch"])
-    accumulation = max(1, int(batch["global_batch"]) // (micro * dp))
+    accumulation = max(1, int(batch["global_batch"]) * cp // (micro * dp))
     precision = PRECISION[train["precision"]]
+    virtual = int(par.get("virtual_stages") or 1)
     cfg = load_config({
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         precision: {"enabled": True},
         "zero_optimization": {"stage": int(par.get("zero_stage") or 0)},
-        "communication_data_type": "fp32" if precision == "bf16" else "fp16",
+        "communication_data_type": train.get("grad_reduce_dtype") or
+        ("fp32" if precision == "bf16" else "fp16"),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        **({"pipeline": {"schedule": "interleaved", "virtual_stages": virtual}}
+           if virtual > 1 and pp > 1 else {}),
     }, world_size=dp, check_supported=False)
     arch = architecture(run)
     model = spec_from_architecture(run["id"], arch, int(run["model"]["seq_len"]) // cp)
     options = SimOptions(
         recompute=str(train.get("recompute") or "none"),
         sequence_parallel=bool(par.get("sequence_parallel")) and tp > 1,
-        attention=None if train.get("flash_attention") else "unfused",
-        gemm_dtype="float8" if train["precision"] == "fp8" else None)
+        attention=train.get("attention") or (None if train.get("flash_attention")
+                                             else "unfused"),
+        gemm_dtype="float8" if train["precision"] == "fp8" else None, cp=cp,
+        tp_overlap=bool(par.get("tp_overlap")),
+        # Megatron's distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter
+        zero1_reduce="reduce_scatter")
     return model, cfg, layout, hw, options
 
 
-def simulate(run: Mapping[str, Any]) -> float:
+def simulate(run: Mapping[str, Any]) -> Any:
+    """The simulator's Prediction for ``run``."""
     model, cfg, layout, hw, options = prepare(run)
     work = Workload.from_model(model, cfg.precision)
-    prediction = predict(model, cfg, layout, hw, cluster=hw.name, workload=work,
-                         options=options)
-    return prediction.step_time_s
+    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options)
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -137,29 +138,39 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in load_runs(ns.runs)
             if (not ns.source or r["source"] in ns.source) and (not ns.id or r["id"] in ns.id)]
     rows = []
-    print(f"{'run':42s} {'source':28s} {'GPUs':>6s} {'published s':>12s} {'predicted s':>12s}"
-          f" {'error':>8s}  not modelled")
+    print(f"{'run':40s} {'source':26s} {'GPUs':>6s} {'published s':>11s} {'predicted s':>11s}"
+          f" {'error':>7s}  {'range':>17s}  {'memory':>7s}")
     for run in runs:
-        predicted = simulate(run)
+        p = simulate(run)
+        predicted = p.step_time_s
         published = float(run["step_time_s"])
         error = (predicted - published) / published
+        low, high = p.step_time_range_s or (predicted, predicted)
+        inside = low <= published <= high
         rows.append({"id": run["id"], "source": run["source"], "gpus": run["hardware"]["gpus"],
                      "published_s": published, "predicted_s": predicted, "error": error,
+                     "range_s": [low, high], "published_in_range": inside,
+                     "peak_memory_gib": (p.peak_memory_bytes or 0) / 2**30, "oom": p.oom,
                      "unmodelled": unmodelled(run)})
-        print(f"{run['id'][:42]:42s} {run['source'][:28]:28s} {run['hardware']['gpus']:6d} "
-              f"{published:12.3f} {predicted:12.3f} {error * 100:+7.1f}%  "
-              f"{', '.join(unmodelled(run))}")
+        memory = "OOM" if p.oom else f"{(p.peak_memory_bytes or 0) / 2**30:.0f} GiB"
+        print(f"{run['id'][:40]:40s} {run['source'][:26]:26s} {run['hardware']['gpus']:6d} "
+              f"{published:11.3f} {predicted:11.3f} {error * 100:+6.1f}%  "
+              f"{low:7.2f}-{high:<7.2f}{'*' if inside else ' '}  {memory:>7s}")
     print()
     by_source: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_source.setdefault(row["source"], []).append(row)
     summary = {source: summarize(rs) for source, rs in sorted(by_source.items())}
     summary["all"] = summarize(rows)
-    summary["all, fully modelled"] = summarize(r for r in rows if not r["unmodelled"])
+    flagged = [r["id"] for r in rows if r["oom"]]
+    in_range = sum(r["published_in_range"] for r in rows)
     print(f"{'source':30s} {'runs':>5s} {'MAPE':>8s} {'bias':>8s} {'optimistic':>11s}")
     for source, s in summary.items():
         print(f"{source:30s} {s['runs']:5d} {s['mape'] * 100:7.1f}% {s['bias'] * 100:+7.1f}% "
               f"{s['optimistic']:>6d}/{s['runs']}")
+    print(f"published step inside the predicted range (*): {in_range} of {len(rows)}; "
+          f"flagged out of memory: {len(flagged)}" + (f" ({', '.join(flagged)})" if flagged
+                                                      else ""))
     if ns.json:
         ns.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
     return 0

@@ -139,6 +139,30 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
                                      "each (38.4 GB/s per channel) = 614.4 GB/s per node, / 8",
         }),
     GpuNode(
+        "h100-hbm2e-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=912.2 * TFLOPS,
+        hbm_bytes=96 * GB, hbm_bw=2400 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
+        pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB, fp8=1824.4 * TFLOPS,
+        sources={
+            "peak_flops.bfloat16": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan"
+                                   ".md: an HBM2e SXM H100 with lower TDP (500 W) whose 'peak "
+                                   "TFLOPs number is between SXM and NVL'; torchtitan "
+                                   "tools/utils.py: SXM 989, NVL 835 dense BF16 -> the "
+                                   "midpoint, 912.2 (either bound is 8% away)",
+            "peak_flops.float16": "as BF16",
+            "peak_flops.float8": "twice the BF16 figure, as on every Hopper SKU",
+            "peak_flops.float32": "as H100 SXM (not published for this SKU)",
+            "peak_flops.tfloat32": "as H100 SXM (not published for this SKU)",
+            "device_memory_bytes": "torchtitan benchmark: 96GB HBM2e",
+            "memory_bandwidth": "torchtitan benchmark: 'HBM2e with 2.4 TB/sec peak memory "
+                                "bandwidth'",
+            "intra_node.bandwidth": "torchtitan benchmark: 8 GPUs per host over NVLink "
+                                    "(NVLink4, 450 GB/s per direction, as H100 SXM)",
+            "inter_node.bandwidth": "torchtitan benchmark: '400 Gb/s per GPU' RDMA = 50 GB/s, "
+                                    "8 per node",
+            "host_to_device.bandwidth": "PCIe Gen5 x16 64 GB/s per direction (as H100 SXM)",
+            "host_memory_bandwidth": "as DGX H100 (not published for this host)",
+        }),
+    GpuNode(
         "h200-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
         hbm_bytes=141 * GB, hbm_bw=4800 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
         pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB, fp8=1978.9 * TFLOPS,

@@ -39,14 +39,16 @@ def _curve(points: tuple[tuple[float, float], ...], x: float, log_y: bool = Fals
     return points[-1][1]
 
 
-def gemm_fraction(m: int, n: int, k: int, kern: GpuKernels, dtype: str) -> float:
-    """The fraction of peak an (m x k) @ (k x n) GEMM reaches: the best tile's useful share of
-    the waves it launches, times the full-wave rate, times the inner dimension's share."""
+def gemm_fraction(m: int, n: int, k: int, kern: GpuKernels, dtype: str, batch: int = 1
+                  ) -> float:
+    """The fraction of peak ``batch`` (m x k) @ (k x n) GEMMs launched together reach: the
+    best tile's useful share of the waves they fill, times the full-wave rate, times the inner
+    dimension's share."""
     best = 0.0
     for tm, tn in kern.gemm_tiles:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
         waves = math.ceil(tiles / kern.sms)
-        best = max(best, m * n / (waves * kern.sms * tm * tn))
+        best = max(best, batch * m * n / (waves * kern.sms * tm * tn))
     if dtype not in kern.gemm_efficiency:
         raise ValueError(f"the hardware profile has no GEMM efficiency for {dtype}; it has "
                          f"{', '.join(sorted(kern.gemm_efficiency))}")
@@ -55,15 +57,17 @@ def gemm_fraction(m: int, n: int, k: int, kern: GpuKernels, dtype: str) -> float
 
 def gemm_seconds(g: Gemm, dtype: str, peaks: dict[str, float], hbm: float,
                  kern: GpuKernels) -> float:
-    """``g`` with ``dtype`` operands: its math at the fraction of the dtype's peak its shape
-    reaches, or its operands' and result's traffic, whichever is longer, plus the overhead."""
+    """``g`` (its ``count`` GEMMs one batched launch) with ``dtype`` operands: its math at the
+    fraction of the dtype's peak its shape reaches, or its operands' and results' traffic,
+    whichever is longer, plus one kernel's overhead."""
     if dtype not in peaks:
         raise ValueError(f"the hardware profile has no peak FLOP/s for {dtype}; it has "
                          f"{', '.join(sorted(peaks))}")
-    math_s = g.flops / g.count / (peaks[dtype] * gemm_fraction(g.m, g.n, g.k, kern, dtype))
+    math_s = g.flops / (peaks[dtype] * gemm_fraction(g.m, g.n, g.k, kern, dtype, g.count))
     elem = PRECISION_BYTES.get(dtype, 2)
-    memory_s = (g.m * g.k + g.k * g.n + g.m * g.n) * elem / (hbm * kern.memory_efficiency)
-    return g.count * (max(math_s, memory_s) + kern.kernel_overhead_s)
+    memory_s = g.count * (g.m * g.k + g.k * g.n + g.m * g.n) * elem / \
+        (hbm * kern.memory_efficiency)
+    return max(math_s, memory_s) + kern.kernel_overhead_s
 
 
 def attention_fraction(a: Attention, kernel: str, kern: GpuKernels) -> float:
@@ -74,7 +78,7 @@ def attention_fraction(a: Attention, kernel: str, kern: GpuKernels) -> float:
         raise ValueError(f"the hardware profile has no {kernel!r} attention figures; it has "
                          f"{', '.join(sorted(kern.attention))}")
     dim = min(by_dim, key=lambda d: (abs(math.log(d / a.head_dim)), -d))
-    return _curve(by_dim[dim], a.seq)
+    return _curve(by_dim[dim], a.keys)
 
 
 def stream_seconds(s: Stream, hbm: float, kern: GpuKernels) -> float:
@@ -95,8 +99,8 @@ def ops_seconds(ops: Iterable[Op], *, dtype: str, peaks: dict[str, float], hbm: 
                 total += op.flops / rate + kern.kernel_overhead_s
             else:
                 # unfused: the score and context products are batched GEMMs per head
-                per_head = Gemm(op.label, op.seq, op.seq, op.head_dim, op.batch_heads)
-                share = op.flops / (4.0 * op.batch_heads * op.seq * op.seq * op.head_dim)
+                per_head = Gemm(op.label, op.seq, op.keys, op.head_dim, op.batch_heads)
+                share = op.flops / (4.0 * op.batch_heads * op.seq * op.keys * op.head_dim)
                 total += 2 * share * gemm_seconds(per_head, dtype, peaks, hbm, kern)
         else:
             total += stream_seconds(op, hbm, kern)
@@ -157,3 +161,17 @@ def collective_seconds(op: str, nbytes: float, ranks: int, nodes: int, nic_bandw
     if op == "reduce_scatter":
         return scatter + across
     return across + gather  # all_gather; broadcast: to a rank of each node, then inside
+
+
+def collective_algorithm(ranks: int, nodes: int) -> str:
+    """How ``collective_seconds`` moves a group's all-reduce, in words (``--explain``)."""
+    if ranks == 1:
+        return "no collective (one rank)"
+    if nodes == 1:
+        return "one node: NVLink at the measured bus bandwidth for the message size"
+    across = "tree" if math.ceil(math.log2(nodes)) < nodes - 1 else "ring"
+    if ranks == nodes:
+        return (f"one rank per node: a {across} over {nodes} nodes through its NIC (NCCL's "
+                f"lower-latency choice)")
+    return (f"hierarchical: reduce-scatter in the node, {across} over {nodes} nodes on each "
+            f"rank's shard (NCCL's lower-latency choice), all-gather in the node")

@@ -84,14 +84,29 @@ _COMMON_SOURCES = {
                          "2048^3 221.8 TFLOP/s, Azure; H100 1024^3 176.6, 2048^3 676.6, "
                          "zzc0721/torch-performance-test-data#79) and the wave model: 3-9 us",
     "collective_base_latency_s": f"{_NCCL_TUNING}: baseLat ring Simple 8.4 us",
+    "gemm_efficiency.float32": "assumption: fp32 GEMMs reach the same fraction of the fp32 "
+                               "peak as 16-bit ones of theirs (no measurement retrieved)",
     "overlap_slowdown": "arXiv 2507.03114: overlapping computation and communication gives an "
                         "average computational slowdown of 18.9% (A100, H100, MI250, MI210)",
 }
 
 
-def _a100(memory_efficiency: float, memory_source: str) -> GpuKernels:
+# the spread of published figures (optimistic, pessimistic) behind the values above
+_OVERLAP_RANGE = (0.0, 0.40)  # arXiv 2507.03114: no slowdown up to its 40.0% maximum
+_RANGE_SOURCES = {
+    "ranges.overlap_slowdown": "arXiv 2507.03114: slowdown under overlap averages 18.9%, "
+                               "maximum 40.0%",
+    "ranges.network_efficiency": "NVIDIA/nccl-tests#290 (46-48 GB/s per 50 GB/s NIC) and "
+                                 f"{_STAS} network README (a 4-node ring at 4 GiB reaching "
+                                 "73% of the NICs' rate)",
+}
+
+
+def _a100(memory_efficiency: float, memory_source: str,
+          memory_range: tuple[float, float]) -> GpuKernels:
     return GpuKernels(
-        sms=108, gemm_tiles=_TILES, gemm_efficiency={"bfloat16": 0.82, "float16": 0.82},
+        sms=108, gemm_tiles=_TILES,
+        gemm_efficiency={"bfloat16": 0.82, "float16": 0.82, "float32": 0.82},
         gemm_k_overhead=32.0, kernel_overhead_s=5e-6, attention=_attention_a100(),
         memory_efficiency=memory_efficiency,
         collectives={"all_reduce": _busbw(_A100_ALL_REDUCE),
@@ -100,8 +115,13 @@ def _a100(memory_efficiency: float, memory_source: str) -> GpuKernels:
         network_efficiency=0.85, network_step_latency_s=9.6e-6,
         collective_base_latency_s=8.4e-6, p2p_efficiency=0.65, overlap_slowdown=0.189,
         default_attention="flash2",
+        ranges={"gemm_efficiency": (0.869, 0.813), "memory_efficiency": memory_range,
+                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE},
         sources={
-            **_COMMON_SOURCES,
+            **_COMMON_SOURCES, **_RANGE_SOURCES,
+            "ranges.gemm_efficiency": f"{_STAS} MAMF A100 SXM 271.2 of 312 (0.869); "
+                                      f"{_AZURE} A100 FP16 8192^3 253.7 (0.813)",
+            "ranges.memory_efficiency": memory_source,
             "sms": f"{_STAS} compute/accelerator/README.md: 108 SMs for A100 SXM",
             "gemm_efficiency": f"{_AZURE}/ND_A100_v4_results.md cuBLASLt FP16: 8192^3 253.7, "
                                "16384^3 256.5 TFLOP/s of 312 = 0.82",
@@ -121,11 +141,12 @@ def _a100(memory_efficiency: float, memory_source: str) -> GpuKernels:
 
 
 def _hopper(all_reduce: tuple[tuple[float, float], ...], memory_efficiency: float,
-            memory_source: str, p2p: float, p2p_source: str, collective_source: str
-            ) -> GpuKernels:
+            memory_source: str, p2p: float, p2p_source: str, collective_source: str,
+            memory_range: tuple[float, float]) -> GpuKernels:
     return GpuKernels(
         sms=132, gemm_tiles=_TILES,
-        gemm_efficiency={"bfloat16": 0.80, "float16": 0.80, "float8": 0.709},
+        gemm_efficiency={"bfloat16": 0.80, "float16": 0.80, "float8": 0.709,
+                         "float32": 0.80},
         gemm_k_overhead=32.0, kernel_overhead_s=5e-6, attention=_attention_h100(),
         memory_efficiency=memory_efficiency,
         collectives={"all_reduce": _busbw(all_reduce),
@@ -134,8 +155,13 @@ def _hopper(all_reduce: tuple[tuple[float, float], ...], memory_efficiency: floa
         network_efficiency=0.94, network_step_latency_s=14e-6,
         collective_base_latency_s=8.4e-6, p2p_efficiency=p2p, overlap_slowdown=0.189,
         default_attention="flash3",
+        ranges={"gemm_efficiency": (0.806, 0.728), "memory_efficiency": memory_range,
+                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE},
         sources={
-            **_COMMON_SOURCES,
+            **_COMMON_SOURCES, **_RANGE_SOURCES,
+            "ranges.gemm_efficiency": "zzc0721/torch-performance-test-data#79: H100 BF16 "
+                                      "8192^3 797.5 (0.806), 10240^3 719.7 (0.728) TFLOP/s",
+            "ranges.memory_efficiency": memory_source,
             "sms": f"{_STAS} compute/accelerator/README.md: 132 SMs for H100 SXM",
             "gemm_efficiency": "zzc0721/torch-performance-test-data#79: H100 BF16 8192^3 797.5, "
                                f"4096^3 788.7 TFLOP/s; {_STAS} MAMF BF16 794.5 of 989 (0.80), "
@@ -156,15 +182,22 @@ def _hopper(all_reduce: tuple[tuple[float, float], ...], memory_efficiency: floa
 
 
 A100_40G = _a100(0.87, "PTsolvers/gpu-workshop-JuliaCon23#7: A100 40GB memcopy 1355 of "
-                       "1555 GB/s")
-A100_80G = _a100(0.79, f"{_AZURE}/ND_A100_v4_results.md BabelStream Copy 1.61 of 2.039 TB/s")
+                       "1555 GB/s; range: that and mixbench ~1300 GB/s (ekondis/mixbench#18)",
+                 (0.87, 0.84))
+A100_80G = _a100(0.79, f"{_AZURE}/ND_A100_v4_results.md BabelStream Copy 1.61 of 2.039 TB/s; "
+                       "range: a read-only kernel at 1.80 TB/s (NVIDIA forums 339083, 88%)",
+                 (0.88, 0.79))
 H100 = _hopper(_H100_ALL_REDUCE, 0.87,
-               f"{_AZURE}/ND_H100_v5_results.md BabelStream Copy 2.90 of 3.35 TB/s", 0.83,
+               f"{_AZURE}/ND_H100_v5_results.md BabelStream Copy 2.90 of 3.35 TB/s; range: "
+               "FBGEMM scatter_add at 2.54 TB/s (pytorch/FBGEMM#3993, 0.76)", 0.83,
                f"{_STAS}: H100 p2pBandwidthLatencyTest 376 of 450 GB/s",
                f"{_AZURE}/ND_H100_v5_results.md all_reduce_perf -g 8 busbw (NVLS at large "
-               "sizes), 2.72 GB/s at 64 KiB to 478.87 at 8 GiB")
+               "sizes), 2.72 GB/s at 64 KiB to 478.87 at 8 GiB",
+               (0.87, 0.76))
 H200 = _hopper(_H200_ALL_REDUCE, 0.84,
-               f"{_AZURE}/ND_H200_v5_results.md BabelStream Copy 4.01 of 4.8 TB/s", 0.88,
+               f"{_AZURE}/ND_H200_v5_results.md BabelStream Copy 4.01 of 4.8 TB/s; range: "
+               "its Dot at 4.48 TB/s (0.93)", 0.88,
                f"{_STAS}: H200 nvbandwidth 396.40 of 450 GB/s",
                f"{_AZURE}/ND_H200_v5_results.md all_reduce_perf -g 8 busbw, 3.72 GB/s at "
-               "64 KiB to 479.98 at 8 GiB")
+               "64 KiB to 479.98 at 8 GiB",
+               (0.93, 0.84))

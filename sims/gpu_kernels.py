@@ -6,12 +6,13 @@ its source beside it in ``sources``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sims.profile_fields import ProfileError, check_curve, check_fields, check_int, check_number
 
 ATTENTION_KERNELS = ("flash2", "flash3")
+RANGED = ("gemm_efficiency", "memory_efficiency", "network_efficiency", "overlap_slowdown")
 COLLECTIVE_CURVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -53,6 +54,26 @@ class GpuKernels:
     overlap_slowdown: float
     default_attention: str = "flash2"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # the spread of published figures behind a value: field -> (optimistic, pessimistic);
+    # "gemm_efficiency" scales every dtype's figure by the ratio to its bfloat16 one
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict, compare=False)
+
+    def bounds(self) -> tuple[GpuKernels, GpuKernels]:
+        """The optimistic and the pessimistic kernels within ``ranges``."""
+        out = []
+        for side in (0, 1):
+            changes: dict[str, Any] = {}
+            for name, pair in self.ranges.items():
+                value = pair[side]
+                if name == "gemm_efficiency":
+                    base = self.gemm_efficiency.get("bfloat16") or \
+                        next(iter(self.gemm_efficiency.values()))
+                    changes[name] = {k: min(1.0, v * value / base)
+                                     for k, v in self.gemm_efficiency.items()}
+                else:
+                    changes[name] = value
+            out.append(replace(self, **changes))
+        return out[0], out[1]
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -84,6 +105,7 @@ class GpuKernels:
             "p2p_efficiency": self.p2p_efficiency,
             "overlap_slowdown": self.overlap_slowdown,
             "sources": dict(self.sources),
+            "ranges": {k: list(v) for k, v in self.ranges.items()},
         }
 
 
@@ -134,6 +156,16 @@ def _validate(k: GpuKernels) -> None:
             raise ProfileError(f"field 'kernels.collectives' has unknown op {op!r}; valid: "
                                f"{', '.join(COLLECTIVE_CURVES)}")
         check_curve(f"kernels.collectives.{op}", curve, maximum=None)
+    for name, pair in k.ranges.items():
+        if name not in RANGED:
+            raise ProfileError(f"field 'kernels.ranges' has {name!r}; ranges apply to "
+                               f"{', '.join(RANGED)}")
+        if len(pair) != 2:
+            raise ProfileError(f"field 'kernels.ranges.{name}' must be [optimistic, "
+                               f"pessimistic], got {pair!r}")
+        for bound in pair:
+            check_number(f"kernels.ranges.{name}", bound, minimum=0.0,
+                         maximum=None if name == "overlap_slowdown" else 1.0)
     missing = set(COLLECTIVE_CURVES) - set(k.collectives)
     if missing:
         raise ProfileError(f"field 'kernels.collectives' needs a curve for "
@@ -150,7 +182,10 @@ def kernels_from(d: Any) -> GpuKernels:
     """The ``kernels`` section of a profile file; errors name the field."""
     if not isinstance(d, dict):
         raise ProfileError(f"field 'kernels' must be an object, got {d!r}")
-    check_fields(d, _FIELDS, ("default_attention", "sources"), prefix="kernels.")
+    check_fields(d, _FIELDS, ("default_attention", "sources", "ranges"), prefix="kernels.")
+    ranges = d.get("ranges", {})
+    if not isinstance(ranges, dict):
+        raise ProfileError(f"field 'kernels.ranges' must be an object, got {ranges!r}")
     attention: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {}
     if not isinstance(d["attention"], dict):
         raise ProfileError(f"field 'kernels.attention' must be an object, got {d['attention']!r}")
@@ -184,4 +219,5 @@ def kernels_from(d: Any) -> GpuKernels:
         collective_base_latency_s=d["collective_base_latency_s"],
         p2p_efficiency=d["p2p_efficiency"], overlap_slowdown=d["overlap_slowdown"],
         default_attention=d.get("default_attention", "flash2"),
-        sources=dict(d.get("sources", {})))
+        sources=dict(d.get("sources", {})),
+        ranges={k: tuple(v) if isinstance(v, list) else v for k, v in ranges.items()})

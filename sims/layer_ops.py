@@ -18,12 +18,15 @@ from typing import Any
 
 from flowtrain.plan.workload import TransformerShape
 
-RECOMPUTE = ("none", "selective", "full")
+# "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
+# per-op selective checkpointing: every other matmul and every memory-bound op again; "full":
+# the whole layer's forward again
+RECOMPUTE = ("none", "selective", "op", "full")
 
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """(m x k) @ (k x n), ``count`` times: 2·m·n·k FLOPs each."""
+    """(m x k) @ (k x n), ``count`` of them in one batched launch: 2·m·n·k FLOPs each."""
 
     label: str
     m: int
@@ -39,9 +42,10 @@ class Gemm:
 @dataclass(frozen=True, slots=True)
 class Attention:
     """The attention core of ``batch_heads`` (micro-batch x heads on the rank) heads: scores
-    Q·Kᵀ over ``seq`` queries and keys, softmax, and its product with V. ``flash``: one fused
-    kernel that never stores the scores (causal: the masked half is skipped); otherwise two
-    batched matmuls of the full s x s scores and the softmax/mask/dropout between them as
+    Q·Kᵀ over ``seq`` queries and ``kv_seq`` keys (``seq`` when 0; with context parallelism a
+    rank's queries see every rank's keys), softmax, and its product with V. ``flash``: one
+    fused kernel that never stores the scores (causal: the masked half is skipped); otherwise
+    two batched matmuls of the full score matrix and the softmax/mask/dropout between them as
     memory-bound ops."""
 
     label: str
@@ -51,13 +55,18 @@ class Attention:
     causal: bool = True
     flash: bool = True
     backward: bool = False
+    kv_seq: int = 0
+
+    @property
+    def keys(self) -> int:
+        return self.kv_seq or self.seq
 
     @property
     def flops(self) -> float:
         """The matmul FLOPs done: 4·s²·d per head forward (2 products), 2.5x that backward
         for flash attention (it recomputes the scores), 2x for the unfused core; causal flash
         does half."""
-        forward = 4.0 * self.batch_heads * self.seq * self.seq * self.head_dim
+        forward = 4.0 * self.batch_heads * self.seq * self.keys * self.head_dim
         if self.flash:
             done = forward * (0.5 if self.causal else 1.0)
             return done * (2.5 if self.backward else 1.0)
@@ -86,6 +95,7 @@ class RankShape:
     flash: bool = True
     recompute: str = "none"
     act_bytes: int = 2  # bf16/fp16 activations
+    cp: int = 1  # context-parallel ranks: the shape's seq_len is one rank's share
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -134,10 +144,11 @@ def attention_core(t: TransformerShape, r: RankShape, *, backward: bool) -> list
     dropout over the stored s x s scores (fp16/bf16 scores, 1-byte dropout mask)."""
     heads = _heads_per_rank(t.heads, r.tp)
     bh = r.micro_batch * heads
-    core = Attention("attention", bh, t.seq_len, t.head_dim, flash=r.flash, backward=backward)
+    core = Attention("attention", bh, t.seq_len, t.head_dim, flash=r.flash, backward=backward,
+                     kv_seq=t.seq_len * r.cp)
     if r.flash:
         return [core]
-    scores = bh * t.seq_len * t.seq_len
+    scores = bh * t.seq_len * t.seq_len * r.cp
     e = r.act_bytes
     # scale + mask + softmax fused (read, write); dropout (read, write, mask); backward reads
     # the saved output and its gradient and writes the input's gradient for each
@@ -158,6 +169,9 @@ def layer_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     ops: list[Op] = []
     if r.recompute == "full":
         ops += [_recomputed(op) for op in layer_forward(t, r)]
+    elif r.recompute == "op":
+        ops += [_recomputed(op) for op in layer_forward(t, r) if isinstance(op, Stream)]
+        ops += [_recomputed(g) for g in matmuls(t, r)[1::2]]
     elif r.recompute == "selective" and not r.flash:
         # selective recompute keeps everything but the attention core, which it runs again
         ops += [_recomputed(op) for op in attention_core(t, r, backward=False)]
@@ -174,12 +188,44 @@ def layer_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     return ops
 
 
+def matmuls(t: TransformerShape, r: RankShape) -> list[Gemm]:
+    """A layer's forward matmuls one by one, in the order an eager PyTorch layer runs them
+    (Llama's Q, K, V, output, gate, up and down projections; GPT's fused QKV, output, and the
+    MLP's two), the order torchtitan's per-op checkpointing alternates over."""
+    tokens = r.micro_batch * t.seq_len
+    h = t.hidden
+    q = _heads_per_rank(t.heads, r.tp) * t.head_dim
+    kv = max(1, math.ceil(t.kv_heads / r.tp)) * t.head_dim
+    ffn = math.ceil(t.ffn / r.tp)
+    if t.gated_mlp:
+        return [Gemm("q", tokens, q, h), Gemm("k", tokens, kv, h), Gemm("v", tokens, kv, h),
+                Gemm("attn_out", tokens, h, q), Gemm("mlp_gate", tokens, ffn, h),
+                Gemm("mlp_up", tokens, ffn, h), Gemm("mlp_down", tokens, h, ffn)]
+    return [Gemm("qkv", tokens, q + 2 * kv, h), Gemm("attn_out", tokens, h, q),
+            Gemm("mlp_up", tokens, ffn, h), Gemm("mlp_down", tokens, h, ffn)]
+
+
+def fp8_casts(ops: list[Op], *, backward: bool) -> list[Op]:
+    """fp8 GEMMs (Transformer Engine) cast their 16-bit operands first: in forward each
+    GEMM's input and weight (read 2 bytes, write 1), in backward its output gradient for
+    both the input- and the weight-gradient GEMMs (read 2, write 1 and a transposed copy)."""
+    out: list[Op] = []
+    for op in ops:
+        if not isinstance(op, Gemm) or op.label.startswith("recompute.") and backward:
+            continue
+        if backward and op.label.endswith(".dgrad"):
+            out.append(Stream(op.label + ".fp8_cast", op.m * op.k * 4))
+        elif not backward:
+            out.append(Stream(op.label + ".fp8_cast", (op.m * op.k + op.k * op.n) * 3))
+    return out
+
+
 def _recomputed(op: Op) -> Op:
     if isinstance(op, Gemm):
         return Gemm("recompute." + op.label, op.m, op.n, op.k, op.count)
     if isinstance(op, Attention):
         return Attention("recompute." + op.label, op.batch_heads, op.seq, op.head_dim,
-                         op.causal, op.flash, op.backward)
+                         op.causal, op.flash, op.backward, op.kv_seq)
     return Stream("recompute." + op.label, op.bytes)
 
 
@@ -244,6 +290,16 @@ class SimOptions:
     sequence_parallel: bool = False
     attention: str | None = None
     gemm_dtype: str | None = None
+    # context-parallel ranks (each holds 1/cp of every sequence; they count as data-parallel
+    # ranks for the gradient reduce): the workload's seq_len is then one rank's share
+    cp: int = 1
+    # tensor-parallel collectives pipelined with the GEMMs beside them (Transformer Engine's
+    # userbuffers, torch's async TP) instead of blocking the layer
+    tp_overlap: bool = False
+    # ZeRO-1's gradient reduce: None as flowtrain's engine does it (an all-reduce, each rank
+    # keeping its shard), or "reduce_scatter" as DeepSpeed's ZeRO-1 and Megatron's
+    # distributed optimizer do (each rank receives only its shard's sum)
+    zero1_reduce: str | None = None
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -252,6 +308,11 @@ class SimOptions:
         if self.attention is not None and self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got "
                              f"{self.attention!r}")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"cp must be an integer >= 1, got {self.cp!r}")
+        if self.zero1_reduce not in (None, "reduce_scatter"):
+            raise ValueError(f"zero1_reduce must be reduce_scatter or unset, got "
+                             f"{self.zero1_reduce!r}")
         if self.gemm_dtype not in (None, "float8"):
             raise ValueError(f"gemm_dtype must be float8 or unset, got {self.gemm_dtype!r}")
 
@@ -263,3 +324,13 @@ def cfg_checkpoints_activations(cfg: Any) -> bool:
     pipeline modules say it with activation_checkpoint_interval."""
     return ("activation_checkpointing" in cfg.model_fields_set
             or cfg.pipeline.activation_checkpoint_interval > 0)
+
+
+def cp_exchange_bytes(t: TransformerShape, r: RankShape) -> float:
+    """Bytes one rank sends in a layer's forward under context parallelism: its K and V chunk
+    passed around the ring of cp ranks (cp - 1 hops); backward sends K, V and their
+    gradients (twice that)."""
+    if r.cp == 1:
+        return 0.0
+    kv = max(1, math.ceil(t.kv_heads / r.tp)) * t.head_dim
+    return (r.cp - 1) * 2 * r.micro_batch * t.seq_len * kv * r.act_bytes

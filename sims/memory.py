@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flowtrain.config import load_config
-from sims.layer_ops import cfg_checkpoints_activations
+from sims.layer_ops import SimOptions, cfg_checkpoints_activations
 from sims.models import ModelSpec, layer_activation_bytes, outside_activation_bytes
 
 # Adam's optimizer state in bytes per parameter (ZeRO paper Sec. 3.1, "K"): mixed precision
@@ -138,14 +138,26 @@ def _checkpointing(cfg: Any, asked: bool | None) -> bool:
 
 
 def _activations(model: ModelSpec, *, layers: int, tp: int, last_stage: bool,
-                 checkpointed: bool, partition: bool) -> tuple[float, float]:
+                 checkpointed: bool, partition: bool, options: SimOptions | None = None
+                 ) -> tuple[float, float]:
     """(per micro-batch in flight, once) bytes per sample of a pipeline stage holding
     ``layers`` layers. Without recompute each micro-batch in flight keeps its layers' full
     saved set; with recompute it keeps only the layer inputs, and one layer's full set is live
     while that layer is recomputed. The loss end (final norm, logits) is live for one micro-batch
     on the last stage, which runs its backward right after its forward."""
     if model.arch is not None:
-        layer = layer_activation_bytes(model.arch, model.seq_len, tp=tp)
+        opts = options or SimOptions()
+        # flash attention stores no attention maps, nor does selective recompute; with
+        # sequence parallelism the per-token tensors are split over the tensor ranks too
+        maps = opts.attention == "unfused" and opts.recompute not in ("selective", "op") \
+            if options is not None else True
+        sp = opts.sequence_parallel and tp > 1
+        layer = layer_activation_bytes(model.arch, model.seq_len, tp=tp, maps=maps,
+                                       sequence_parallel=sp)
+        if opts.recompute == "op":
+            # torchtitan's per-op checkpointing keeps every other matmul's output and the
+            # attention output: about half the layer's saved tensors
+            layer /= 2
         outside = outside_activation_bytes(model.arch, model.seq_len, tp=tp)
     elif model.layers:  # a traced module: no formula, so tensor ranks are taken to split evenly
         layer = model.layer_activation_bytes_per_sample / tp
@@ -160,8 +172,8 @@ def _activations(model: ModelSpec, *, layers: int, tp: int, last_stage: bool,
 
 
 def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int | None = None,
-                    pp: int | None = None, checkpointing: bool | None = None
-                    ) -> dict[str, float]:
+                    pp: int | None = None, checkpointing: bool | None = None,
+                    options: SimOptions | None = None) -> dict[str, float]:
     """Bytes one rank needs at its peak, for the pipeline stage that needs the most.
 
     Model states: ``model_state_bytes`` of the stage's parameters divided by ``tp``, with the
@@ -179,8 +191,13 @@ def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int |
     with optimizer offload, which also keeps 16-bit gradient and parameter copy buffers there.
 
     ``tp``/``pp`` default to the config's ``tensor_parallel``/``pipeline.stages`` (1 when unset
-    or "auto"); ``checkpointing`` overrides the config's reading (see ``_checkpointing``).
+    or "auto"); ``checkpointing`` overrides the config's reading (see ``_checkpointing``), as
+    ``options.recompute`` does ("full": checkpointed); ``options`` also says whether attention
+    maps are kept (unfused attention without selective recompute) and whether sequence
+    parallelism splits the per-token activations. Without ``options`` the maps are kept.
     """
+    if checkpointing is None and options is not None and options.recompute is not None:
+        checkpointing = options.recompute == "full"
     _positive_int("world_size", world_size)
     raw = _raw(config)
     config_tp, config_pp = _parallel_sizes(config, raw)
@@ -223,7 +240,9 @@ def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int |
         in_flight = min(pp - s, gas) if pp > 1 else 1
         per_micro, once = _activations(model, layers=layer_counts[s], tp=tp,
                                        last_stage=s == pp - 1, checkpointed=ckpt,
-                                       partition=section.partition_activations and tp > 1)
+                                       partition=(section.partition_activations or bool(
+                                           options and options.sequence_parallel)) and tp > 1,
+                                       options=options)
         waiting = act_scale * micro * in_flight * per_micro
         host_activations = waiting if ckpt and section.cpu_checkpointing else 0.0
         activations = act_scale * micro * once + waiting - host_activations

@@ -223,7 +223,8 @@ def forward_flops(arch: Architecture, seq_len: int) -> int:
 
 
 def layer_activation_bytes(arch: Architecture, seq_len: int, *, tp: int = 1,
-                           mask_bytes: int = 1) -> float:
+                           mask_bytes: int = 1, maps: bool = True,
+                           sequence_parallel: bool = False) -> float:
     """Bytes one layer saves for backward, per sample, 16-bit activations, no recompute.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -238,14 +239,17 @@ def layer_activation_bytes(arch: Architecture, seq_len: int, *, tp: int = 1,
       attention maps, per head and split by t: softmax output 2s, plus (GPT) its dropout mask
       s and dropout output 2s: 5·a·s, or 2·a·s without dropout.
     Grouped-query attention keeps one K/V per group; with more tensor ranks than KV heads each
-    rank keeps at least one head. Flash attention keeps no maps at all; this does not assume it.
+    rank keeps at least one head. Flash attention keeps no maps at all, nor does selective
+    recompute (it recomputes them): ``maps`` False. With ``sequence_parallel`` the part kept
+    whole is split over the tensor ranks too (34/t of the paper's Sec. 4.2.2).
     """
     s, h, f, t = seq_len, arch.hidden, arch.ffn, tp
-    whole = 8 * h + (2 * h * mask_bytes if arch.dropout else 0)
+    whole = (8 * h + (2 * h * mask_bytes if arch.dropout else 0)) / (t if sequence_parallel
+                                                                      else 1)
     kv_per_rank = max(arch.kv_heads / t, 1.0) * arch.head_dim
     split = 4 * h / t + 4 * kv_per_rank + (8 if arch.gated_mlp else 4) * f / t
-    maps = arch.heads * s * ((4 + mask_bytes) if arch.dropout else 2) / t
-    return s * (whole + split + maps)
+    kept_maps = arch.heads * s * ((4 + mask_bytes) if arch.dropout else 2) / t if maps else 0.0
+    return s * (whole + split + kept_maps)
 
 
 def outside_activation_bytes(arch: Architecture, seq_len: int, *, tp: int = 1) -> float:

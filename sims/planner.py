@@ -84,10 +84,6 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
     if not work.params:
         raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
     zero = cfg.zero_optimization
-    if layout.pp > 1 and zero.stage >= 2:
-        raise ValueError(f"ZeRO stage {zero.stage} with pp {layout.pp}: gradients are "
-                         f"partitioned while the pipeline still accumulates them; use "
-                         f"zero_optimization.stage 0 or 1 with pipeline parallelism")
     dtype = PRECISION_DTYPE[cfg.precision]
     comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
     comm_elem = DTYPE_BYTES.get(comm_dtype, 4)

@@ -49,6 +49,11 @@ class Prediction:
     simulate_s: float
     notes: list[str] = field(default_factory=list)
     timeline: Any = field(default=None, repr=False)
+    # the step time with the optimistic and the pessimistic end of the published figures the
+    # GPU's costs rest on (None: a profile without such ranges)
+    step_time_range_s: tuple[float, float] | None = None
+    # what the prediction assumed: where each kind of cost comes from (--explain)
+    assumptions: list[str] = field(default_factory=list)
 
     @property
     def oom(self) -> bool:
@@ -171,6 +176,16 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         tasks = tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
+    step_range = None
+    kernels = getattr(hw, "kernels", None)
+    if kernels is not None and kernels.ranges and host_speed == 1.0:
+        ends = []
+        for bound in kernels.bounds():
+            bounded = build_plan(work, cfg, layout, dataclasses.replace(hw, kernels=bound),
+                                 options)
+            ends.append(step_figures(execute(bounded.tasks, interference=bounded.interference,
+                                             slowdown=bounded.slowdown)).step_time)
+        step_range = (min(ends), max(ends))
     elapsed = time.perf_counter() - started
     notes = list(plan.notes)
     if host_speed != 1.0:
@@ -183,7 +198,8 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
 
         try:
             peak = float(memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp,
-                                         pp=layout.pp)["peak"])
+                                         pp=layout.pp, options=_memory_options(hw, options))
+                         ["peak"])
         except (ValueError, KeyError) as exc:
             notes.append(f"no memory estimate: {exc}")
     step = figures.step_time
@@ -200,7 +216,62 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         exposed_comm_s=figures.exposed_comm_seconds, overlap_pct=figures.overlap_pct,
         bubble_pct=figures.bubble_pct, peak_memory_bytes=peak,
         device_memory_bytes=int(hw.device_memory_bytes), tasks=len(plan.tasks),
-        simulate_s=elapsed, notes=notes, timeline=timeline)
+        simulate_s=elapsed, notes=notes, timeline=timeline, step_time_range_s=step_range,
+        assumptions=assumption_lines(work, cfg, layout, hw, options))
+
+
+def _memory_options(hw: Any, options: Any) -> Any:
+    """The run options as the memory model reads them: on a GPU with kernel figures the
+    attention kernel is the profile's flash kernel unless asked otherwise."""
+    kernels = getattr(hw, "kernels", None)
+    if options is None and kernels is None:
+        return None
+    from sims.layer_ops import SimOptions
+
+    opts = options or SimOptions()
+    if opts.attention is None and kernels is None:
+        return dataclasses.replace(opts, attention="unfused")
+    return opts
+
+
+def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) -> list[str]:
+    """Where the prediction's costs come from, one line per kind (``--explain``)."""
+    from sims.gpu_costs import collective_algorithm
+    from sims.layer_ops import SimOptions, cfg_checkpoints_activations
+
+    opts = options or SimOptions()
+    kernels = getattr(hw, "kernels", None)
+    out = []
+    if kernels is None or work.transformer is None:
+        why = "a CPU host's measured engine costs" if getattr(hw, "engine", None) else \
+            "a roofline with the profile's FLOP-size efficiency curve"
+        out.append(f"compute: each parameter's share of the FLOPs priced by {why}")
+    else:
+        src = kernels.sources
+        attention = opts.attention or kernels.default_attention
+        out.append(f"compute: each layer op by op; GEMMs at "
+                   f"{kernels.gemm_efficiency.get('bfloat16', 0):.3f} of peak with tile and "
+                   f"wave quantization ({src.get('gemm_efficiency', 'profile')})")
+        out.append(f"attention: {attention}" + (
+            f" ({src.get('attention', 'profile')})" if attention != "unfused"
+            else " (scores stored; softmax and dropout memory-bound)"))
+        out.append(f"memory-bound ops: at {kernels.memory_efficiency:.2f} of HBM bandwidth "
+                   f"({src.get('memory_efficiency', 'profile')})")
+        recompute = opts.recompute or ("full" if cfg_checkpoints_activations(cfg) else "none")
+        out.append(f"recompute: {recompute}; sequence parallel: "
+                   f"{'yes' if opts.sequence_parallel else 'no'}; context parallel: {opts.cp}; "
+                   f"TP overlap: {'yes' if opts.tp_overlap else 'no'}; GEMM dtype: "
+                   f"{opts.gemm_dtype or 'training dtype'}")
+        dp_nodes = layout.dp_nodes
+        out.append(f"collectives: data parallel over {layout.dp} ranks on {dp_nodes} node(s): "
+                   f"{collective_algorithm(layout.dp, dp_nodes)}; tensor parallel in a node at "
+                   f"the measured NVLink bus bandwidth ({src.get('collectives', 'profile')})")
+        out.append(f"overlap: compute {kernels.overlap_slowdown:.0%} slower while NCCL runs "
+                   f"beside it ({src.get('overlap_slowdown', 'profile')})")
+        if kernels.ranges:
+            out.append("range: " + "; ".join(f"{k} {v[0]:g} (optimistic) to {v[1]:g}"
+                                             for k, v in kernels.ranges.items()))
+    return out
 
 
 def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
@@ -225,8 +296,45 @@ def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster
     per_node = ns.devices_per_node or hw.devices_per_node
     layout = make_layout(nodes, per_node, tp, pp)
     cfg = validated_config(raw, layout.dp, source)
-    key = (ns.model, ns.seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
+    options = sim_options(ns)
+    seq_len = _rank_seq_len(ns.model, ns.seq_len, options.cp)
+    key = (ns.model, seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
     if key not in models:  # a traced model is traced once per micro-batch size and precision
-        models[key] = _model(ns.model, ns.seq_len, cfg.train_micro_batch_size_per_gpu,
+        models[key] = _model(ns.model, seq_len, cfg.train_micro_batch_size_per_gpu,
                              cfg.precision)
-    return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed)
+    return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed,
+                   options=options)
+
+
+def sim_options(ns: argparse.Namespace) -> Any:
+    """The run options of the command's flags (recompute, sequence and context parallelism,
+    attention kernel, TP overlap, fp8 GEMMs)."""
+    from sims.layer_ops import SimOptions
+
+    try:
+        return SimOptions(recompute=getattr(ns, "recompute", None),
+                          sequence_parallel=bool(getattr(ns, "sequence_parallel", False)),
+                          attention=getattr(ns, "attention", None),
+                          gemm_dtype="float8" if getattr(ns, "fp8", False) else None,
+                          cp=int(getattr(ns, "cp", None) or 1),
+                          tp_overlap=bool(getattr(ns, "tp_overlap", False)),
+                          zero1_reduce="reduce_scatter"
+                          if getattr(ns, "zero1_reduce_scatter", False) else None)
+    except ValueError as exc:
+        raise SimulateError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
+
+
+def _rank_seq_len(name: str, seq_len: int | None, cp: int) -> int | None:
+    """One rank's tokens per sample: with context parallelism, 1/cp of the sequence."""
+    if cp == 1:
+        return seq_len
+    from sims.models import PRESETS
+
+    full = seq_len if seq_len is not None else \
+        (PRESETS[name].context if name in PRESETS else None)
+    if full is None:
+        raise SimulateError(f"--cp {cp} needs --seq-len (the whole sequence, split over the "
+                            f"context-parallel ranks)")
+    if full % cp:
+        raise SimulateError(f"--cp {cp} must divide the sequence length {full}")
+    return full // cp

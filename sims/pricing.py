@@ -46,7 +46,8 @@ def price(graph: Sequence[GraphTask], stages: Sequence[StageCosts]) -> tuple[Sim
     out = []
     for t in graph:
         seconds, interference, slowdown = task_seconds(t, stages[t.stage])
-        out.append(SimTask(t.name, t.kind, t.resource, seconds, t.deps, t.stage, t.flops,
+        out.append(SimTask(t.name, t.kind, t.resource, seconds * t.repeat, t.deps, t.stage,
+                           t.flops,
                            t.nbytes, t.resource.startswith("comm:"), interference, slowdown))
     return tuple(out)
 

@@ -55,6 +55,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="predict a launched run (runs/<id>: plan.json, spans/) and print "
                         "predicted vs measured per task class")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="also print what the prediction assumed (cost sources, algorithms)")
+    run_opts = p.add_argument_group("how the run trains (beyond the ds_config)")
+    run_opts.add_argument("--recompute", choices=("none", "selective", "op", "full"),
+                          help="activation recompute: selective = Megatron's attention core, "
+                               "op = torchtitan's per-op checkpointing (default: full when the "
+                               "config checkpoints activations, else none)")
+    run_opts.add_argument("--sequence-parallel", action="store_true",
+                          help="Megatron sequence parallelism over the tensor-parallel ranks")
+    run_opts.add_argument("--cp", type=int, default=None, metavar="N",
+                          help="context-parallel ranks (counted within the data-parallel "
+                               "ones; each holds 1/N of every sequence)")
+    run_opts.add_argument("--attention", choices=("flash2", "flash3", "unfused"),
+                          help="attention kernel (default: the GPU profile's)")
+    run_opts.add_argument("--tp-overlap", action="store_true",
+                          help="tensor-parallel collectives overlapped with the GEMMs")
+    run_opts.add_argument("--fp8", action="store_true", help="fp8 GEMMs (Transformer Engine)")
+    run_opts.add_argument("--zero1-reduce-scatter", action="store_true",
+                          help="ZeRO-1 reduce-scatters gradients (DeepSpeed, Megatron's "
+                               "distributed optimizer) instead of flowtrain's all-reduce")
     p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,
                    help="a calibrated CPU host's speed now against its profile, every task "
                         "scaled by it: a factor (1.2: 20%% slower than at calibration) or auto "
@@ -86,7 +106,9 @@ def report_lines(p: Prediction) -> list[str]:
              (f"  ZeRO stage {p.zero_stage}, {p.precision}, micro-batch {p.micro_batch_size} x "
              f"{p.micro_batches} {'micro-batches' if p.pp > 1 else 'accumulation steps'} x dp "
              f"{p.dp} = {samples} samples/step"),
-             f"  step time        {_seconds(p.step_time_s)}",
+             f"  step time        {_seconds(p.step_time_s)}" + (
+                 f"  (range {_seconds(p.step_time_range_s[0])} - "
+                 f"{_seconds(p.step_time_range_s[1])})" if p.step_time_range_s else ""),
              f"  throughput       {p.samples_per_s:,.1f} samples/s" +
              (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else ""),
              f"  MFU              {100 * p.mfu:.1f} %",
@@ -134,7 +156,7 @@ def sweep_lines(results: list[tuple[dict[str, Any], Any]]) -> list[str]:
 
 def run(ns: argparse.Namespace) -> int:
     """Runs the subcommand; input problems raise SimulateError (one line, exit 2)."""
-    for flag in ("nodes", "devices_per_node", "tp", "pp", "seq_len"):
+    for flag in ("nodes", "devices_per_node", "tp", "pp", "seq_len", "cp"):
         value = getattr(ns, flag)
         if value is not None and value < 1:
             raise SimulateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -168,6 +190,9 @@ def run(ns: argparse.Namespace) -> int:
         print(json.dumps(prediction.to_dict(), indent=1))
     else:
         print("\n".join(report_lines(prediction)))
+        if ns.explain:
+            print("  assumed:")
+            print("\n".join(f"    {line}" for line in prediction.assumptions))
     if ns.trace:
         _write_trace(prediction, ns.trace, ns.json)
     return 0

@@ -13,11 +13,15 @@ from flowtrain.plan.workload import numel as _numel
 from sims import costs, gpu_costs
 from sims.gpu_kernels import GpuKernels
 from sims.layer_ops import (
+    Gemm,
     RankShape,
     SimOptions,
+    attention_core,
     cfg_checkpoints_activations,
+    cp_exchange_bytes,
     embed_backward,
     embed_forward,
+    fp8_casts,
     head_backward,
     head_forward,
     layer_backward,
@@ -51,7 +55,7 @@ class StageCosts:
         self.m, self.mb = micro_batches, micro_batch
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
         self.stage_no = self.zero.stage
-        self.partitioned = self.stage_no == 3 and self.dp > 1
+        self.partitioned = self.stage_no == 3 and self.dp > 1 and layout.pp == 1
         self.params = params
         self.comm_elem = comm_elem
         self.param_elem = params[0][3] if params else 2
@@ -125,7 +129,9 @@ class StageCosts:
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards
-        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 else "all_reduce"
+        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 or (
+            self.stage_no == 1 and self.options.zero1_reduce == "reduce_scatter") \
+            else "all_reduce"
 
     def overheads(self) -> dict[str, float]:
         """The engine overheads (``flowtrain.plan.graph.OVERHEADS``) this host's costs model as
@@ -179,7 +185,7 @@ class StageCosts:
         self.shape = RankShape(micro_batch=self.mb, tp=self.tp,
                                sequence_parallel=self.options.sequence_parallel,
                                flash=self.attention != "unfused", recompute=self.recompute,
-                               act_bytes=DTYPE_BYTES.get(dtype, 2))
+                               act_bytes=DTYPE_BYTES.get(dtype, 2), cp=self.options.cp)
         if self.kernels is not None and work.transformer is not None:
             self._cost_op_segments(work.transformer, weights, dtype)
         else:
@@ -188,6 +194,14 @@ class StageCosts:
         self.tp_pass_s = {kind: tp_collectives_per_layer(self.shape, kind) * one
                           for kind in ("forward", "backward")} if self.kernels is not None \
             else {"forward": 2 * one, "backward": 2 * one}
+        if self.options.tp_overlap and self.kernels is not None and self.tp > 1 and \
+                work.transformer is not None:
+            # pipelined with the layer's GEMMs: only what outlasts them is exposed, and the
+            # GEMMs run slower by the overlap's share while it lasts
+            for kind, gemms in self.layer_gemm_s.items():
+                comm = self.tp_pass_s[kind]
+                self.tp_pass_s[kind] = max(0.0, comm - gemms) + \
+                    self.kernels.overlap_slowdown * min(comm, gemms)
 
     @property
     def attention(self) -> str:
@@ -203,6 +217,15 @@ class StageCosts:
         if self.kernels is not None:
             return gpu_costs.intra_node_seconds("all_reduce", nbytes, self.tp, self.kernels)
         return costs.collective_seconds("all_reduce", nbytes, self.tp, self.hw, nodes=1)
+
+    def _cp_rate(self) -> float:
+        """Bytes/s of a context-parallel hop: over NVLink when the tensor- and context-parallel
+        ranks fit in a node (Megatron numbers them tp fastest, then cp), else over the NICs."""
+        kern = self.kernels
+        assert kern is not None
+        if self.tp * self.options.cp <= self.hw.devices_per_node:
+            return self.hw.intra_node.bandwidth * kern.p2p_efficiency
+        return self.hw.inter_node.bandwidth / self.hw.devices_per_node * kern.network_efficiency
 
     def tp_seconds(self, kind: str) -> float:
         """A layer's tensor-parallel collectives in a ``kind`` ("forward"/"backward") pass."""
@@ -224,7 +247,24 @@ class StageCosts:
                                          gemm_dtype=self.options.gemm_dtype)
 
         r = self.shape
-        parts = {"layer": (seconds(layer_forward(shape, r)), seconds(layer_backward(shape, r))),
+        forward, backward = layer_forward(shape, r), layer_backward(shape, r)
+        if self.options.gemm_dtype == "float8":
+            forward = forward + fp8_casts(forward, backward=False)
+            backward = backward + fp8_casts(backward, backward=True)
+        layer = [seconds(forward), seconds(backward)]
+        self.layer_gemm_s = {
+            kind: seconds([op for op in ops if isinstance(op, Gemm)])
+            for kind, ops in (("forward", layer_forward(shape, r)),
+                              ("backward", layer_backward(shape, r)))}
+        if r.cp > 1:
+            # ring attention: each hop's K/V transfer overlaps the attention on the chunk
+            # before it; what the transfers take beyond the attention is exposed
+            sent = cp_exchange_bytes(shape, r)
+            for i, is_backward in enumerate((False, True)):
+                hop_s = (2 if is_backward else 1) * sent / self._cp_rate()
+                attention_s = seconds(attention_core(shape, r, backward=is_backward))
+                layer[i] += max(0.0, hop_s - attention_s)
+        parts = {"layer": (layer[0], layer[1]),
                  "embed": (seconds(embed_forward(shape, r)), seconds(embed_backward(shape, r))),
                  "head": (seconds(head_forward(shape, r)), seconds(head_backward(shape, r)))}
         groups: dict[tuple[str, int], list[int]] = {}

@@ -173,13 +173,16 @@ def test_bad_config_and_missing_flags(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "train_micro_batch_size_per_gpu" in line and str(bad) in line
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
                                "zero_optimization": {"stage": 2}}))
-    line = _one_error(capsys, "--model", "gpt2", "--config", str(bad), "--pp", "2")
-    assert "ZeRO stage 2 with pp 2" in line
+    line = _one_error(capsys, "--model", "gpt2", "--config", str(bad), "--cp", "3")
+    assert "--cp 3 must divide the sequence length 1024" in line
+    line = _one_error(capsys, "--model", "gpt2", "--config", str(bad), "--recompute", "half")
+    assert "--recompute" in line and "half" in line
 
 
 def _cpu_profile(tmp_path: Path) -> Path:
     data: dict[str, Any] = BUILTIN_PROFILES["h100-x8"].to_dict()
     data.update(name="test-cpu", kind="cpu", devices_per_node=2, comm_compute_interference=0.5)
+    data.pop("kernels")  # GPU kernel figures belong to GPU profiles only
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(data))
     return path

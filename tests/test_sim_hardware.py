@@ -278,7 +278,8 @@ def test_profile_file_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_unknown_profile_name_lists_the_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown hardware profile 'b200'; choices: "
-                                         r"a100-80g-x8, h100-x8, h200-x8, this-host"):
+                                         r"a100-80g-x8, a100-40g-x8, h100-x8, h100-hbm2e-x8, "
+                                         r"h200-x8, this-host"):
         get_profile("b200")
     with pytest.raises(ValueError, match=r"no such profile file 'nowhere/x.json'"):
         get_profile("nowhere/x.json")

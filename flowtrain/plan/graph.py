@@ -88,6 +88,8 @@ class GraphTask:
     arg: int = -1
     # the stage's model chunk (interleaved schedule) a pass or send belongs to; None otherwise
     chunk: int | None = None
+    # how many times the cost is paid in a row (a pass's TP collectives, one set per layer)
+    repeat: int = 1
 
 
 class TaskGraph:
@@ -102,11 +104,11 @@ class TaskGraph:
     def add(self, stage: int, name: str, kind: str, resource: str, cost: str,
             deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (), *,
             arg: int = -1, flops: float = 0.0, nbytes: float = 0.0,
-            chunk: int | None = None) -> int:
+            chunk: int | None = None, repeat: int = 1) -> int:
         i = len(self.tasks)
         self.tasks.append(GraphTask(name, kind, resource, cost, stage,
                                     tuple(dict.fromkeys(d for d in deps if d is not None)),
-                                    flops, nbytes, arg, chunk))
+                                    flops, nbytes, arg, chunk, repeat))
         self.index[(stage, name)] = i
         self.forward_refs += [(i, ref) for ref in refs]
         return i
@@ -200,7 +202,10 @@ class StageLayout:
         self.m, self.gpu = micro_batches, gpu
         self.overheads = frozenset(overheads)
         self.stage_no = zero.stage
-        self.partitioned = self.stage_no == 3 and dp > 1
+        # a pipeline keeps its stage's parameters gathered (and its gradients whole) through the
+        # step's micro-batches, as torchtitan's and Megatron's sharded pipelines do: ZeRO 2-3
+        # then reduce-scatter once after the last backward and all-gather after the step
+        self.partitioned = self.stage_no == 3 and dp > 1 and stages == 1
         self.param_elem = params[0][3] if params else 2
         self.comm_elem = comm_elem
         self.act_bytes, self.send_bytes, self.recv_bytes = act_bytes, send_bytes, recv_bytes
@@ -228,7 +233,7 @@ class StageLayout:
                              persistence_threshold=zero.stage3_param_persistence_threshold) \
             if units is not None else plan_buckets(params, bucket_numel)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
-        self.reduce_every_mb = self.stage_no >= 2
+        self.reduce_every_mb = self.stage_no >= 2 and stages == 1
         self.uses = self._stage3_uses(zero) if self.partitioned else None
         self.step_plan: StepPlan = build_step_plan(
             params, world_size=dp, gradient_accumulation_steps=micro_batches,
@@ -238,6 +243,7 @@ class StageLayout:
             schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
             chunk_flops=chunk_flops,
             stage3=(self.uses, self.trace) if self.uses is not None else None)
+        self.layer_count = len({seg.layer for seg in self.segments if seg.layer is not None})
         # a bucket's gradients are complete after the backward of its earliest-forward segment
         self.ready_after: dict[int, list[BucketPlan]] = {}
         for b in self.buckets:
@@ -325,10 +331,21 @@ class StageLayout:
                               refs=refs), []
 
     def _pass_chunked(self, k: int, backward: bool) -> bool:
-        if self.partitioned or self.tp > 1 or self.v > 1:
+        # A tensor-parallel pass whose layers nothing else interleaves with is one compute task
+        # and one task of its layers' TP collectives (they block the pass either way).
+        if self.partitioned or self.v > 1 or (self.tp > 1 and self.pp == 1):
             return True
         reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
         return backward and reduces_here and len(self.buckets) > 1
+
+    def _pass_tp(self, direction: str, k: int, last: int) -> int:
+        """A whole pass's TP collectives after its compute, one set per layer of the stage."""
+        layers = self.layer_count
+        if self.tp == 1 or not layers:
+            return last
+        return self.graph.add(self.stage, names.tp(direction, k), "tp", "comm:tp", "tp", [last],
+                              arg=0 if direction == "fwd" else 1,
+                              nbytes=2 * self.act_bytes * layers, repeat=layers)
 
     def _ends_layer(self, j: int, step: int) -> bool:
         """Whether segment ``j`` is the last of its layer in a pass that goes ``step`` (+1:
@@ -341,8 +358,9 @@ class StageLayout:
                  refs: list[tuple[int, str]]) -> int:
         s, graph = self.stage, self.graph
         if not self._pass_chunked(k, backward=False):
-            return graph.add(s, names.forward(k), "forward", "compute", "forward", [last], refs,
+            last = graph.add(s, names.forward(k), "forward", "compute", "forward", [last], refs,
                              flops=self.step_plan.task(names.forward(k)).flops)
+            return self._pass_tp("fwd", k, last)
         segs = self.chunk_segments[c or 0]
         for j in segs:
             seg = self.segments[j]
@@ -375,6 +393,7 @@ class StageLayout:
         if not self._pass_chunked(k, backward=True):
             last = graph.add(s, names.backward(k), "backward", "compute", "backward", [last],
                              refs, flops=self.step_plan.task(names.backward(k)).flops)
+            last = self._pass_tp("bwd", k, last)
             if reduce_now:
                 for b in self.buckets:
                     last = self._hand_off(k, b, last)

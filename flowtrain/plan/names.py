@@ -93,10 +93,12 @@ def copy(direction: str, index: int, *use: str) -> str:
                      *use))
 
 
-def tp(direction: str, mb: int, layer_index: int, chunk: int | None = None) -> str:
-    """A layer's tensor-parallel all-reduces of one pass."""
-    return (f"tp/{_check('direction', direction, DIRECTIONS)}/{micro_batch(mb, chunk)}/"
-            f"{layer(layer_index)}")
+def tp(direction: str, mb: int, layer_index: int | None = None,
+       chunk: int | None = None) -> str:
+    """A layer's tensor-parallel all-reduces of one pass (every layer's: ``layer_index``
+    None)."""
+    base = f"tp/{_check('direction', direction, DIRECTIONS)}/{micro_batch(mb, chunk)}"
+    return base if layer_index is None else f"{base}/{layer(layer_index)}"
 
 
 def handoff(kind: str, mb: int, chunk: int | None = None) -> str:

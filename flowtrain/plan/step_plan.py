@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from flowtrain.plan import names
 from flowtrain.plan.buckets import BucketPlan, plan_buckets
@@ -60,11 +61,15 @@ class StepPlan:
         """Parameter index -> bucket index."""
         return {s.index: b.index for b in self.buckets for s in b.slots}
 
+    @cached_property
+    def _by_name(self) -> dict[str, Task]:
+        return {t.name: t for t in self.tasks}
+
     def task(self, name: str) -> Task:
-        for t in self.tasks:
-            if t.name == name:
-                return t
-        raise KeyError(f"no task named {name!r} in the step plan")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no task named {name!r} in the step plan") from None
 
     def task_names(self) -> list[str]:
         return [t.name for t in self.tasks]

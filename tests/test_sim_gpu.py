@@ -1,0 +1,215 @@
+"""The GPU cost model against the published measurements it rests on and the formulas it must
+agree with: GEMM rates of measured square shapes, flash-attention rates, NCCL bus bandwidth,
+a layer's FLOPs against the analytic count, Korthikanti et al.'s activation bytes, profile
+files with kernel figures, and whole predictions against published runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowtrain.plan.workload import TransformerShape
+from sims import gpu_costs
+from sims.gpu_figures import A100_80G, H100
+from sims.hardware import HardwareProfile, ProfileError, get_profile
+from sims.layer_ops import (
+    Attention,
+    Gemm,
+    RankShape,
+    SimOptions,
+    head_forward,
+    layer_backward,
+    layer_forward,
+)
+from sims.models import PRESETS, forward_flops, layer_activation_bytes
+
+A100_PEAK, H100_PEAK = 312e12, 989.4e12
+
+
+def gemm_tflops(n: int, kernels: Any, peak: float, hbm: float) -> float:
+    g = Gemm("square", n, n, n)
+    return g.flops / gpu_costs.gemm_seconds(g, "bfloat16", {"bfloat16": peak}, hbm, kernels) / 1e12
+
+
+@pytest.mark.parametrize(("kernels", "peak", "hbm", "n", "measured"), [
+    # Azure ND A100 v4 cuBLASLt FP16; zzc0721/torch-performance-test-data#79 H100 BF16
+    (A100_80G, A100_PEAK, 2039e9, 1024, 119.4), (A100_80G, A100_PEAK, 2039e9, 2048, 221.8),
+    (A100_80G, A100_PEAK, 2039e9, 8192, 253.7), (A100_80G, A100_PEAK, 2039e9, 16384, 256.5),
+    (H100, H100_PEAK, 3350e9, 2048, 676.6), (H100, H100_PEAK, 3350e9, 4096, 788.7),
+    (H100, H100_PEAK, 3350e9, 8192, 797.5)])
+def test_gemm_rate_matches_measured_square_gemms(kernels: Any, peak: float, hbm: float,
+                                                 n: int, measured: float) -> None:
+    assert gemm_tflops(n, kernels, peak, hbm) == pytest.approx(measured, rel=0.1)
+
+
+def test_wave_quantization_and_skinny_shapes_cost_more() -> None:
+    # one tile more than the SMs fill takes a second wave: the rate drops
+    fits = gpu_costs.gemm_fraction(108 * 128, 128, 4096, A100_80G, "bfloat16")
+    spills = gpu_costs.gemm_fraction(109 * 128, 128, 4096, A100_80G, "bfloat16")
+    assert spills < fits * 0.9
+    # a short inner dimension runs below a long one's rate (the attention-score GEMMs)
+    short = gpu_costs.gemm_fraction(4096, 4096, 128, A100_80G, "bfloat16")
+    long = gpu_costs.gemm_fraction(4096, 4096, 4096, A100_80G, "bfloat16")
+    assert short == pytest.approx(long * 0.8 / (4096 / (4096 + 32)), rel=1e-6)
+    # batched launches fill waves together
+    one = gpu_costs.gemm_seconds(Gemm("h", 2048, 2048, 96), "bfloat16", {"bfloat16": A100_PEAK},
+                                 2039e9, A100_80G)
+    many = gpu_costs.gemm_seconds(Gemm("h", 2048, 2048, 96, 24), "bfloat16",
+                                  {"bfloat16": A100_PEAK}, 2039e9, A100_80G)
+    assert many < 24 * one * 0.7
+
+
+@pytest.mark.parametrize(("kernels", "peak", "kernel", "dim", "seq", "published"), [
+    (A100_80G, A100_PEAK, "flash2", 128, 4096, 173.0),  # FA2 repo chart, causal fwd+bwd
+    (H100, H100_PEAK, "flash2", 64, 2048, 232.0)])
+def test_flash_attention_runs_at_the_published_rate(kernels: Any, peak: float, kernel: str,
+                                                    dim: int, seq: int,
+                                                    published: float) -> None:
+    heads = 2048 // dim
+    batch = 16384 // seq
+    fwd = Attention("a", batch * heads, seq, dim)
+    bwd = Attention("a", batch * heads, seq, dim, backward=True)
+    seconds = gpu_costs.ops_seconds([fwd, bwd], dtype="bfloat16", peaks={"bfloat16": peak},
+                                    hbm=2e12, kern=kernels, attention=kernel)
+    assert (fwd.flops + bwd.flops) / seconds / 1e12 == pytest.approx(published, rel=0.02)
+
+
+def test_collectives_follow_measured_bus_bandwidth() -> None:
+    # stas00/ml-engineering: A100 8-GPU all_reduce busbw 229.04 GB/s at 1 GiB
+    seconds = gpu_costs.intra_node_seconds("all_reduce", 2**30, 8, A100_80G)
+    assert 2**30 * 2 * 7 / 8 / seconds / 1e9 == pytest.approx(229.04, rel=1e-3)
+    # smaller messages run slower per byte; across nodes the NIC bounds it
+    assert gpu_costs.intra_node_seconds("all_reduce", 2**20, 8, A100_80G) * 1024 > seconds * 5
+    two = gpu_costs.collective_seconds("all_reduce", 2**30, 16, 2, 25e9, A100_80G)
+    assert two > seconds
+    # the inter-node shard moves at the NIC's achieved rate (ring, 2 nodes)
+    across = gpu_costs.inter_node_seconds("all_reduce", 2**27, 2, 25e9, A100_80G)
+    assert across == pytest.approx(A100_80G.collective_base_latency_s + 2 * 9.6e-6 +
+                                   2**27 / (25e9 * 0.85), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2-xl", "llama2-13b", "llama3-8b"])
+def test_layer_ops_do_the_models_matmul_flops(name: str) -> None:
+    arch = PRESETS[name]
+    seq = 1024
+    t = TransformerShape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn,
+                         arch.vocab, seq, gated_mlp=arch.gated_mlp, rotary=arch.gated_mlp)
+    r = RankShape(micro_batch=1, flash=False)
+    per_layer = sum(op.flops for op in layer_forward(t, r) if not hasattr(op, "bytes"))
+    head = sum(op.flops for op in head_forward(t, r) if isinstance(op, Gemm))
+    assert arch.layers * per_layer + head == pytest.approx(forward_flops(arch, seq), rel=1e-9)
+    # backward does twice the matmuls; full recompute adds the forward once more
+    back = sum(op.flops for op in layer_backward(t, r) if not hasattr(op, "bytes"))
+    assert back == pytest.approx(2 * per_layer)
+    full = RankShape(micro_batch=1, flash=False, recompute="full")
+    assert sum(op.flops for op in layer_backward(t, full) if not hasattr(op, "bytes")) == \
+        pytest.approx(3 * per_layer)
+
+
+def test_tensor_parallel_splits_the_matmuls() -> None:
+    arch = PRESETS["llama2-13b"]
+    t = TransformerShape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn,
+                         arch.vocab, 2048, gated_mlp=True)
+    whole = sum(op.flops for op in layer_forward(t, RankShape(micro_batch=1))
+                if isinstance(op, Gemm))
+    split = sum(op.flops for op in layer_forward(t, RankShape(micro_batch=1, tp=4))
+                if isinstance(op, Gemm))
+    assert split == pytest.approx(whole / 4)
+
+
+def test_activation_bytes_follow_korthikanti() -> None:
+    # arXiv:2205.05198 Sec. 4: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with t-way TP, 34/t with
+    # sequence parallelism and selective recompute (no maps)
+    arch = PRESETS["gpt2-xl"]
+    s, h, a, t = 1024, arch.hidden, arch.heads, 4
+    tp_only = layer_activation_bytes(arch, s, tp=t)
+    assert tp_only == pytest.approx(s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    sp_selective = layer_activation_bytes(arch, s, tp=t, maps=False, sequence_parallel=True)
+    assert sp_selective == pytest.approx(s * h * 34 / t)
+
+
+def test_profile_file_with_kernels_round_trips_and_errors_name_the_field(
+        tmp_path: Path) -> None:
+    hw = get_profile("h100-x8")
+    path = hw.save(tmp_path / "mine.json")
+    again = HardwareProfile.load(path)
+    assert again.kernels == hw.kernels and again.kernels is not None
+    assert again.kernels.ranges == hw.kernels.ranges
+    data = json.loads(path.read_text())
+    data["kernels"]["gemm_efficiency"]["bfloat16"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"kernels\.gemm_efficiency\.bfloat16.*1\.5"):
+        HardwareProfile.load(path)
+    data = json.loads(hw.save(tmp_path / "b.json").read_text())
+    del data["kernels"]["collectives"]["all_gather"]
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="kernels.collectives.*all_gather"):
+        HardwareProfile.load(tmp_path / "b.json")
+    data["kernels"]["collectives"]["all_gather"] = data["kernels"]["collectives"]["all_reduce"]
+    data["kernels"]["sms"] = 0
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"kernels\.sms.*>= 1"):
+        HardwareProfile.load(tmp_path / "b.json")
+
+
+def test_bad_options_name_the_option() -> None:
+    with pytest.raises(ValueError, match="recompute.*'half'"):
+        SimOptions(recompute="half")
+    with pytest.raises(ValueError, match="cp.*0"):
+        SimOptions(cp=0)
+    with pytest.raises(ValueError, match="attention.*'flash9'"):
+        SimOptions(attention="flash9")
+
+
+def test_context_parallel_ranks_attend_to_the_whole_sequence() -> None:
+    arch = PRESETS["llama3-8b"]
+    full = TransformerShape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn,
+                            arch.vocab, 8192, gated_mlp=True)
+    half = TransformerShape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn,
+                            arch.vocab, 4096, gated_mlp=True)
+
+    def attention_flops(t: TransformerShape, cp: int) -> float:
+        return sum(op.flops for op in layer_forward(t, RankShape(micro_batch=1, cp=cp))
+                   if isinstance(op, Attention))
+
+    # each of 2 ranks does half the attention of the whole sequence
+    assert attention_flops(half, 2) == pytest.approx(attention_flops(full, 1) / 2)
+
+
+# -- whole predictions against published runs -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def published() -> Any:
+    import sim_published
+
+    return sim_published
+
+
+@pytest.mark.parametrize("run_id", ["korthikanti22-t5-22b-selsp", "megatron21-t2-ptdp-175b-768",
+                                    "lf-mpt70b-a10080-64"])
+def test_published_runs_within_ten_percent(published: Any, run_id: str) -> None:
+    run = next(r for r in published.load_runs() if r["id"] == run_id)
+    prediction = published.simulate(run)
+    assert prediction.step_time_s == pytest.approx(run["step_time_s"], rel=0.10)
+    low, high = prediction.step_time_range_s
+    assert low <= prediction.step_time_s <= high
+    assert not prediction.oom
+    assert math.isfinite(prediction.mfu) and 0.2 < prediction.mfu < 0.7
+
+
+def test_published_runs_file_is_complete(published: Any) -> None:
+    runs = published.load_runs()
+    assert len(runs) >= 20
+    assert len({r["source"] for r in runs}) >= 4
+    gpus = {r["hardware"]["gpu"].split("-")[0] for r in runs}
+    assert {"a100", "h100"} <= gpus
+    for r in runs:
+        assert r["citation"] and r["assumptions"] and r["derivation"], r["id"]
+        assert r["step_time_s"] > 0
+        par = r["parallel"]
+        assert par["tp"] * par["pp"] * par["dp"] * (par.get("cp") or 1) == \
+            r["hardware"]["gpus"], r["id"]
