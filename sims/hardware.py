@@ -203,12 +203,8 @@ def _validate(p: HardwareProfile) -> None:
             raise ProfileError(f"field 'sources' must map names to text, got {key!r}: {text!r}")
     if p.engine is not None and not isinstance(p.engine, EngineCosts):
         raise ProfileError(f"field 'engine' must be EngineCosts, got {p.engine!r}")
-    if p.kernels is not None:
-        if not isinstance(p.kernels, GpuKernels):
-            raise ProfileError(f"field 'kernels' must be GpuKernels, got {p.kernels!r}")
-        if p.kind != "gpu":
-            raise ProfileError(f"field 'kernels' describes GPU kernels; this profile's kind "
-                               f"is {p.kind!r}")
+    if p.kernels is not None and not isinstance(p.kernels, GpuKernels):
+        raise ProfileError(f"field 'kernels' must be GpuKernels, got {p.kernels!r}")
 
 
 def _check_efficiency(curve: Any) -> None:

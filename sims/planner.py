@@ -165,7 +165,7 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
         notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
                      "only")
     cpu = getattr(hw, "kind", "gpu") == "cpu"
-    kernels = getattr(hw, "kernels", None)
+    kernels = getattr(hw, "kernels", None) if not cpu else None
     # a CPU host's collectives take cores from compute; a GPU's NCCL kernels take SMs and
     # memory bandwidth from the kernels they overlap
     interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else \

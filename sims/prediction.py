@@ -177,7 +177,7 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
     step_range = None
-    kernels = getattr(hw, "kernels", None)
+    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
     if kernels is not None and kernels.ranges and host_speed == 1.0:
         ends = []
         for bound in kernels.bounds():
@@ -223,7 +223,7 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
 def _memory_options(hw: Any, options: Any) -> Any:
     """The run options as the memory model reads them: on a GPU with kernel figures the
     attention kernel is the profile's flash kernel unless asked otherwise."""
-    kernels = getattr(hw, "kernels", None)
+    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
     if options is None and kernels is None:
         return None
     from sims.layer_ops import SimOptions
@@ -240,7 +240,7 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
     from sims.layer_ops import SimOptions, cfg_checkpoints_activations
 
     opts = options or SimOptions()
-    kernels = getattr(hw, "kernels", None)
+    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
     out = []
     if kernels is None or work.transformer is None:
         why = "a CPU host's measured engine costs" if getattr(hw, "engine", None) else \

@@ -48,7 +48,8 @@ class StageCosts:
         self.stage, self.layout, self.hw = stage, layout, hw
         self.options = options or SimOptions()
         # a GPU profile with kernel figures prices a known transformer op by op
-        self.kernels: GpuKernels | None = getattr(hw, "kernels", None)
+        self.kernels: GpuKernels | None = getattr(hw, "kernels", None) \
+            if getattr(hw, "kind", "gpu") == "gpu" else None
         self.recompute = self.options.recompute or (
             "full" if cfg_checkpoints_activations(cfg) else "none")
         self.zero = cfg.zero_optimization

@@ -182,7 +182,6 @@ def test_bad_config_and_missing_flags(capsys: pytest.CaptureFixture[str], tmp_pa
 def _cpu_profile(tmp_path: Path) -> Path:
     data: dict[str, Any] = BUILTIN_PROFILES["h100-x8"].to_dict()
     data.update(name="test-cpu", kind="cpu", devices_per_node=2, comm_compute_interference=0.5)
-    data.pop("kernels")  # GPU kernel figures belong to GPU profiles only
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(data))
     return path

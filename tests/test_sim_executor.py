@@ -249,7 +249,7 @@ def _llama_like(layers: int) -> Workload:
 
 
 def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One representative rank per stage: 1,024 ranks simulate about as fast as 8."""
+    """One representative rank per stage: 1,024 ranks simulate about as fast as 16."""
     fake_costs(monkeypatch, _fake_costs(0.01))
     work = _llama_like(16)
     hw = SimpleNamespace(kind="gpu")
@@ -264,7 +264,7 @@ def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatc
             best = min(best, time.perf_counter() - t0)
         return best, len(plan.tasks)
 
-    small_s, small_tasks = run(Layout(1, 8, tp=2, pp=4))  # 8 ranks, dp 1
+    small_s, small_tasks = run(Layout(2, 8, tp=2, pp=4))  # 16 ranks, dp 2
     big_s, big_tasks = run(Layout(128, 8, tp=2, pp=4))  # 1,024 ranks, dp 128
     assert big_tasks <= 1.2 * small_tasks
     assert big_s < 2.0 * small_s + 0.05, (big_s, small_s)
