@@ -41,6 +41,37 @@ GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm"
 NETWORKS = {"ib-hdr-200": 25e9, "roce-200": 25e9, "ib-ndr-400": 50e9, "roce-400": 50e9,
             "rdma-400": 50e9, "omnipath-100": 12.5e9}
 PRECISION = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
+# the training framework of each source, where it decides how gradients and parameters move
+# (a run's own "framework" field wins)
+SOURCE_FRAMEWORKS = {
+    "megatron-2021": "megatron-lm", "korthikanti-2022": "megatron-lm",
+    "megatron-lm-readme": "megatron-lm", "megatron-lm-readme-2024": "megatron-core",
+    "nemo-24.07-perf": "megatron-core", "megatron-bridge-25.11-perf": "megatron-core",
+    "bloom-2022": "megatron-deepspeed", "mtnlg-2022": "megatron-deepspeed"}
+# What each framework does that the ds_config translation below does not say:
+# - megatron-lm (2020-2022): its local DDP all-reduces the contiguous gradient buffer once,
+#   after the step's last backward (one bucket of the whole stage, not overlapped);
+# - megatron-core: gradient buckets of max(40M, 1M x dp) parameters reduced while backward
+#   runs (--overlap-grad-reduce), and with the distributed optimizer the updated parameters
+#   gathered under the next forward (--overlap-param-gather);
+# - megatron-deepspeed: DeepSpeed's buckets, reduce_bucket_size and allgather_bucket_size 5e8.
+WHOLE_STAGE = 2**62
+
+
+def framework(run: Mapping[str, Any]) -> str:
+    return str(run.get("framework") or SOURCE_FRAMEWORKS.get(run["source"], "default"))
+
+
+def bucket_numel(run: Mapping[str, Any], dp: int) -> int | None:
+    """Gradient bucket size in elements the run's framework uses (None: the config default)."""
+    name = framework(run)
+    if name == "megatron-lm":
+        return WHOLE_STAGE
+    if name == "megatron-core":
+        return max(40_000_000, 1_000_000 * dp)
+    if name == "megatron-deepspeed":
+        return 500_000_000
+    return None
 
 
 def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
@@ -87,12 +118,16 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
     accumulation = max(1, int(batch["global_batch"]) * cp // (micro * dp))
     precision = PRECISION[train["precision"]]
     virtual = int(par.get("virtual_stages") or 1)
+    zero: dict[str, Any] = {"stage": int(par.get("zero_stage") or 0)}
+    buckets = bucket_numel(run, dp)
+    if buckets is not None:
+        zero.update(reduce_bucket_size=buckets, allgather_bucket_size=buckets)
     cfg = load_config({
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         precision: {"enabled": True},
-        "zero_optimization": {"stage": int(par.get("zero_stage") or 0)},
+        "zero_optimization": zero,
         "communication_data_type": train.get("grad_reduce_dtype") or
         ("fp32" if precision == "bf16" else "fp16"),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -108,6 +143,8 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
                                              else "unfused"),
         gemm_dtype="float8" if train["precision"] == "fp8" else None, cp=cp,
         tp_overlap=bool(par.get("tp_overlap")),
+        elementwise=str(train.get("elementwise") or "fused"),
+        param_gather_overlap=framework(run) == "megatron-core",
         # Megatron's distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter
         zero1_reduce="reduce_scatter")
     return model, cfg, layout, hw, options

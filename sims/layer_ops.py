@@ -96,6 +96,9 @@ class RankShape:
     recompute: str = "none"
     act_bytes: int = 2  # bf16/fp16 activations
     cp: int = 1  # context-parallel ranks: the shape's seq_len is one rank's share
+    # eager PyTorch (no fused kernels, no torch.compile): RMSNorm, rotary, SwiGLU and the loss
+    # run as their primitive ops, each a kernel streaming its tensors (``eager_bytes``)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -105,6 +108,28 @@ class RankShape:
 
 def _heads_per_rank(heads: int, tp: int) -> int:
     return max(1, math.ceil(heads / tp))
+
+
+def eager_bytes(op: str, e: int) -> float:
+    """Bytes per element an op streams in forward when eager PyTorch runs it as its primitive
+    kernels (``e``: the activation's element size), as a Llama block written in plain PyTorch
+    (torchtitan's, Meta's reference model) spells it:
+
+    - "rmsnorm": ``x.float()`` (read e, write 4), ``pow(2)`` (4, 4), ``mean`` (4), the
+      ``x * rsqrt(...)`` multiply (4, 4), ``type_as`` (4, e), ``* weight`` (e, e);
+    - "rotary": ``x.float()`` viewed as complex (e, 4), the complex multiply by the
+      frequencies (4, 4), ``type_as`` (4, e);
+    - "swiglu" (per element of the gate): ``silu`` (e, e) and the multiply (2e, e);
+    - "cross_entropy" (per logit): ``logits.float()`` (e, 4), ``log_softmax`` (two reads and
+      a write of fp32); the gather of the targets is negligible; its backward
+      ("cross_entropy.grad"): the zeroed gradient the targets scatter into (4), the
+      log-softmax backward (4, 4, 4) and the cast back (4, e).
+
+    A fused kernel reads its inputs and writes its output once (2e, 3e for SwiGLU, e + 8 for
+    the loss over fp32 logits)."""
+    per_element = {"rmsnorm": 4 * e + 28, "rotary": 2 * e + 16, "swiglu": 5 * e,
+                   "cross_entropy": e + 16, "cross_entropy.grad": e + 24}
+    return float(per_element[op])
 
 
 def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
@@ -117,19 +142,25 @@ def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
     # tokens the per-token ops (norms, residuals, dropouts) see on this rank
     local = tokens // r.tp if r.sequence_parallel else tokens
     norm = Stream("norm", local * h * e * 2 + local * 4 * 2)  # read x, write y; row stats
+    if r.eager and t.norm == "rmsnorm":
+        # torch's LayerNorm is one native kernel even in eager mode; RMSNorm is not
+        norm = Stream("norm", local * h * eager_bytes("rmsnorm", e))
     residual = Stream("residual", local * h * e * 3)  # read x and the branch, write the sum
     drop = Stream("dropout", local * h * (2 * e + 1)) if t.dropout else None
     ops: list[Op] = [norm]
     ops.append(Gemm("qkv", tokens, heads * t.head_dim + 2 * kv, h))
     if t.rotary:
-        ops.append(Stream("rotary", tokens * (heads * t.head_dim + kv) * e * 2))
+        rotary = eager_bytes("rotary", e) if r.eager else 2.0 * e
+        ops.append(Stream("rotary", tokens * (heads * t.head_dim + kv) * rotary))
     ops += attention_core(t, r, backward=False)
     ops.append(Gemm("attn_out", tokens, h, heads * t.head_dim))
     ops += [o for o in (drop, residual) if o is not None]
     ops.append(norm)
     if t.gated_mlp:
         ops.append(Gemm("mlp_gate_up", tokens, 2 * ffn, h))
-        ops.append(Stream("swiglu", tokens * ffn * e * 3))  # read gate and up, write product
+        # read gate and up, write the product
+        ops.append(Stream("swiglu", tokens * ffn * (eager_bytes("swiglu", e) if r.eager
+                                                    else e * 3)))
         ops.append(Gemm("mlp_down", tokens, h, ffn))
     else:
         ops.append(Gemm("mlp_up", tokens, ffn, h))
@@ -235,18 +266,27 @@ def head_forward(t: TransformerShape, r: RankShape) -> list[Op]:
     tokens = r.micro_batch * t.seq_len
     local = tokens // r.tp if r.sequence_parallel else tokens
     vocab = math.ceil(t.vocab / r.tp)
-    return [Stream("final_norm", local * t.hidden * r.act_bytes * 2),
+    return [Stream("final_norm", local * t.hidden * _final_norm_bytes(t, r)),
             Gemm("lm_head", tokens, vocab, t.hidden),
-            Stream("cross_entropy", tokens * vocab * (r.act_bytes + 4 * 2))]
+            Stream("cross_entropy", tokens * vocab * (
+                eager_bytes("cross_entropy", r.act_bytes) if r.eager else r.act_bytes + 4 * 2))]
+
+
+def _final_norm_bytes(t: TransformerShape, r: RankShape) -> float:
+    """Bytes per element of the final norm's forward (fused: read and write)."""
+    if r.eager and t.norm == "rmsnorm":
+        return eager_bytes("rmsnorm", r.act_bytes)
+    return 2.0 * r.act_bytes
 
 
 def head_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     tokens = r.micro_batch * t.seq_len
     vocab = math.ceil(t.vocab / r.tp)
-    return [Stream("cross_entropy.grad", tokens * vocab * (4 + r.act_bytes)),
+    grad = eager_bytes("cross_entropy.grad", r.act_bytes) if r.eager else 4 + r.act_bytes
+    return [Stream("cross_entropy.grad", tokens * vocab * grad),
             Gemm("lm_head.dgrad", tokens, t.hidden, vocab),
             Gemm("lm_head.wgrad", vocab, t.hidden, tokens),
-            Stream("final_norm.grad", tokens * t.hidden * r.act_bytes * 4)]
+            Stream("final_norm.grad", tokens * t.hidden * _final_norm_bytes(t, r) * 2)]
 
 
 def embed_forward(t: TransformerShape, r: RankShape) -> list[Op]:
@@ -277,6 +317,7 @@ def tp_collectives_per_layer(r: RankShape, kind: str) -> int:
 
 
 ATTENTION = ("flash2", "flash3", "unfused")
+ELEMENTWISE = ("fused", "eager")
 
 
 @dataclass(frozen=True)
@@ -300,6 +341,13 @@ class SimOptions:
     # keeping its shard), or "reduce_scatter" as DeepSpeed's ZeRO-1 and Megatron's
     # distributed optimizer do (each rank receives only its shard's sum)
     zero1_reduce: str | None = None
+    # "eager": the model's memory-bound ops run as eager PyTorch's primitive kernels (a Llama
+    # block in plain PyTorch without torch.compile); "fused": as fused kernels (Megatron,
+    # Transformer Engine, Apex, torch.compile)
+    elementwise: str = "fused"
+    # ZeRO 1-2's all-gather of the updated parameters runs under the next step's forward
+    # (Megatron's --overlap-param-gather) instead of after the optimizer step
+    param_gather_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -313,6 +361,9 @@ class SimOptions:
         if self.zero1_reduce not in (None, "reduce_scatter"):
             raise ValueError(f"zero1_reduce must be reduce_scatter or unset, got "
                              f"{self.zero1_reduce!r}")
+        if self.elementwise not in ELEMENTWISE:
+            raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got "
+                             f"{self.elementwise!r}")
         if self.gemm_dtype not in (None, "float8"):
             raise ValueError(f"gemm_dtype must be float8 or unset, got {self.gemm_dtype!r}")
 

@@ -186,7 +186,8 @@ class StageCosts:
         self.shape = RankShape(micro_batch=self.mb, tp=self.tp,
                                sequence_parallel=self.options.sequence_parallel,
                                flash=self.attention != "unfused", recompute=self.recompute,
-                               act_bytes=DTYPE_BYTES.get(dtype, 2), cp=self.options.cp)
+                               act_bytes=DTYPE_BYTES.get(dtype, 2), cp=self.options.cp,
+                               eager=self.options.elementwise == "eager")
         if self.kernels is not None and work.transformer is not None:
             self._cost_op_segments(work.transformer, weights, dtype)
         else:
@@ -212,10 +213,16 @@ class StageCosts:
         return self.kernels.default_attention if self.kernels is not None else "flash2"
 
     def collective_seconds_tp(self, nbytes: float) -> float:
-        """One all-reduce of ``nbytes`` over the tensor-parallel group (inside a node)."""
+        """One all-reduce of ``nbytes`` over the tensor-parallel group (inside a node); with
+        sequence parallelism the all-gather and reduce-scatter that replace it."""
         if self.tp == 1:
             return 0.0
         if self.kernels is not None:
+            if self.options.sequence_parallel:
+                # an all-gather and a reduce-scatter move an all-reduce's bytes, at their own
+                # bus bandwidth (on Hopper the ring's: NVLink SHARP serves only all-reduce)
+                return sum(gpu_costs.intra_node_seconds(op, nbytes, self.tp, self.kernels)
+                           for op in ("all_gather", "reduce_scatter"))
             return gpu_costs.intra_node_seconds("all_reduce", nbytes, self.tp, self.kernels)
         return costs.collective_seconds("all_reduce", nbytes, self.tp, self.hw, nodes=1)
 

@@ -20,14 +20,16 @@ from sims.pricing import price, task_seconds
 from sims.stage_costs import StageCosts
 
 
-def lay_out(cfg: Any, dp: int, overheads: tuple[str, ...] = ()) -> tuple[StageLayout, TaskGraph]:
+def lay_out(cfg: Any, dp: int, overheads: tuple[str, ...] = (),
+            param_gather_overlap: bool = False) -> tuple[StageLayout, TaskGraph]:
     work = tiny_workload()
     graph = TaskGraph()
     stage = StageLayout(graph, 0, params=list(work.params), stages=1, dp=dp, tp=1,
                         zero=cfg.zero_optimization, micro_batches=cfg.gradient_accumulation_steps,
                         micro_batch=cfg.train_micro_batch_size_per_gpu, bucket_numel=16,
                         comm_dtype="float32", comm_elem=4, forward_flops=1e5, gpu=False,
-                        act_bytes=0.0, send_bytes=0.0, recv_bytes=0.0, overheads=overheads)
+                        act_bytes=0.0, send_bytes=0.0, recv_bytes=0.0, overheads=overheads,
+                        param_gather_overlap=param_gather_overlap)
     stage.build()
     return stage, graph
 
@@ -113,3 +115,30 @@ def test_bare_pipeline_runs_each_stage_in_1f1b_order() -> None:
     sends = [t for t in tasks if t.cost == "send"]
     assert len(sends) == 2 * 2 * 4  # each inner boundary: activations down, gradients back
     assert all(t.deps for t in sends)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_overlapped_parameter_gathers_come_before_the_forward_that_reads_them(zero: int) -> None:
+    cfg = sim_config(2, gradient_accumulation_steps=2, zero_optimization={"stage": zero})
+    stage, after = lay_out(cfg, dp=2)
+    _, ahead = lay_out(cfg, dp=2, param_gather_overlap=True)
+    late, early = after.resolve(), ahead.resolve()
+    # the same tasks by name (the plan's), only laid out elsewhere
+    assert sorted(t.name for t in late if t.kind != "forward") == \
+        sorted(t.name for t in early if t.kind != "forward")
+    step = next(i for i, t in enumerate(late) if t.name == names.OPTIMIZER_STEP)
+    assert all(step in t.deps for t in late if t.kind == "allgather")
+    gathers = {i: t for i, t in enumerate(early) if t.kind == "allgather"}
+    assert gathers and all(not set(t.deps) - set(gathers) for t in gathers.values())
+    # each bucket is gathered before the first micro-batch's first segment that uses it
+    seg_of = {i: j for j, seg in enumerate(stage.segments) for i in seg.params}
+    first = {t.arg: t for t in early
+             if t.kind == "forward" and t.name.startswith(names.forward(0))}
+    for i, t in gathers.items():
+        bucket = next(b for b in stage.buckets if names.allgather(b.index) == t.name)
+        segment = min(seg_of[slot.index] for slot in bucket.slots)
+        assert i in first[segment].deps
+    # no parameter gather at all without ZeRO, or on one rank
+    _, plain = lay_out(sim_config(2, zero_optimization={"stage": 0}), dp=2,
+                       param_gather_overlap=True)
+    assert not any(t.kind == "allgather" for t in plain.resolve())

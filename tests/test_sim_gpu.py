@@ -21,6 +21,7 @@ from sims.layer_ops import (
     Gemm,
     RankShape,
     SimOptions,
+    Stream,
     head_forward,
     layer_backward,
     layer_forward,
@@ -39,11 +40,19 @@ def gemm_tflops(n: int, kernels: Any, peak: float, hbm: float) -> float:
     # Azure ND A100 v4 cuBLASLt FP16; zzc0721/torch-performance-test-data#79 H100 BF16
     (A100_80G, A100_PEAK, 2039e9, 1024, 119.4), (A100_80G, A100_PEAK, 2039e9, 2048, 221.8),
     (A100_80G, A100_PEAK, 2039e9, 8192, 253.7), (A100_80G, A100_PEAK, 2039e9, 16384, 256.5),
-    (H100, H100_PEAK, 3350e9, 2048, 676.6), (H100, H100_PEAK, 3350e9, 4096, 788.7),
-    (H100, H100_PEAK, 3350e9, 8192, 797.5)])
+    (H100, H100_PEAK, 3350e9, 10240, 719.7)])
 def test_gemm_rate_matches_measured_square_gemms(kernels: Any, peak: float, hbm: float,
                                                  n: int, measured: float) -> None:
     assert gemm_tflops(n, kernels, peak, hbm) == pytest.approx(measured, rel=0.1)
+
+
+@pytest.mark.parametrize(("n", "measured"), [(2048, 676.6), (4096, 788.7), (8192, 797.5)])
+def test_hopper_short_gemms_run_at_the_optimistic_bound(n: int, measured: float) -> None:
+    # a lone GEMM of a few milliseconds runs above the power-limited rate a training step
+    # sustains (the nominal figure): the range's optimistic end is its rate
+    optimistic, _ = H100.bounds()
+    assert gemm_tflops(n, optimistic, H100_PEAK, 3350e9) == pytest.approx(measured, rel=0.1)
+    assert gemm_tflops(n, H100, H100_PEAK, 3350e9) < measured
 
 
 def test_wave_quantization_and_skinny_shapes_cost_more() -> None:
@@ -213,3 +222,47 @@ def test_published_runs_file_is_complete(published: Any) -> None:
         par = r["parallel"]
         assert par["tp"] * par["pp"] * par["dp"] * (par.get("cp") or 1) == \
             r["hardware"]["gpus"], r["id"]
+
+
+def test_eager_elementwise_streams_each_primitive_kernel() -> None:
+    arch = PRESETS["llama3-8b"]
+    llama = TransformerShape(arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn,
+                             arch.vocab, 2048, gated_mlp=True, norm="rmsnorm", rotary=True,
+                             biases=False)
+    gpt = TransformerShape(24, 1024, 16, 16, 4096, 50257, 1024)
+
+    def streamed(t: TransformerShape, label: str, eager: bool) -> float:
+        return sum(op.bytes for op in layer_forward(t, RankShape(micro_batch=1, eager=eager))
+                   if isinstance(op, Stream) and op.label == label)
+
+    tokens, h = 2048, arch.hidden
+    # torchtitan's eager RMSNorm: float cast, pow, mean, multiply, type_as, weight multiply
+    assert streamed(llama, "norm", True) == 2 * tokens * h * (2 + 4 + 8 + 4 + 8 + 6 + 4)
+    # rotary through complex fp32 and SwiGLU as silu and a multiply
+    q_and_k = arch.heads * llama.head_dim + arch.kv_heads * llama.head_dim
+    assert streamed(llama, "rotary", True) == tokens * q_and_k * (2 + 4 + 8 + 6)
+    assert streamed(llama, "swiglu", True) == tokens * arch.ffn * 10
+    assert streamed(llama, "swiglu", False) == tokens * arch.ffn * 6
+    # torch's LayerNorm is one kernel in eager mode too; residual adds do not change
+    assert streamed(gpt, "norm", True) == streamed(gpt, "norm", False)
+    assert streamed(llama, "residual", True) == streamed(llama, "residual", False)
+    # the loss reads fp32-cast logits more often
+    eager = sum(op.bytes for op in head_forward(llama, RankShape(micro_batch=1, eager=True))
+                if isinstance(op, Stream) and op.label == "cross_entropy")
+    assert eager == tokens * arch.vocab * (2 + 16)
+    with pytest.raises(ValueError, match="elementwise.*'jit'"):
+        SimOptions(elementwise="jit")
+
+
+def test_sequence_parallel_moves_tp_bytes_at_the_ring_rate() -> None:
+    # Hopper's all-reduce runs on NVLink SHARP; the all-gather and reduce-scatter that replace
+    # it under sequence parallelism run the ring, so the same bytes take longer
+    nbytes, tp = 2**30, 8  # above the sizes where the ring and NVLink SHARP run alike
+    all_reduce = gpu_costs.intra_node_seconds("all_reduce", nbytes, tp, H100)
+    gather_scatter = sum(gpu_costs.intra_node_seconds(op, nbytes, tp, H100)
+                         for op in ("all_gather", "reduce_scatter"))
+    assert gather_scatter > all_reduce * 1.05
+    # on A100 the three run the same ring: the same time
+    assert sum(gpu_costs.intra_node_seconds(op, nbytes, tp, A100_80G)
+               for op in ("all_gather", "reduce_scatter")) == \
+        pytest.approx(gpu_costs.intra_node_seconds("all_reduce", nbytes, tp, A100_80G))

@@ -185,6 +185,10 @@ class StageLayout:
     forward on the rank; ``act_bytes`` one layer's output (what a TP all-reduce sums),
     ``send_bytes`` / ``recv_bytes`` what goes to the next stage and (its gradient) to the
     previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own.
+    ``param_gather_overlap`` (ZeRO 1-2, Megatron's ``--overlap-param-gather``): the all-gather
+    of the updated parameters that follows the optimizer step runs under the next step's
+    first forward instead, each bucket gathered before the first segment that reads it; laid
+    out at the start of the step, so the step is the steady state's period.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
@@ -193,7 +197,8 @@ class StageLayout:
                  bucket_numel: int, comm_dtype: str, comm_elem: int, forward_flops: float,
                  gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
                  overheads: Collection[str] = (),
-                 chunk_params: Sequence[Sequence[int]] | None = None) -> None:
+                 chunk_params: Sequence[Sequence[int]] | None = None,
+                 param_gather_overlap: bool = False) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -234,6 +239,10 @@ class StageLayout:
             if units is not None else plan_buckets(params, bucket_numel)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
         self.reduce_every_mb = self.stage_no >= 2 and stages == 1
+        self.gather_ahead = param_gather_overlap and self.stage_no in (1, 2) and dp > 1 and \
+            any(not b.partitioned for b in self.buckets)
+        # the gathers each segment waits for before its first forward (param_gather_overlap)
+        self.gathers_before: dict[int, list[int]] = {}
         self.uses = self._stage3_uses(zero) if self.partitioned else None
         self.step_plan: StepPlan = build_step_plan(
             params, world_size=dp, gradient_accumulation_steps=micro_batches,
@@ -285,6 +294,9 @@ class StageLayout:
         s, graph = self.stage, self.graph
         last: int | None = None
         reduces: list[int] = []
+        if self.gather_ahead:
+            self._gathers_ahead(seg_of={i: j for j, seg in enumerate(self.segments)
+                                        for i in seg.params})
         passes = self.step_plan.chunk_pass_order()
         self.last_backward = max((i for i, (op, _, _) in enumerate(passes) if op == "backward"),
                                  default=-1)
@@ -313,6 +325,18 @@ class StageLayout:
                               last)
         self._step(last, reduces[-1] if reduces else None)
 
+    def _gathers_ahead(self, seg_of: dict[int, int]) -> None:
+        """The previous step's parameter all-gathers, one per whole bucket in the order the
+        forward reads them, each before the first segment that uses its parameters."""
+        first_use = {b.index: min(seg_of[slot.index] for slot in b.slots)
+                     for b in self.buckets if not b.partitioned}
+        last: int | None = None
+        for b in sorted(first_use, key=lambda i: (first_use[i], i)):
+            last = self.graph.add(self.stage, names.allgather(b), "allgather", "comm:dp",
+                                  "all_gather", [last],
+                                  nbytes=self.buckets[b].numel * self.param_elem)
+            self.gathers_before.setdefault(first_use[b], []).append(last)
+
     def _handed(self, kind: str, k: int, c: int | None) -> list[tuple[int, str]]:
         """The send a pass waits for: (stage, task name) of the chunk that hands it over."""
         peer, chunk = handover(kind, self.stage, self.pp, c)
@@ -335,6 +359,8 @@ class StageLayout:
         # and one task of its layers' TP collectives (they block the pass either way).
         if self.partitioned or self.v > 1 or (self.tp > 1 and self.pp == 1):
             return True
+        if self.gather_ahead and k == 0 and not backward:
+            return True  # the first forward's segments wait for their parameter gathers
         reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
         return backward and reduces_here and len(self.buckets) > 1
 
@@ -367,6 +393,8 @@ class StageLayout:
             first = refs if j == segs[0] else []
             last, first = self._fetch("forward", k, j, last, first)
             waits = self._gathers(k, j, "fwd", last)
+            if k == 0:
+                waits += self.gathers_before.get(j, [])
             last = graph.add(s, names.forward(k, seg.label, chunk=c), "forward", "compute",
                              "forward", [last, *waits], first, arg=j, chunk=c)
             if self._ends_layer(j, +1):
@@ -521,7 +549,7 @@ class StageLayout:
             numel = sum(self._shard(b.numel) for b in self.buckets)
             finished = [graph.add(s, names.OPTIMIZER_STEP, "optimizer", "compute", "optimizer",
                                   after, arg=numel, nbytes=numel * 16)]
-        if self.stage_no >= 1 and self.dp > 1:
+        if self.stage_no >= 1 and self.dp > 1 and not self.gather_ahead:
             for b in whole:
                 graph.add(s, names.allgather(b.index), "allgather", "comm:dp", "all_gather",
                           finished, nbytes=b.numel * self.param_elem)
