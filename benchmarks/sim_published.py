@@ -145,6 +145,7 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
         tp_overlap=bool(par.get("tp_overlap")),
         elementwise=str(train.get("elementwise") or "fused"),
         param_gather_overlap=framework(run) == "megatron-core",
+        fsdp=bool(par.get("fsdp")),
         # Megatron's distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter
         zero1_reduce="reduce_scatter")
     return model, cfg, layout, hw, options

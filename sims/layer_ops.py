@@ -348,6 +348,9 @@ class SimOptions:
     # ZeRO 1-2's all-gather of the updated parameters runs under the next step's forward
     # (Megatron's --overlap-param-gather) instead of after the optimizer step
     param_gather_overlap: bool = False
+    # ZeRO-3 as PyTorch FSDP shards (FULL_SHARD): a unit per transformer block, prefetched one
+    # ahead, instead of DeepSpeed's unit per module and prefetch budget
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:

@@ -142,3 +142,39 @@ def test_overlapped_parameter_gathers_come_before_the_forward_that_reads_them(ze
     _, plain = lay_out(sim_config(2, zero_optimization={"stage": 0}), dp=2,
                        param_gather_overlap=True)
     assert not any(t.kind == "allgather" for t in plain.resolve())
+
+
+def test_fsdp_units_are_blocks_prefetched_one_ahead() -> None:
+    # a two-layer model: embedding, two blocks of a norm and two linears each, a head
+    params = [("embed.weight", (16, 8), "float32", 4)]
+    for layer in range(2):
+        params += [(f"layers.{layer}.norm.weight", (8,), "float32", 4),
+                   (f"layers.{layer}.attn.weight", (8, 8), "float32", 4),
+                   (f"layers.{layer}.mlp.weight", (8, 8), "float32", 4)]
+    params.append(("head.weight", (16, 8), "float32", 4))
+    cfg = sim_config(2, zero_optimization={"stage": 3})
+
+    def layout(fsdp: bool) -> StageLayout:
+        stage = StageLayout(TaskGraph(), 0, params=params, stages=1, dp=2, tp=1,
+                            zero=cfg.zero_optimization, micro_batches=1, micro_batch=2,
+                            bucket_numel=10**6, comm_dtype="float32", comm_elem=4,
+                            forward_flops=1e5, gpu=True, act_bytes=0.0, send_bytes=0.0,
+                            recv_bytes=0.0, fsdp=fsdp)
+        stage.build()
+        return stage
+
+    modules, blocks = layout(False), layout(True)
+    # DeepSpeed: a unit per module, small ones kept whole; FSDP: a flat unit per block
+    assert len(modules.segments) == 8
+    assert [s.label for s in blocks.segments] == ["embed", names.layer(0), names.layer(1), "head"]
+    assert all(b.partitioned for b in blocks.buckets)
+    assert sorted(i for b in blocks.buckets for i in (s.index for s in b.slots)) == \
+        list(range(len(params)))
+    # each forward use starts the next unit's gather, never two ahead
+    assert blocks.uses is not None
+    forward = blocks.trace[:len(blocks.segments)]
+    launched_at = {}
+    for pos, launched in enumerate(blocks.uses.launched[:len(forward)]):
+        for unit in launched:
+            launched_at.setdefault(unit, pos)
+    assert [launched_at[u] for u in forward] == [0, 0, 1, 2]

@@ -127,10 +127,11 @@ def _size(param: ParamSpec) -> int:
     return math.prod(param[1])
 
 
-def segments(params: Sequence[ParamSpec], stage3: bool) -> list[Segment]:
+def segments(params: Sequence[ParamSpec], stage3: bool, blocks: bool = False) -> list[Segment]:
     """A stage's forward order cut into pieces: one per module for ZeRO-3 (each is gathered
-    before it runs), otherwise one per layer plus the parts before and after the layers."""
-    if stage3:
+    before it runs), otherwise, and for FSDP-style sharding (``blocks``: each transformer block
+    is one unit), one per layer plus the parts before and after the layers."""
+    if stage3 and not blocks:
         return [Segment(params[u[0]][0].rpartition(".")[0] or params[u[0]][0], u,
                         layer_of(params[u[0]][0])) for u in module_units(params)]
     out: list[Segment] = []
@@ -189,6 +190,10 @@ class StageLayout:
     of the updated parameters that follows the optimizer step runs under the next step's
     first forward instead, each bucket gathered before the first segment that reads it; laid
     out at the start of the step, so the step is the steady state's period.
+    ``fsdp`` (ZeRO-3): PyTorch FSDP's units instead of DeepSpeed's: each transformer block (and
+    what comes before and after the blocks) is one flat unit of every parameter it holds, the
+    next unit's all-gather starts when a unit starts, and a unit is resharded after its
+    forward unless its backward comes next.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
@@ -198,7 +203,7 @@ class StageLayout:
                  gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
                  overheads: Collection[str] = (),
                  chunk_params: Sequence[Sequence[int]] | None = None,
-                 param_gather_overlap: bool = False) -> None:
+                 param_gather_overlap: bool = False, fsdp: bool = False) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -216,7 +221,8 @@ class StageLayout:
         self.act_bytes, self.send_bytes, self.recv_bytes = act_bytes, send_bytes, recv_bytes
         self.offload_opt = zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and zero.offloads_params and gpu
-        self.segments = segments(params, self.partitioned)
+        self.fsdp = fsdp and self.partitioned
+        self.segments = segments(params, self.partitioned, blocks=self.fsdp)
         seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
         # each chunk's segments, in forward order (one chunk, every segment, without them)
@@ -235,7 +241,8 @@ class StageLayout:
             chunk_flops = [forward_flops * n / max(1, sum(sizes)) for n in sizes]
         units = [seg.params for seg in self.segments] if self.partitioned else None
         buckets = plan_units(params, units, bucket_numel=bucket_numel,
-                             persistence_threshold=zero.stage3_param_persistence_threshold) \
+                             persistence_threshold=0 if self.fsdp else
+                             zero.stage3_param_persistence_threshold) \
             if units is not None else plan_buckets(params, bucket_numel)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
         self.reduce_every_mb = self.stage_no >= 2 and stages == 1
@@ -271,10 +278,16 @@ class StageLayout:
         self.use_pos.update({("bwd", b): 2 * len(order) - 1 - p for p, b in enumerate(order)})
         self.last_gather: int | None = None  # gathers start in the order asked, step-wide
         numel = {b.index: b.numel for b in self.buckets}
-        uses = stage3_uses(self.trace, numel,
-                           prefetch_numel=zero.stage3_prefetch_bucket_size,
-                           max_live_numel=zero.stage3_max_live_parameters,
-                           max_reuse_distance=zero.stage3_max_reuse_distance)
+        if self.fsdp:
+            # one unit ahead, two units live, none kept gathered past its forward but the last
+            one = max(numel.values(), default=0)
+            prefetch, live, reuse = one, 2 * one, 0
+        else:
+            prefetch, live, reuse = (zero.stage3_prefetch_bucket_size,
+                                     zero.stage3_max_live_parameters,
+                                     zero.stage3_max_reuse_distance)
+        uses = stage3_uses(self.trace, numel, prefetch_numel=prefetch, max_live_numel=live,
+                           max_reuse_distance=reuse)
         # each gather named for the use it serves, as the plan names it
         self.gather_tags = gather_uses(uses, self.trace)
         return uses
