@@ -54,12 +54,22 @@ SOURCE_FRAMEWORKS = {
 # - megatron-core: gradient buckets of max(40M, 1M x dp) parameters reduced while backward
 #   runs (--overlap-grad-reduce), and with the distributed optimizer the updated parameters
 #   gathered under the next forward (--overlap-param-gather);
-# - megatron-deepspeed: DeepSpeed's buckets, reduce_bucket_size and allgather_bucket_size 5e8.
+# - megatron-deepspeed: DeepSpeed's buckets, reduce_bucket_size and allgather_bucket_size 5e8;
+# - Megatron-LM's and DeepSpeed's 1F1B wait on their pipeline sends (Megatron-Core overlaps
+#   them in its interleaved schedule).
 WHOLE_STAGE = 2**62
 
 
 def framework(run: Mapping[str, Any]) -> str:
     return str(run.get("framework") or SOURCE_FRAMEWORKS.get(run["source"], "default"))
+
+
+def blocking_p2p(run: Mapping[str, Any], virtual_stages: int) -> bool:
+    """Whether the framework's pipeline waits on its sends: Megatron-LM's and DeepSpeed's 1F1B
+    do; Megatron-Core overlaps them in the interleaved schedule (overlap_p2p_comm)."""
+    name = framework(run)
+    return name in ("megatron-lm", "megatron-deepspeed") or \
+        (name == "megatron-core" and virtual_stages == 1)
 
 
 def bucket_numel(run: Mapping[str, Any], dp: int) -> int | None:
@@ -146,6 +156,7 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
         elementwise=str(train.get("elementwise") or "fused"),
         param_gather_overlap=framework(run) == "megatron-core",
         fsdp=bool(par.get("fsdp")),
+        blocking_p2p=blocking_p2p(run, virtual),
         # Megatron's distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter
         zero1_reduce="reduce_scatter")
     return model, cfg, layout, hw, options

@@ -351,6 +351,9 @@ class SimOptions:
     # ZeRO-3 as PyTorch FSDP shards (FULL_SHARD): a unit per transformer block, prefetched one
     # ahead, instead of DeepSpeed's unit per module and prefetch budget
     fsdp: bool = False
+    # a pipeline stage waits for its sends to complete before its next pass (Megatron's and
+    # DeepSpeed's 1F1B wait on their p2p requests) instead of sending while it computes
+    blocking_p2p: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:

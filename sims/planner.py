@@ -152,7 +152,8 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
             chunk_params=[[indices.index(i) for i in chunk] for chunk in chunks[s]]
             if chunks is not None else None,
             param_gather_overlap=bool(options and options.param_gather_overlap),
-            fsdp=bool(options and options.fsdp))
+            fsdp=bool(options and options.fsdp),
+            blocking_p2p=bool(options and options.blocking_p2p))
         priced.price_passes(stage.segments, stage.buckets, stage_flops=flops, work=work,
                             weights=weights, total_weight=total_weight, dtype=dtype, cfg=cfg,
                             act_bytes=act_bytes)

@@ -178,3 +178,26 @@ def test_fsdp_units_are_blocks_prefetched_one_ahead() -> None:
         for unit in launched:
             launched_at.setdefault(unit, pos)
     assert [launched_at[u] for u in forward] == [0, 0, 1, 2]
+
+
+def test_a_blocking_send_holds_the_stage_until_it_completes() -> None:
+    cfg = sim_config(1, gradient_accumulation_steps=4)
+    work = tiny_workload()
+
+    def lay_out_pipeline(blocking: bool) -> tuple[Any, ...]:
+        graph = TaskGraph()
+        for s in range(2):
+            StageLayout(graph, s, params=[work.params[2 * s]], stages=2, dp=1, tp=1,
+                        zero=cfg.zero_optimization, micro_batches=4, micro_batch=2,
+                        bucket_numel=16, comm_dtype="float32", comm_elem=4, forward_flops=1e5,
+                        gpu=True, act_bytes=8.0, send_bytes=8.0, recv_bytes=8.0,
+                        blocking_p2p=blocking).build()
+        return graph.resolve()
+
+    for blocking in (False, True):
+        tasks = lay_out_pipeline(blocking)
+        sends = {i for i, t in enumerate(tasks) if t.stage == 0 and t.kind == "send"}
+        waits = [t for t in tasks if t.stage == 0 and t.kind in ("forward", "backward")
+                 and sends & set(t.deps)]
+        # blocking: each of stage 0's four sends holds the pass after it; otherwise none does
+        assert len(waits) == (len(sends) if blocking else 0) and len(sends) == 4

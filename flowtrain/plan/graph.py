@@ -194,6 +194,9 @@ class StageLayout:
     what comes before and after the blocks) is one flat unit of every parameter it holds, the
     next unit's all-gather starts when a unit starts, and a unit is resharded after its
     forward unless its backward comes next.
+    ``blocking_p2p``: the stage waits for each pipeline send to complete before its next pass
+    (Megatron's and DeepSpeed's 1F1B wait on their point-to-point requests), instead of sending
+    while it computes.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
@@ -203,7 +206,8 @@ class StageLayout:
                  gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
                  overheads: Collection[str] = (),
                  chunk_params: Sequence[Sequence[int]] | None = None,
-                 param_gather_overlap: bool = False, fsdp: bool = False) -> None:
+                 param_gather_overlap: bool = False, fsdp: bool = False,
+                 blocking_p2p: bool = False) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -222,6 +226,7 @@ class StageLayout:
         self.offload_opt = zero.offloads_optimizer and self.stage_no >= 1
         self.offload_param = self.partitioned and zero.offloads_params and gpu
         self.fsdp = fsdp and self.partitioned
+        self.blocking_p2p = blocking_p2p
         self.segments = segments(params, self.partitioned, blocks=self.fsdp)
         seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
@@ -321,17 +326,19 @@ class StageLayout:
                 last = self._forward(k, c, last, refs)
                 last = self._overhead("loss", names.overhead("loss", k, c), "overhead", last)
                 if here < self.pp * self.v - 1:
-                    graph.add(s, names.pipe_op("send_act", k, c), "send", "comm:pp", "send",
-                              [last], arg=link_of("send_act", s, self.pp),
-                              nbytes=self.send_bytes, chunk=c)
+                    sent = graph.add(s, names.pipe_op("send_act", k, c), "send", "comm:pp",
+                                     "send", [last], arg=link_of("send_act", s, self.pp),
+                                     nbytes=self.send_bytes, chunk=c)
+                    last = sent if self.blocking_p2p else last
             else:
                 refs = self._handed("recv_grad", k, c) if here < self.pp * self.v - 1 else []
                 last, refs = self._pass_start("backward", k, c, last, refs)
                 last = self._backward(k, c, last, refs, reduces, i == self.last_backward)
                 if here > 0:
-                    graph.add(s, names.pipe_op("send_grad", k, c), "send", "comm:pp", "send",
-                              [last], arg=link_of("send_grad", s, self.pp),
-                              nbytes=self.recv_bytes, chunk=c)
+                    sent = graph.add(s, names.pipe_op("send_grad", k, c), "send", "comm:pp",
+                                     "send", [last], arg=link_of("send_grad", s, self.pp),
+                                     nbytes=self.recv_bytes, chunk=c)
+                    last = sent if self.blocking_p2p else last
         last = self._overhead("step", names.overhead("step"), "overhead", last,
                               [reduces[-1] if reduces else None])
         last = self._overhead("loss_broadcast", names.overhead("loss-broadcast"), "overhead",
