@@ -6,7 +6,10 @@ throughput implies, each with its citation and assumptions) is simulated with th
 profile of its GPU and network, and the predicted step time is set beside the published one:
 signed error per run, then MAPE, mean signed error (bias) and the count of optimistic
 predictions per source and overall. Nothing here is fitted to these runs: every factor the
-simulator uses is a property of the hardware or software (``sims/gpu_figures.py``).
+simulator uses is a property of the hardware or software (``sims/gpu_figures.py``). The memory
+column is the peak rank's memory as the run's training stack lays it out (``SOFTWARE``,
+``sims.memory``), "OOM" where it exceeds the GPU's, with the published figure beside it where
+the source states one.
 
     .venv/bin/python benchmarks/sim_published.py            # the table
     .venv/bin/python benchmarks/sim_published.py --json out.json --source megatron-2021
@@ -29,6 +32,7 @@ from flowtrain.config import load_config  # noqa: E402
 from flowtrain.plan.workload import Layout, Workload  # noqa: E402
 from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
 from sims.layer_ops import SimOptions  # noqa: E402
+from sims.memory import memory_per_rank  # noqa: E402
 from sims.models import Architecture, spec_from_architecture  # noqa: E402
 from sims.prediction import predict  # noqa: E402
 
@@ -82,6 +86,22 @@ def bucket_numel(run: Mapping[str, Any], dp: int) -> int | None:
     if name == "megatron-deepspeed":
         return 500_000_000
     return None
+
+
+# the training stack each source ran, whose memory layout its runs get (sims.memory.SOFTWARE)
+SOFTWARE = {
+    "megatron-2021": "megatron", "korthikanti-2022": "megatron",  # Megatron-LM
+    "megatron-lm-readme": "megatron", "megatron-lm-readme-2024": "megatron",
+    "nemo-24.07-perf": "megatron", "megatron-bridge-25.11-perf": "megatron",  # Megatron-Core
+    # NeMo 1.x: Megatron-LM's layers and mixed precision, Apex's DistributedFusedAdam
+    "nemo-megatron-launcher-2022": "megatron",
+    # Megatron-DeepSpeed: DeepSpeed's ZeRO-1 and its 16-bit optimizers
+    "bloom-2022": "deepspeed", "mtnlg-2022": "deepspeed",
+    "opt-2022": "fsdp",  # metaseq: FairScale's fully sharded data parallel
+    "llmfoundry-bench": "llm-foundry", "torchtitan-bench": "fsdp",
+    "nemo-automodel-perf": "fsdp",  # FSDP2
+    "llama3-2024": "llama3",
+}
 
 
 def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
@@ -162,11 +182,39 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
     return model, cfg, layout, hw, options
 
 
+def software(run: Mapping[str, Any]) -> str:
+    """The memory layout of ``run``'s training stack."""
+    try:
+        return SOFTWARE[run["source"]]
+    except KeyError:
+        raise KeyError(f"source {run['source']!r} of {run['id']} has no training stack in "
+                       f"SOFTWARE; add the software it ran") from None
+
+
 def simulate(run: Mapping[str, Any]) -> Any:
     """The simulator's Prediction for ``run``."""
     model, cfg, layout, hw, options = prepare(run)
     work = Workload.from_model(model, cfg.precision)
-    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options)
+    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options,
+                   software=software(run))
+
+
+def memory(run: Mapping[str, Any]) -> tuple[dict[str, float], int]:
+    """(the peak rank's memory breakdown, the GPU's memory in bytes) for ``run``, without
+    simulating its step."""
+    model, cfg, layout, hw, options = prepare(run)
+    return memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
+                           options=options, software=software(run)), int(hw.device_memory_bytes)
+
+
+def memory_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Predicted against published peak memory, over the runs whose source states it."""
+    ratios = [r["peak_memory_gib"] / r["published_memory_gib"] for r in rows
+              if r.get("published_memory_gib")]
+    if not ratios:
+        return {"runs": 0}
+    return {"runs": len(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+            "mean_ratio": statistics.fmean(ratios)}
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -188,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             if (not ns.source or r["source"] in ns.source) and (not ns.id or r["id"] in ns.id)]
     rows = []
     print(f"{'run':40s} {'source':26s} {'GPUs':>6s} {'published s':>11s} {'predicted s':>11s}"
-          f" {'error':>7s}  {'range':>17s}  {'memory':>7s}")
+          f" {'error':>7s}  {'range':>17s}  {'memory GiB (published)':>22s}")
     for run in runs:
         p = simulate(run)
         predicted = p.step_time_s
@@ -196,15 +244,18 @@ def main(argv: list[str] | None = None) -> int:
         error = (predicted - published) / published
         low, high = p.step_time_range_s or (predicted, predicted)
         inside = low <= published <= high
+        stated = run["published"].get("memory_gib")
         rows.append({"id": run["id"], "source": run["source"], "gpus": run["hardware"]["gpus"],
                      "published_s": published, "predicted_s": predicted, "error": error,
                      "range_s": [low, high], "published_in_range": inside,
                      "peak_memory_gib": (p.peak_memory_bytes or 0) / 2**30, "oom": p.oom,
-                     "unmodelled": unmodelled(run)})
-        memory = "OOM" if p.oom else f"{(p.peak_memory_bytes or 0) / 2**30:.0f} GiB"
+                     "published_memory_gib": stated, "memory": p.memory,
+                     "software": software(run), "unmodelled": unmodelled(run)})
+        mem = f"{(p.peak_memory_bytes or 0) / 2**30:.1f}" + (f" ({stated:.1f})" if stated else "")
         print(f"{run['id'][:40]:40s} {run['source'][:26]:26s} {run['hardware']['gpus']:6d} "
               f"{published:11.3f} {predicted:11.3f} {error * 100:+6.1f}%  "
-              f"{low:7.2f}-{high:<7.2f}{'*' if inside else ' '}  {memory:>7s}")
+              f"{low:7.2f}-{high:<7.2f}{'*' if inside else ' '}  {mem:>18s}"
+              f"{' OOM' if p.oom else '    '}")
     print()
     by_source: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -220,8 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"published step inside the predicted range (*): {in_range} of {len(rows)}; "
           f"flagged out of memory: {len(flagged)}" + (f" ({', '.join(flagged)})" if flagged
                                                       else ""))
+    mem = memory_summary(rows)
+    if mem["runs"]:
+        print(f"peak memory against the {mem['runs']} published figures: predicted / published "
+              f"{mem['min_ratio']:.2f}-{mem['max_ratio']:.2f} (mean {mem['mean_ratio']:.2f})")
     if ns.json:
-        ns.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
+        ns.json.write_text(json.dumps({"rows": rows, "summary": summary, "memory": mem},
+                                      indent=1) + "\n")
     return 0
 
 

@@ -54,6 +54,8 @@ class Prediction:
     step_time_range_s: tuple[float, float] | None = None
     # what the prediction assumed: where each kind of cost comes from (--explain)
     assumptions: list[str] = field(default_factory=list)
+    # the peak rank's memory, part by part (sims.memory.memory_per_rank); None without a model
+    memory: dict[str, float] | None = None
 
     @property
     def oom(self) -> bool:
@@ -157,11 +159,14 @@ def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> 
 # -- one prediction ----------------------------------------------------------------------------
 
 def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
-            workload: Any = None, host_speed: float = 1.0, options: Any = None) -> Prediction:
+            workload: Any = None, host_speed: float = 1.0, options: Any = None,
+            software: str = "deepspeed") -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
     ``host_speed`` scales every task's duration (the host computes that much slower now than
-    its profile says; on a CPU host comm is CPU work too), so the step scales by it."""
+    its profile says; on a CPU host comm is CPU work too), so the step scales by it.
+    ``software``: the training stack whose memory layout the estimate follows
+    (``sims.memory.SOFTWARE``)."""
     from sims.executor import execute, step_figures
     from sims.planner import Workload, build_plan
 
@@ -192,14 +197,15 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         notes.append(f"every task scaled by the host speed {host_speed:.3f} (the host "
                      f"computes {abs(host_speed - 1) * 100:.1f} % "
                      f"{'slower' if host_speed > 1 else 'faster'} than its profile says)")
-    peak = None
+    peak = memory = None
     if model is not None:
         from sims.memory import memory_per_rank
 
         try:
-            peak = float(memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp,
-                                         pp=layout.pp, options=_memory_options(hw, options))
-                         ["peak"])
+            memory = memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp,
+                                     pp=layout.pp, options=_memory_options(hw, options),
+                                     software=software)
+            peak = float(memory["peak"])
         except (ValueError, KeyError) as exc:
             notes.append(f"no memory estimate: {exc}")
     step = figures.step_time
@@ -217,7 +223,7 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
         bubble_pct=figures.bubble_pct, peak_memory_bytes=peak,
         device_memory_bytes=int(hw.device_memory_bytes), tasks=len(plan.tasks),
         simulate_s=elapsed, notes=notes, timeline=timeline, step_time_range_s=step_range,
-        assumptions=assumption_lines(work, cfg, layout, hw, options))
+        assumptions=assumption_lines(work, cfg, layout, hw, options), memory=memory)
 
 
 def _memory_options(hw: Any, options: Any) -> Any:

@@ -23,8 +23,8 @@ from sims.prediction import (
 )
 from sims.sweep import parse_sweeps, run_sweep
 
-__all__ = ["DEFAULT_CLUSTER", "Prediction", "SimulateError", "add_arguments", "predict",
-           "report_lines", "run", "sweep_lines"]
+__all__ = ["DEFAULT_CLUSTER", "Prediction", "SimulateError", "add_arguments", "memory_lines",
+           "predict", "report_lines", "run", "sweep_lines"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,13 +117,36 @@ def report_lines(p: Prediction) -> list[str]:
              f"  pipeline bubble  {p.bubble_pct:.1f} %"]
     if p.peak_memory_bytes is not None:
         flag = "  OOM" if p.oom else ""
+        stage = f" (pipeline stage {int(p.memory['pipeline_stage'])})" \
+            if p.memory and p.pp > 1 else ""
         lines.append(f"  peak memory      {_gib(p.peak_memory_bytes)} per rank of "
-                     f"{_gib(p.device_memory_bytes)}{flag}")
+                     f"{_gib(p.device_memory_bytes)}{stage}{flag}")
+        if p.memory:
+            lines += memory_lines(p.memory)
     lines.append("  time per resource (busy, per rank):")
     for name, seconds in p.resource_s.items():
         lines.append(f"    {name:<10} {_seconds(seconds)}")
     lines += [f"  note: {n}" for n in p.notes]
     lines.append(f"  ({p.tasks:,} tasks simulated in {p.simulate_s:.2f} s)")
+    return lines
+
+
+def memory_lines(m: dict[str, float]) -> list[str]:
+    """The peak rank's memory part by part (``sims.memory.memory_per_rank``'s breakdown)."""
+    held = int(m["in_flight_micro_batches"])
+    chunks = " (model chunks)" if held > m["pp"] > 1 else ""
+    lines = [f"    parameters {_gib(m['parameters'])}, gradients {_gib(m['gradients'])}, "
+             f"optimizer states {_gib(m['optimizer'])}",
+             f"    activations {_gib(m['activations'])} ({held} micro-batch"
+             f"{'es' if held != 1 else ''}{chunks} in flight"
+             f"{', checkpointed' if m['checkpointing'] else ''}; loss end and recompute "
+             f"{_gib(m['activation_temporaries'])})",
+             f"    buffers {_gib(m['buffers'])} (gradient buckets "
+             f"{m['gradient_buckets'] / 2**30:.1f}, gathered parameters "
+             f"{m['gathered_parameters'] / 2**30:.1f}, fp32 gradients "
+             f"{m['fp32_gradients'] / 2**30:.1f})"]
+    if m["host"]:
+        lines.append(f"    on the host {_gib(m['host'])}")
     return lines
 
 

@@ -60,6 +60,10 @@ def test_report_figures_follow_their_formulas(capsys: pytest.CaptureFixture[str]
     assert p["overlap_pct"] == pytest.approx(100 * (1 - p["exposed_comm_s"] / p["comm_s"]))
     assert p["bubble_pct"] == 0.0
     assert 0 < p["peak_memory_bytes"] < p["device_memory_bytes"] and not p["oom"]
+    assert p["memory"]["peak"] == p["peak_memory_bytes"]  # the breakdown comes with it
+    assert p["memory"]["peak"] == pytest.approx(p["memory"]["model_states"] +
+                                                p["memory"]["activations"] +
+                                                p["memory"]["buffers"])
 
     trace = tmp_path / "trace.json"
     code, out, _ = _run(capsys, "--model", "gpt2", "--config", str(config), "--cluster",
@@ -67,7 +71,9 @@ def test_report_figures_follow_their_formulas(capsys: pytest.CaptureFixture[str]
     assert code == 0
     for needle in ("gpt2, 2 x 8 ranks on h100-x8: dp 16, tp 1, pp 1", "step time", "samples/s",
                    "tokens/s", "MFU", "exposed comm", "overlap", "pipeline bubble  0.0 %",
-                   "peak memory", "compute", "comm:dp", f"trace written to {trace}"):
+                   "peak memory", "    parameters ", "optimizer states", "    activations ",
+                   "1 micro-batch in flight", "    buffers ", "compute", "comm:dp",
+                   f"trace written to {trace}"):
         assert needle in out, (needle, out)
     tracks = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
               if e["name"] == "thread_name"}
