@@ -7,9 +7,9 @@ profile of its GPU and network, and the predicted step time is set beside the pu
 signed error per run, then MAPE, mean signed error (bias) and the count of optimistic
 predictions per source and overall. Nothing here is fitted to these runs: every factor the
 simulator uses is a property of the hardware or software (``sims/gpu_figures.py``). The memory
-column is the peak rank's memory as the run's training stack lays it out (``SOFTWARE``,
-``sims.memory``), "OOM" where it exceeds the GPU's, with the published figure beside it where
-the source states one.
+column is the peak rank's memory as the run's framework lays it out (``SOURCE_FRAMEWORKS``,
+``sims.frameworks``, ``sims.memory``), "OOM" where it exceeds the GPU's, with the published
+figure beside it where the source states one.
 
     .venv/bin/python benchmarks/sim_published.py            # the table
     .venv/bin/python benchmarks/sim_published.py --json out.json --source megatron-2021
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowtrain.config import load_config  # noqa: E402
 from flowtrain.plan.workload import Layout, Workload  # noqa: E402
+from sims.frameworks import get_framework  # noqa: E402
 from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
 from sims.layer_ops import SimOptions  # noqa: E402
 from sims.memory import memory_per_rank  # noqa: E402
@@ -45,63 +46,30 @@ GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm"
 NETWORKS = {"ib-hdr-200": 25e9, "roce-200": 25e9, "ib-ndr-400": 50e9, "roce-400": 50e9,
             "rdma-400": 50e9, "omnipath-100": 12.5e9}
 PRECISION = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
-# the training framework of each source, where it decides how gradients and parameters move
-# (a run's own "framework" field wins)
+# the framework each source trained with (sims.frameworks; a run's own "framework" wins)
 SOURCE_FRAMEWORKS = {
     "megatron-2021": "megatron-lm", "korthikanti-2022": "megatron-lm",
-    "megatron-lm-readme": "megatron-lm", "megatron-lm-readme-2024": "megatron-core",
-    "nemo-24.07-perf": "megatron-core", "megatron-bridge-25.11-perf": "megatron-core",
-    "bloom-2022": "megatron-deepspeed", "mtnlg-2022": "megatron-deepspeed"}
-# What each framework does that the ds_config translation below does not say:
-# - megatron-lm (2020-2022): its local DDP all-reduces the contiguous gradient buffer once,
-#   after the step's last backward (one bucket of the whole stage, not overlapped);
-# - megatron-core: gradient buckets of max(40M, 1M x dp) parameters reduced while backward
-#   runs (--overlap-grad-reduce), and with the distributed optimizer the updated parameters
-#   gathered under the next forward (--overlap-param-gather);
-# - megatron-deepspeed: DeepSpeed's buckets, reduce_bucket_size and allgather_bucket_size 5e8;
-# - Megatron-LM's and DeepSpeed's 1F1B wait on their pipeline sends (Megatron-Core overlaps
-#   them in its interleaved schedule).
-WHOLE_STAGE = 2**62
+    "megatron-lm-readme": "megatron-lm",
+    "megatron-lm-readme-2024": "megatron-core", "nemo-24.07-perf": "megatron-core",
+    "megatron-bridge-25.11-perf": "megatron-core",
+    # NeMo 1.x: Megatron-LM's layers with Apex's DistributedFusedAdam, which reduce-scatters
+    # gradient buckets during backward and gathers the parameters under the next forward
+    "nemo-megatron-launcher-2022": "megatron-core",
+    "bloom-2022": "deepspeed", "mtnlg-2022": "deepspeed",  # Megatron-DeepSpeed
+    "opt-2022": "fsdp",  # metaseq: FairScale's fully sharded data parallel
+    "torchtitan-bench": "fsdp", "nemo-automodel-perf": "fsdp",  # FSDP2
+    "llmfoundry-bench": "llm-foundry", "llama3-2024": "llama3",
+}
 
 
 def framework(run: Mapping[str, Any]) -> str:
-    return str(run.get("framework") or SOURCE_FRAMEWORKS.get(run["source"], "default"))
-
-
-def blocking_p2p(run: Mapping[str, Any], virtual_stages: int) -> bool:
-    """Whether the framework's pipeline waits on its sends: Megatron-LM's and DeepSpeed's 1F1B
-    do; Megatron-Core overlaps them in the interleaved schedule (overlap_p2p_comm)."""
-    name = framework(run)
-    return name in ("megatron-lm", "megatron-deepspeed") or \
-        (name == "megatron-core" and virtual_stages == 1)
-
-
-def bucket_numel(run: Mapping[str, Any], dp: int) -> int | None:
-    """Gradient bucket size in elements the run's framework uses (None: the config default)."""
-    name = framework(run)
-    if name == "megatron-lm":
-        return WHOLE_STAGE
-    if name == "megatron-core":
-        return max(40_000_000, 1_000_000 * dp)
-    if name == "megatron-deepspeed":
-        return 500_000_000
-    return None
-
-
-# the training stack each source ran, whose memory layout its runs get (sims.memory.SOFTWARE)
-SOFTWARE = {
-    "megatron-2021": "megatron", "korthikanti-2022": "megatron",  # Megatron-LM
-    "megatron-lm-readme": "megatron", "megatron-lm-readme-2024": "megatron",
-    "nemo-24.07-perf": "megatron", "megatron-bridge-25.11-perf": "megatron",  # Megatron-Core
-    # NeMo 1.x: Megatron-LM's layers and mixed precision, Apex's DistributedFusedAdam
-    "nemo-megatron-launcher-2022": "megatron",
-    # Megatron-DeepSpeed: DeepSpeed's ZeRO-1 and its 16-bit optimizers
-    "bloom-2022": "deepspeed", "mtnlg-2022": "deepspeed",
-    "opt-2022": "fsdp",  # metaseq: FairScale's fully sharded data parallel
-    "llmfoundry-bench": "llm-foundry", "torchtitan-bench": "fsdp",
-    "nemo-automodel-perf": "fsdp",  # FSDP2
-    "llama3-2024": "llama3",
-}
+    """The framework ``run`` trained with."""
+    name = run.get("framework") or SOURCE_FRAMEWORKS.get(run["source"])
+    if name is None:
+        raise KeyError(f"source {run['source']!r} of {run['id']} has no framework in "
+                       f"SOURCE_FRAMEWORKS; add the one it trained with (or a 'framework' "
+                       f"field to the run)")
+    return str(name)
 
 
 def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
@@ -149,9 +117,6 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
     precision = PRECISION[train["precision"]]
     virtual = int(par.get("virtual_stages") or 1)
     zero: dict[str, Any] = {"stage": int(par.get("zero_stage") or 0)}
-    buckets = bucket_numel(run, dp)
-    if buckets is not None:
-        zero.update(reduce_bucket_size=buckets, allgather_bucket_size=buckets)
     cfg = load_config({
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
@@ -174,29 +139,15 @@ def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, 
         gemm_dtype="float8" if train["precision"] == "fp8" else None, cp=cp,
         tp_overlap=bool(par.get("tp_overlap")),
         elementwise=str(train.get("elementwise") or "fused"),
-        param_gather_overlap=framework(run) == "megatron-core",
-        fsdp=bool(par.get("fsdp")),
-        blocking_p2p=blocking_p2p(run, virtual),
-        # Megatron's distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter
-        zero1_reduce="reduce_scatter")
+        fsdp=bool(par.get("fsdp")), framework=framework(run))
     return model, cfg, layout, hw, options
-
-
-def software(run: Mapping[str, Any]) -> str:
-    """The memory layout of ``run``'s training stack."""
-    try:
-        return SOFTWARE[run["source"]]
-    except KeyError:
-        raise KeyError(f"source {run['source']!r} of {run['id']} has no training stack in "
-                       f"SOFTWARE; add the software it ran") from None
 
 
 def simulate(run: Mapping[str, Any]) -> Any:
     """The simulator's Prediction for ``run``."""
     model, cfg, layout, hw, options = prepare(run)
     work = Workload.from_model(model, cfg.precision)
-    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options,
-                   software=software(run))
+    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options)
 
 
 def memory(run: Mapping[str, Any]) -> tuple[dict[str, float], int]:
@@ -204,7 +155,8 @@ def memory(run: Mapping[str, Any]) -> tuple[dict[str, float], int]:
     simulating its step."""
     model, cfg, layout, hw, options = prepare(run)
     return memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
-                           options=options, software=software(run)), int(hw.device_memory_bytes)
+                           options=options, software=get_framework(framework(run)).memory), \
+        int(hw.device_memory_bytes)
 
 
 def memory_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -250,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                      "range_s": [low, high], "published_in_range": inside,
                      "peak_memory_gib": (p.peak_memory_bytes or 0) / 2**30, "oom": p.oom,
                      "published_memory_gib": stated, "memory": p.memory,
-                     "software": software(run), "unmodelled": unmodelled(run)})
+                     "framework": framework(run), "unmodelled": unmodelled(run)})
         mem = f"{(p.peak_memory_bytes or 0) / 2**30:.1f}" + (f" ({stated:.1f})" if stated else "")
         print(f"{run['id'][:40]:40s} {run['source'][:26]:26s} {run['hardware']['gpus']:6d} "
               f"{published:11.3f} {predicted:11.3f} {error * 100:+6.1f}%  "

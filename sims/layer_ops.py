@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowtrain.plan.workload import TransformerShape
+from sims.frameworks import get_framework
 
 # "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
 # per-op selective checkpointing: every other matmul and every memory-bound op again; "full":
@@ -354,6 +355,9 @@ class SimOptions:
     # a pipeline stage waits for its sends to complete before its next pass (Megatron's and
     # DeepSpeed's 1F1B wait on their p2p requests) instead of sending while it computes
     blocking_p2p: bool = False
+    # the framework the run trains with (``sims.frameworks``): its behaviours apply where the
+    # flags above leave them off
+    framework: str = "flowtrain"
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -367,6 +371,7 @@ class SimOptions:
         if self.zero1_reduce not in (None, "reduce_scatter"):
             raise ValueError(f"zero1_reduce must be reduce_scatter or unset, got "
                              f"{self.zero1_reduce!r}")
+        get_framework(self.framework)  # names the valid ones
         if self.elementwise not in ELEMENTWISE:
             raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got "
                              f"{self.elementwise!r}")

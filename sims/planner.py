@@ -29,6 +29,7 @@ from flowtrain.plan.workload import (
 )
 from flowtrain.plan.workload import numel as _numel
 from sims.executor import SimTask
+from sims.frameworks import get_framework
 from sims.layer_ops import SimOptions
 from sims.pricing import pipeline_tasks, price
 from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
@@ -93,6 +94,8 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
     total_weight = sum(weights_all)
     if total_weight == 0:
         raise ValueError(f"model {work.name!r} has only empty parameters")
+    opts = options or SimOptions()
+    fw = get_framework(opts.framework)
     graph = TaskGraph()
     stage_costs = []
     step_plans = []
@@ -144,16 +147,18 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
         stage = StageLayout(
             graph, s, params=params, stages=layout.pp, dp=layout.dp, tp=layout.tp,
             zero=zero, micro_batches=micro_batches, micro_batch=micro_batch,
-            bucket_numel=config_bucket_numel(zero, params[0][3] if params else 2),
+            bucket_numel=fw.bucket_numel(layout.dp,
+                                         config_bucket_numel(zero, params[0][3] if params
+                                                             else 2)),
             comm_dtype=comm_dtype, comm_elem=comm_elem,
             forward_flops=flops * micro_batch / layout.tp, gpu=priced.gpu,
             act_bytes=act_bytes, send_bytes=send_bytes, recv_bytes=recv_bytes,
             overheads=priced.overheads(),
             chunk_params=[[indices.index(i) for i in chunk] for chunk in chunks[s]]
             if chunks is not None else None,
-            param_gather_overlap=bool(options and options.param_gather_overlap),
-            fsdp=bool(options and options.fsdp),
-            blocking_p2p=bool(options and options.blocking_p2p))
+            param_gather_overlap=opts.param_gather_overlap or fw.param_gather_overlap,
+            fsdp=opts.fsdp or fw.fsdp_units,
+            blocking_p2p=opts.blocking_p2p or fw.blocks_sends(v))
         priced.price_passes(stage.segments, stage.buckets, stage_flops=flops, work=work,
                             weights=weights, total_weight=total_weight, dtype=dtype, cfg=cfg,
                             act_bytes=act_bytes)

@@ -160,16 +160,20 @@ def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> 
 
 def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
             workload: Any = None, host_speed: float = 1.0, options: Any = None,
-            software: str = "deepspeed") -> Prediction:
+            software: str | None = None) -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
     ``host_speed`` scales every task's duration (the host computes that much slower now than
     its profile says; on a CPU host comm is CPU work too), so the step scales by it.
     ``software``: the training stack whose memory layout the estimate follows
-    (``sims.memory.SOFTWARE``)."""
+    (``sims.memory.SOFTWARE``; by default the one of the options' framework)."""
     from sims.executor import execute, step_figures
+    from sims.frameworks import get_framework
     from sims.planner import Workload, build_plan
 
+    if software is None:
+        software = get_framework(options.framework if options is not None
+                                 else "flowtrain").memory
     started = time.perf_counter()
     work = workload if workload is not None else Workload.from_model(model, cfg.precision)
     try:
@@ -274,6 +278,10 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
                    f"the measured NVLink bus bandwidth ({src.get('collectives', 'profile')})")
         out.append(f"overlap: compute {kernels.overlap_slowdown:.0%} slower while NCCL runs "
                    f"beside it ({src.get('overlap_slowdown', 'profile')})")
+        from sims.frameworks import get_framework
+
+        fw = get_framework(opts.framework)
+        out.append(f"framework: {fw.name}: {fw.summary}")
         if kernels.ranges:
             out.append("range: " + "; ".join(f"{k} {v[0]:g} (optimistic) to {v[1]:g}"
                                              for k, v in kernels.ranges.items()))
@@ -325,7 +333,13 @@ def sim_options(ns: argparse.Namespace) -> Any:
                           cp=int(getattr(ns, "cp", None) or 1),
                           tp_overlap=bool(getattr(ns, "tp_overlap", False)),
                           zero1_reduce="reduce_scatter"
-                          if getattr(ns, "zero1_reduce_scatter", False) else None)
+                          if getattr(ns, "zero1_reduce_scatter", False) else None,
+                          elementwise=getattr(ns, "elementwise", None) or "fused",
+                          param_gather_overlap=bool(getattr(ns, "overlap_param_gather",
+                                                            False)),
+                          fsdp=bool(getattr(ns, "fsdp", False)),
+                          blocking_p2p=bool(getattr(ns, "blocking_p2p", False)),
+                          framework=getattr(ns, "framework", None) or "flowtrain")
     except ValueError as exc:
         raise SimulateError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
 

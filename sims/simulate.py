@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from sims.frameworks import FRAMEWORKS
 from sims.prediction import (
     DEFAULT_CLUSTER,
     Prediction,
@@ -75,6 +76,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_opts.add_argument("--zero1-reduce-scatter", action="store_true",
                           help="ZeRO-1 reduce-scatters gradients (DeepSpeed, Megatron's "
                                "distributed optimizer) instead of flowtrain's all-reduce")
+    run_opts.add_argument("--framework", choices=tuple(FRAMEWORKS), default=None,
+                          help="the framework the run trains with, for what it does beyond "
+                               "the config (its buckets, overlaps, pipeline sends, ZeRO-3 "
+                               "units, memory layout; --explain says which; default: "
+                               "flowtrain)")
+    run_opts.add_argument("--elementwise", choices=("fused", "eager"), default=None,
+                          help="memory-bound ops as fused kernels (default) or as eager "
+                               "PyTorch's primitive kernels (no torch.compile)")
+    run_opts.add_argument("--overlap-param-gather", action="store_true",
+                          help="ZeRO 1-2: gather the updated parameters under the next "
+                               "forward (Megatron's --overlap-param-gather)")
+    run_opts.add_argument("--fsdp", action="store_true",
+                          help="ZeRO-3 as PyTorch FSDP shards: a unit per transformer block, "
+                               "the next one prefetched")
+    run_opts.add_argument("--blocking-p2p", action="store_true",
+                          help="pipeline stages wait for each send before their next pass")
     p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,
                    help="a calibrated CPU host's speed now against its profile, every task "
                         "scaled by it: a factor (1.2: 20%% slower than at calibration) or auto "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from flowtrain.plan.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Workload
 from flowtrain.plan.workload import numel as _numel
 from sims import costs, gpu_costs
+from sims.frameworks import get_framework
 from sims.gpu_kernels import GpuKernels
 from sims.layer_ops import (
     Gemm,
@@ -130,9 +131,10 @@ class StageCosts:
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards
+        zero1_scatters = self.options.zero1_reduce == "reduce_scatter" or \
+            get_framework(self.options.framework).zero1_reduce_scatter
         self.reduce_op = "reduce_scatter" if self.stage_no >= 2 or (
-            self.stage_no == 1 and self.options.zero1_reduce == "reduce_scatter") \
-            else "all_reduce"
+            self.stage_no == 1 and zero1_scatters) else "all_reduce"
 
     def overheads(self) -> dict[str, float]:
         """The engine overheads (``flowtrain.plan.graph.OVERHEADS``) this host's costs model as

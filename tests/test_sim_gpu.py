@@ -271,3 +271,48 @@ def test_sequence_parallel_moves_tp_bytes_at_the_ring_rate() -> None:
     assert sum(gpu_costs.intra_node_seconds(op, nbytes, tp, A100_80G)
                for op in ("all_gather", "reduce_scatter")) == \
         pytest.approx(gpu_costs.intra_node_seconds("all_reduce", nbytes, tp, A100_80G))
+
+
+def test_frameworks_name_their_behaviours() -> None:
+    from sims.frameworks import FRAMEWORKS, WHOLE_STAGE, get_framework
+
+    assert get_framework("megatron-core").bucket_numel(64, 123) == 64_000_000
+    assert get_framework("megatron-core").bucket_numel(8, 123) == 40_000_000
+    assert get_framework("megatron-lm").bucket_numel(8, 123) == WHOLE_STAGE
+    assert get_framework("flowtrain").bucket_numel(8, 123) == 123
+    assert get_framework("megatron-core").blocks_sends(1)
+    assert not get_framework("megatron-core").blocks_sends(2)
+    assert get_framework("deepspeed").blocks_sends(4)
+    assert get_framework("fsdp").fsdp_units and not get_framework("flowtrain").fsdp_units
+    # each framework's memory layout is one the memory model knows
+    from sims.memory import SOFTWARE
+
+    assert {f.memory for f in FRAMEWORKS.values()} <= set(SOFTWARE)
+    with pytest.raises(ValueError, match="framework must be one of.*'jax'"):
+        SimOptions(framework="jax")
+
+
+def test_a_framework_changes_the_plan_as_it_says() -> None:
+    from flowtrain.config import load_config
+    from flowtrain.plan.workload import Layout, Workload
+    from sims.models import get_model
+    from sims.planner import build_plan
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                       "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+                      world_size=16, check_supported=False)
+    work = Workload.from_model(get_model("gpt2-xl", 1024), cfg.precision)
+    hw = get_profile("h100-x8")
+
+    def plan(name: str) -> Any:
+        return build_plan(work, cfg, Layout(2, 8), hw, SimOptions(framework=name))
+
+    ours, megatron = plan("flowtrain"), plan("megatron-core")
+    # Megatron-Core's 40M-parameter buckets: fewer, larger reduces than 25 MiB ones
+    reduces = [len([t for t in p.tasks if t.kind == "reduce"]) for p in (ours, megatron)]
+    assert reduces[1] < reduces[0]
+    # its parameter gathers run before the first forward instead of after the step
+    first_forward = min(i for i, t in enumerate(megatron.tasks) if t.kind == "forward")
+    assert all(i < first_forward for i, t in enumerate(megatron.tasks) if t.kind == "allgather")
+    step = next(i for i, t in enumerate(ours.tasks) if t.kind == "optimizer")
+    assert all(i > step for i, t in enumerate(ours.tasks) if t.kind == "allgather")
