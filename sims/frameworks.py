@@ -33,6 +33,8 @@ class Framework:
     fsdp_units: bool = False
     # ZeRO-1 reduce-scatters the gradients instead of all-reducing them
     zero1_reduce_scatter: bool = False
+    # how a model is cut into pipeline stages (flowtrain.plan.partition.PARTITIONS)
+    partition: str = "layers"
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
@@ -59,8 +61,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("flowtrain", "flowtrain's engine: DeepSpeed's buckets and ZeRO, sends while it "
                            "computes, ZeRO-1 all-reduces"),
     Framework("deepspeed", "DeepSpeed (and Megatron-DeepSpeed): ZeRO-1 reduce-scatters, its "
-                           "pipeline engine waits on each send", blocking_p2p="always",
-              zero1_reduce_scatter=True),
+                           "pipeline engine waits on each send, its PipelineModule cuts "
+                           "stages by parameter count", blocking_p2p="always",
+              zero1_reduce_scatter=True, partition="parameters"),
     Framework("megatron-lm", "Megatron-LM before Megatron-Core (2020-2022): one all-reduce of "
                              "the gradient buffer after the last backward, 1F1B waits on its "
                              "sends", memory="megatron", buckets="whole",

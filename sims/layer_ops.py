@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from flowtrain.plan.workload import TransformerShape
+from flowtrain.plan.partition import PARTITIONS, partition_costs
+from flowtrain.plan.workload import TransformerShape, layer_of
 from sims.frameworks import get_framework
 
 # "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
@@ -358,6 +359,13 @@ class SimOptions:
     # the framework the run trains with (``sims.frameworks``): its behaviours apply where the
     # flags above leave them off
     framework: str = "flowtrain"
+    # how an unmeasured model is cut into pipeline stages (flowtrain.plan.partition.PARTITIONS;
+    # None: the framework's)
+    partition: str | None = None
+
+    @property
+    def stage_partition(self) -> str:
+        return self.partition or get_framework(self.framework).partition
 
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -372,6 +380,9 @@ class SimOptions:
             raise ValueError(f"zero1_reduce must be reduce_scatter or unset, got "
                              f"{self.zero1_reduce!r}")
         get_framework(self.framework)  # names the valid ones
+        if self.partition is not None and self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, got "
+                             f"{self.partition!r}")
         if self.elementwise not in ELEMENTWISE:
             raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got "
                              f"{self.elementwise!r}")
@@ -396,3 +407,14 @@ def cp_exchange_bytes(t: TransformerShape, r: RankShape) -> float:
         return 0.0
     kv = max(1, math.ceil(t.kv_heads / r.tp)) * t.head_dim
     return (r.cp - 1) * 2 * r.micro_batch * t.seq_len * kv * r.act_bytes
+
+
+def stage_layer_costs(params: Any, options: SimOptions | None, *, hidden: int = 0,
+                      vocab: int = 0, seq_len: int = 0) -> dict[int, float] | None:
+    """Each layer's weight in the run's cut into pipeline stages (None: an even cut of the
+    layers): ``flowtrain.plan.partition.partition_costs`` with the LM head's FLOPs per token
+    (2 h V) and the attention core's (causal: 2 s h) where the model's shape is known."""
+    method = (options or SimOptions()).stage_partition
+    return partition_costs(params, method, layer_of=layer_of,
+                           head_flops_per_token=2.0 * hidden * vocab,
+                           attention_flops_per_token=2.0 * seq_len * hidden)

@@ -22,7 +22,7 @@ from typing import Any
 from flowtrain.config import load_config
 from flowtrain.plan.workload import layer_of, split_stages
 from sims.activation_memory import Kernels, in_flight, layer_bytes, loss_bytes
-from sims.layer_ops import SimOptions, cfg_checkpoints_activations
+from sims.layer_ops import SimOptions, cfg_checkpoints_activations, stage_layer_costs
 from sims.memory_states import (
     ADAM_K,
     SOFTWARE,
@@ -91,14 +91,18 @@ class _Stage:
     units: tuple[int, ...]
 
 
-def _stages(model: ModelSpec, pp: int, v: int) -> list[_Stage]:
+def _stages(model: ModelSpec, pp: int, v: int, options: SimOptions | None) -> list[_Stage]:
     """The planner's cut (``flowtrain.plan.workload.split_stages``): the layers split evenly
     in order into pp·v chunks, stage s holding chunks s, s + pp, ... (interleaved 1F1B), the
     embeddings on the first chunk and the final norm and head on the last. A tied LM head's
     embedding is held on the last stage as well (DeepSpeed's TiedLayerSpec and Megatron keep a
     copy on both ends)."""
     specs = model.param_specs()
-    parts = split_stages(specs, pp * v) if pp > 1 else [list(range(len(specs)))]
+    # as the planner weighs them: by the model's shape where it is a known transformer
+    shape = {"hidden": model.hidden, "vocab": model.vocab, "seq_len": model.seq_len} \
+        if model.arch is not None else {}
+    costs = stage_layer_costs(specs, options, **shape) if pp > 1 else None
+    parts = split_stages(specs, pp * v, costs) if pp > 1 else [list(range(len(specs)))]
     out = []
     for s in range(pp):
         chunks = [parts[c * pp + s] for c in range(v)] if pp > 1 else parts
@@ -214,7 +218,7 @@ def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int |
     zero3 = (math.ceil(largest_unit / tp), persistent / tp)
 
     best: dict[str, float] | None = None
-    for s, stage in enumerate(_stages(model, pp, v)):
+    for s, stage in enumerate(_stages(model, pp, v, options)):
         psi = max(1, math.ceil(stage.params / tp))
         parts = stage_states(soft, cfg, psi, dp=dp, pipelined=pp > 1, mixed=mixed,
                              width=width, comm_width=comm_width,

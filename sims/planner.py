@@ -30,7 +30,7 @@ from flowtrain.plan.workload import (
 from flowtrain.plan.workload import numel as _numel
 from sims.executor import SimTask
 from sims.frameworks import get_framework
-from sims.layer_ops import SimOptions
+from sims.layer_ops import SimOptions, stage_layer_costs
 from sims.pricing import pipeline_tasks, price
 from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 
@@ -96,6 +96,12 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
         raise ValueError(f"model {work.name!r} has only empty parameters")
     opts = options or SimOptions()
     fw = get_framework(opts.framework)
+    shape = work.transformer
+    costs = stage_layer_costs(work.params, opts, hidden=shape.hidden, vocab=shape.vocab,
+                              seq_len=shape.seq_len) if shape is not None else \
+        stage_layer_costs(work.params, opts)
+    if layout.pp == 1:
+        costs = None
     graph = TaskGraph()
     stage_costs = []
     step_plans = []
@@ -115,11 +121,11 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
                       for indices, layers in zip(split, work.stage_chunk_layers)]
     elif v > 1:
         # interleaved: p * v chunks, stage s holding chunks s, s + p, ... (Megatron's order)
-        parts = split_stages(work.params, layout.pp * v)
+        parts = split_stages(work.params, layout.pp * v, costs)
         chunks = [[parts[c * layout.pp + s] for c in range(v)] for s in range(layout.pp)]
         split = [[i for chunk in stage for i in chunk] for stage in chunks]
     else:
-        split = split_stages(work.params, layout.pp)
+        split = split_stages(work.params, layout.pp, costs)
     for s, indices in enumerate(split):
         params = [work.params[i] if work.split_for_tp else tp_shard(work.params[i], layout.tp)
                   for i in indices]

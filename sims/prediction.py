@@ -339,7 +339,8 @@ def sim_options(ns: argparse.Namespace) -> Any:
                                                             False)),
                           fsdp=bool(getattr(ns, "fsdp", False)),
                           blocking_p2p=bool(getattr(ns, "blocking_p2p", False)),
-                          framework=getattr(ns, "framework", None) or "flowtrain")
+                          framework=getattr(ns, "framework", None) or "flowtrain",
+                          partition=getattr(ns, "partition", None))
     except ValueError as exc:
         raise SimulateError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
 

@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from flowtrain.plan.partition import PARTITIONS
 from sims.frameworks import FRAMEWORKS
 from sims.prediction import (
     DEFAULT_CLUSTER,
@@ -90,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_opts.add_argument("--fsdp", action="store_true",
                           help="ZeRO-3 as PyTorch FSDP shards: a unit per transformer block, "
                                "the next one prefetched")
+    run_opts.add_argument("--partition", choices=PARTITIONS, default=None,
+                          help="how a preset is cut into pipeline stages: layers (even layer "
+                               "counts, Megatron), parameters (balanced parameter counts, "
+                               "DeepSpeed's PipelineModule), balanced (forward FLOPs with the "
+                               "LM head's; default: the framework's)")
     run_opts.add_argument("--blocking-p2p", action="store_true",
                           help="pipeline stages wait for each send before their next pass")
     p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,

@@ -305,3 +305,28 @@ def test_pipeline_follows_micro_batches_that_change_size(tmp_path: Path) -> None
                                                   f"{data[schedule]['error']}"
             assert data[schedule] == pytest.approx(data["reference"], rel=1e-5, abs=1e-6), \
                 (r, schedule)
+
+
+def test_partition_costs_weigh_the_embedding_and_head_with_the_end_layers() -> None:
+    from flowtrain.plan.partition import partition_costs
+    from flowtrain.plan.workload import layer_of, split_stages
+
+    params = [("embed.weight", (100, 4), "float32", 4)]
+    params += [(f"layers.{i}.w", (4, 4), "float32", 4) for i in range(6)]
+    params += [("norm.weight", (4,), "float32", 4), ("head.weight", (100, 4), "float32", 4)]
+    assert partition_costs(params, "layers", layer_of=layer_of) is None
+    by_params = partition_costs(params, "parameters", layer_of=layer_of)
+    assert by_params == {0: 416.0, 1: 16.0, 2: 16.0, 3: 16.0, 4: 16.0, 5: 420.0}
+    by_flops = partition_costs(params, "balanced", layer_of=layer_of, head_flops_per_token=800.0,
+                               attention_flops_per_token=10.0)
+    assert by_flops == {0: 42.0, 1: 42.0, 2: 42.0, 3: 42.0, 4: 42.0, 5: 842.0}
+    # even: three layers each; by FLOPs the head's stage keeps its last layer alone
+    even = split_stages(params, 2)
+    assert [sorted({layer_of(params[i][0]) for i in s} - {None}) for s in even] == \
+        [[0, 1, 2], [3, 4, 5]]
+    heavy = split_stages(params, 2, by_flops)
+    assert [sorted({layer_of(params[i][0]) for i in s} - {None}) for s in heavy] == \
+        [[0, 1, 2, 3, 4], [5]]
+    assert heavy[0][0] == 0 and heavy[-1][-1] == len(params) - 1
+    with pytest.raises(ValueError, match="partition must be one of.*'random'"):
+        partition_costs(params, "random", layer_of=layer_of)

@@ -18,6 +18,7 @@ from torch import nn
 
 from flowtrain.log import get_logger
 from flowtrain.parallel import ProcessGrid, build_grid
+from flowtrain.plan.partition import partition_balanced
 
 log = get_logger("flowtrain.pipe")
 
@@ -39,47 +40,6 @@ class LayerSpec:
 
     def __repr__(self) -> str:
         return f"LayerSpec({self.typename.__name__})"
-
-
-def partition_balanced(costs: Sequence[float], parts: int) -> list[int]:
-    """Boundaries b (len parts + 1) of contiguous parts minimising the largest part's cost;
-    part i is layers [b[i], b[i+1]). Every part gets at least one layer."""
-    n = len(costs)
-    if parts > n:
-        raise ValueError(f"cannot cut {n} layers into {parts} pipeline stages: each stage "
-                         f"needs at least one layer")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-
-    def cuts_for(limit: float) -> list[int] | None:
-        bounds, start = [0], 0
-        for _ in range(parts - 1):
-            end = start + 1
-            # take layers while under the limit, leaving at least one for each later part
-            while end < n and prefix[end + 1] - prefix[start] <= limit and \
-                    n - (end + 1) >= parts - len(bounds):
-                end += 1
-            bounds.append(end)
-            start = end
-        if prefix[n] - prefix[start] > limit + 1e-9:
-            return None
-        return bounds + [n]
-
-    lo = max(costs) if costs else 0.0
-    hi = prefix[n]
-    best = cuts_for(hi)
-    for _ in range(60):  # bisection on the largest part's cost
-        mid = (lo + hi) / 2
-        found = cuts_for(mid)
-        if found is not None:
-            best, hi = found, mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * max(1.0, hi):
-            break
-    assert best is not None
-    return best
 
 
 class PipelineModule(nn.Module):

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowtrain.plan.partition import partition_balanced
+
 ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -221,17 +223,24 @@ def layer_of(name: str) -> int | None:
     return None
 
 
-def split_stages(params: Sequence[ParamSpec], stages: int) -> list[list[int]]:
-    """Parameter indices of each pipeline stage: numbered layers split evenly in order, what
-    comes before the first layer (embeddings) on the first stage, what comes after the last
-    (final norm, head) on the last."""
+def split_stages(params: Sequence[ParamSpec], stages: int,
+                 layer_costs: Mapping[int, float] | None = None) -> list[list[int]]:
+    """Parameter indices of each pipeline stage: numbered layers split evenly in order (or, with
+    ``layer_costs``, cut so that the costliest stage costs least, as ``PipelineModule``'s
+    partition methods cut), what comes before the first layer (embeddings) on the first stage,
+    what comes after the last (final norm, head) on the last."""
     if stages == 1:
         return [list(range(len(params)))]
     layers = sorted({n for n in (layer_of(p[0]) for p in params) if n is not None})
     if len(layers) < stages:
         raise ValueError(f"pp {stages} needs at least {stages} numbered layers to split the "
                          f"model into stages; its parameter names show {len(layers)}")
-    stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
+    if layer_costs is None:
+        stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
+    else:
+        bounds = partition_balanced([layer_costs.get(n, 0.0) for n in layers], stages)
+        stage_of_layer = {layers[pos]: s for s in range(stages)
+                          for pos in range(bounds[s], bounds[s + 1])}
     out: list[list[int]] = [[] for _ in range(stages)]
     seen_layer = False
     for i, p in enumerate(params):
