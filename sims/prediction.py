@@ -163,17 +163,21 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     ``host_speed`` scales every task's duration (the host computes that much slower now than
     its profile says; on a CPU host comm is CPU work too), so the step scales by it."""
     from sims.executor import execute, step_figures
-    from sims.planner import Workload, build_plan
+    from sims.planner import Workload, lay_out
+    from sims.task_table import TaskTable
 
     started = time.perf_counter()
     work = workload if workload is not None else Workload.from_model(model, cfg.precision)
     try:
-        plan = build_plan(work, cfg, layout, hw, options)
+        # laid out once: the range's ends below only price the same tasks otherwise
+        laid = lay_out(work, cfg, layout, hw, options)
+        plan = laid.price(hw)
     except ValueError as exc:
         raise SimulateError(str(exc)) from None
     tasks = plan.tasks
     if host_speed != 1.0:
-        tasks = tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
+        tasks = tasks.scaled(host_speed) if isinstance(tasks, TaskTable) else \
+            tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
     step_range = None
@@ -181,10 +185,9 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     if kernels is not None and kernels.ranges and host_speed == 1.0:
         ends = []
         for bound in kernels.bounds():
-            bounded = build_plan(work, cfg, layout, dataclasses.replace(hw, kernels=bound),
-                                 options)
-            ends.append(step_figures(execute(bounded.tasks, interference=bounded.interference,
-                                             slowdown=bounded.slowdown)).step_time)
+            bounded = laid.price(dataclasses.replace(hw, kernels=bound))
+            ends.append(execute(bounded.tasks, interference=bounded.interference,
+                                slowdown=bounded.slowdown).step_time)
         step_range = (min(ends), max(ends))
     elapsed = time.perf_counter() - started
     notes = list(plan.notes)

@@ -1,14 +1,18 @@
 """The compiled list scheduler and interval sums (``sims.schedule_kernels``, behind
 ``sims.executor.execute`` and ``step_figures``) against the plain-Python reference executor
 they replace where collectives run at their own speed: the same start and end of every task,
-to the last bit, on random task graphs full of ties."""
+to the last bit, on random task graphs full of ties and on real pipeline, interleaved and
+ZeRO-3 plans; and a step laid out once and priced on other hardware is the step built there."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from typing import Any
 
 import pytest
 
+from flowtrain.plan.workload import Workload
 from sims.executor import (
     SimTask,
     Timeline,
@@ -17,6 +21,7 @@ from sims.executor import (
     step_figures,
     step_figures_reference,
 )
+from sims.planner import build_plan, lay_out
 from sims.task_table import TaskTable
 
 RESOURCES = ("compute", "comm:dp", "comm:tp", "comm:pp", "copy:h2d", "host", "other")
@@ -81,3 +86,33 @@ def test_refusals_name_the_same_task() -> None:
         with pytest.raises(ValueError, match=str(reference.value).replace("(", r"\(")
                            .replace(")", r"\)").replace(".", r"\.")):
             execute(tasks)
+
+
+# -- real plans --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def published() -> Any:
+    import sim_published
+
+    return {r["id"]: r for r in sim_published.load_runs()}, sim_published
+
+
+@pytest.mark.parametrize("run_id", [
+    "mlm24-119b",  # 1F1B, ZeRO-1, 4 stages
+    "tt-l31-405b-512gpu-3d-fp8-interleaved",  # interleaved, ZeRO-3 over a pipeline
+    "lf-mpt7b-h100-8",  # ZeRO-3 gathers and per-micro-batch reduce-scatters
+    "nemo2407-llama3-8b-8gpu",  # context parallel, data parallel only
+])
+def test_published_plans_run_as_the_reference_runs_them(published: Any, run_id: str) -> None:
+    runs, module = published
+    model, cfg, layout, hw, options = module.prepare(runs[run_id])
+    work = Workload.from_model(model, cfg.precision)
+    step = lay_out(work, cfg, layout, hw, options)
+    for kernels in (hw.kernels, *hw.kernels.bounds()):
+        other = dataclasses.replace(hw, kernels=kernels)
+        plan = step.price(other)
+        # priced on the laid-out step, or built from scratch there: the same tasks
+        built = build_plan(work, cfg, layout, other, options)
+        assert list(plan.tasks) == list(built.tasks)
+        fast = execute(plan.tasks, interference=plan.interference)
+        assert_same(fast, execute_reference(list(plan.tasks), interference=plan.interference))
