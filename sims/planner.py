@@ -9,7 +9,8 @@ finer where communication overlaps a pass; its docstring lists the task names), 
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
            "LaidOutStep", "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan",
            "config_bucket_numel", "lay_out", "layer_of", "module_units", "one_f_one_b",
-           "pipeline_tasks", "split_stages", "stage3_uses"]
+           "paused_gc", "pipeline_tasks", "split_stages", "stage3_uses"]
 
 # The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
 # DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
@@ -208,12 +209,19 @@ def lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
             options: SimOptions | None = None) -> LaidOutStep:
     """The step of ``work`` (see ``build_plan``) laid out for ``hw``'s kind of device, ready to
     be priced (``LaidOutStep.price``) on ``hw`` or on hardware that differs in speeds only."""
-    # A big step's graph is millions of small tuples, none of them in a reference cycle: the
-    # cyclic collector, which would walk them all again at each of its passes, waits.
+    with paused_gc():
+        return _lay_out(work, cfg, layout, hw, options)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused (as it was after): a big step's graph is millions
+    of small tuples, none of them in a reference cycle, which each of the collector's passes
+    would walk again while the step is laid out, priced and run."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _lay_out(work, cfg, layout, hw, options)
+        yield
     finally:
         if enabled:
             gc.enable()

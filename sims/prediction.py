@@ -162,6 +162,16 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
     ``host_speed`` scales every task's duration (the host computes that much slower now than
     its profile says; on a CPU host comm is CPU work too), so the step scales by it."""
+    from sims.planner import paused_gc
+
+    # the step's graph is freed when _predict returns, before the collector runs again
+    with paused_gc():
+        return _predict(model, cfg, layout, hw, cluster=cluster, workload=workload,
+                        host_speed=host_speed, options=options)
+
+
+def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, workload: Any,
+             host_speed: float, options: Any) -> Prediction:
     from sims.executor import execute, step_figures
     from sims.planner import Workload, lay_out
     from sims.task_table import TaskTable
