@@ -14,6 +14,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from sims.task_table import INTERFERENCE_KIND, SimTask, TaskTable
+
 RESOURCES = ("compute", "comm:dp", "comm:tp", "comm:pp", "copy:h2d", "copy:d2h", "host")
 # Resources whose busy time is useful work rather than data movement: communication that runs
 # while one of these is busy is hidden; the rest is exposed.
@@ -23,34 +27,12 @@ WORK_RESOURCES = ("compute", "host")
 PASS_KINDS = ("forward", "backward", "tp")
 
 
-@dataclass(frozen=True, slots=True)
-class SimTask:
-    """One task of the step on a representative rank of pipeline stage ``stage``."""
-
-    name: str
-    kind: str
-    resource: str
-    duration: float  # seconds
-    deps: tuple[int, ...] = ()  # indices into the plan's task list
-    stage: int = 0
-    flops: float = 0.0
-    bytes: float = 0.0
-    # A collective: on CPU hosts its progress also takes a share of the compute resource.
-    collective: bool = False
-    # That share for this collective when it differs from the plan's (None: the plan's), e.g.
-    # a CPU host's shared-memory channel, whose summing is the rank's own CPU work.
-    interference: float | None = None
-    # How much longer the collective takes while its stage computes (the cores are shared
-    # both ways on CPU hosts), when it differs from the plan's (None: the plan's).
-    slowdown: float | None = None
-
-
 @dataclass(frozen=True)
 class Timeline:
     """Where every task ran: ``start[i]``/``end[i]`` belong to ``tasks[i]``. Tasks past the
     plan's own (``planned`` of them) are the compute time that collectives took on CPU hosts."""
 
-    tasks: tuple[SimTask, ...]
+    tasks: Sequence[SimTask]  # a tuple, or a TaskTable read task by task on demand
     start: tuple[float, ...]
     end: tuple[float, ...]
     planned: int
@@ -61,6 +43,8 @@ class Timeline:
 
     @property
     def stages(self) -> int:
+        if isinstance(self.tasks, TaskTable):
+            return self.tasks.stage_count()
         return 1 + max((t.stage for t in self.tasks), default=0)
 
     def spans(self) -> list[tuple[SimTask, float, float]]:
@@ -84,35 +68,141 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
             slowdown: float = 1.0) -> Timeline:
     """Runs ``tasks`` in virtual time and returns where each ran.
 
-    ``interference`` (a CPU host's ``comm_compute_interference``): every collective also puts
-    that fraction of its duration (its own ``interference`` when set) on its stage's compute
-    resource, as a task that becomes ready when the collective starts and ranks right behind
-    it in plan order.
+    ``interference`` (a CPU host's ``comm_compute_interference``, a GPU's overlap slowdown):
+    every collective also puts that fraction of its duration (its own ``interference`` when
+    set) on its stage's compute resource, as a task that becomes ready when the collective
+    starts and ranks right behind it in plan order.
 
     ``slowdown`` (a CPU host's ``compute_comm_slowdown``): the other side of sharing the cores.
     While its stage's compute runs (anything but the collectives' own interference tasks), a
     collective progresses at 1 / ``slowdown`` (its own ``slowdown`` when set) of its speed
     alone; its duration is its time alone.
+
+    Where no collective is slowed so (GPU profiles), the schedule is fixed once each task
+    starts, and a compiled list scheduler (``sims.schedule_kernels``) runs it over the task
+    table's arrays, with the same rules and results as ``execute_reference``, which runs the
+    rest.
     """
+    _check_factors(interference, slowdown)
+    if isinstance(tasks, TaskTable) and not len(tasks.companions):
+        table = tasks
+        _check_table(table)
+    else:
+        given = tuple(tasks)
+        for i, task in enumerate(given):
+            _check_task(i, task, len(given))
+        table = TaskTable.from_tasks(given)
+    columns, durations = table.columns, table.durations
+    factor = np.where(np.isnan(table.slowdown), slowdown, table.slowdown)
+    if np.any(columns.collective & (durations > 0) & (factor > 1.0)):
+        return execute_reference(table, interference=interference, slowdown=slowdown)
+    return _execute_fixed(table, interference)
+
+
+def _check_factors(interference: float, slowdown: float) -> None:
     if not 0.0 <= interference <= 1.0:
         raise ValueError(f"interference must be a fraction from 0 to 1, got {interference!r}")
     if not slowdown >= 1.0:
         raise ValueError(f"slowdown must be a factor of at least 1, got {slowdown!r}")
+
+
+def _check_task(i: int, task: SimTask, n: int) -> None:
+    if task.duration < 0:
+        raise ValueError(f"task {task.name!r} has a negative duration {task.duration!r}")
+    if task.interference is not None and not 0.0 <= task.interference <= 1.0:
+        raise ValueError(f"task {task.name!r} has interference {task.interference!r}; it "
+                         f"must be a fraction from 0 to 1")
+    if task.slowdown is not None and not task.slowdown >= 1.0:
+        raise ValueError(f"task {task.name!r} has slowdown {task.slowdown!r}; it must be a "
+                         f"factor of at least 1")
+    for d in task.deps:
+        if not 0 <= d < n or d == i:
+            raise ValueError(f"task {task.name!r} depends on index {d}, which is not another "
+                             f"task of the plan (0..{n - 1})")
+
+
+def _check_table(table: TaskTable) -> None:
+    """``_check_task`` over the table's arrays; the first task that fails it is named."""
+    n = table.planned
+    own, slowed = table.interference, table.slowdown
+    bad = [np.flatnonzero(table.durations < 0)[:1],
+           np.flatnonzero(~np.isnan(own) & ~((own >= 0.0) & (own <= 1.0)))[:1],
+           np.flatnonzero(~np.isnan(slowed) & ~(slowed >= 1.0))[:1],
+           table.columns.bad_dependency()]
+    found = np.concatenate(bad)
+    if len(found):
+        i = int(found.min())
+        _check_task(i, table[i], n)
+
+
+def _row_resources(table: TaskTable) -> tuple[np.ndarray, list[tuple[int, str]]]:
+    """Each row's resource id (companions on their stage's compute), ids numbered in order of
+    first use, and the (stage, resource) of each."""
+    planned, keys = table.columns.resource_ids()
+    if not len(table.companions):
+        return planned, keys
+    keys = list(keys)
+    ids = {key: rid for rid, key in enumerate(keys)}
+    stages = table.columns.stages[table.companions]
+    compute = np.zeros(int(stages.max()) + 1, dtype=np.int64)
+    for s in dict.fromkeys(stages.tolist()):  # in order of first use
+        if (s, "compute") not in ids:
+            ids[(s, "compute")] = len(keys)
+            keys.append((s, "compute"))
+        compute[s] = ids[(s, "compute")]
+    return np.concatenate([planned, compute[stages]]), keys
+
+
+def _execute_fixed(table: TaskTable, interference: float) -> Timeline:
+    """``execute`` where every task runs at its own speed: the compiled list scheduler."""
+    from sims.schedule_kernels import list_schedule
+
+    columns, durations = table.columns, table.durations
+    n = table.planned
+    share = np.where(np.isnan(table.interference), interference, table.interference)
+    parents = np.flatnonzero(columns.collective & (durations > 0) & (share > 0))
+    table = table.with_companions(parents, durations[parents] * share[parents])
+    total = len(table)
+    resource, keys = _row_resources(table)
+    priority = np.concatenate([2 * np.arange(n, dtype=np.int64), 2 * parents + 1])
+    companion = np.full(total, -1, dtype=np.int64)
+    companion[parents] = n + np.arange(len(parents), dtype=np.int64)
+    offsets, children = columns.children()
+    child_start = np.concatenate([offsets, np.full(total - n, offsets[-1], dtype=np.int64)])
+    waiting = np.concatenate([columns.edges()[0], np.zeros(total - n, dtype=np.int64)])
+    is_compute = np.array([r == "compute" for _, r in keys], dtype=np.bool_)
+    start, end, finished, done = list_schedule(
+        np.concatenate([durations, table.companion_durations]), resource, priority,
+        child_start, children, waiting, companion, is_compute, len(keys), n)
+    if done != total:
+        _refuse_cycle(table, total - int(done), waiting, finished)
+    return Timeline(table, tuple(start.tolist()), tuple(end.tolist()), n)
+
+
+def _refuse_cycle(tasks: Sequence[SimTask], left: int, waiting: Sequence[int] | np.ndarray,
+                  finished: Sequence[bool] | np.ndarray) -> None:
+    stuck = next(i for i in range(len(tasks)) if waiting[i] > 0)
+    blocker = next(d for d in tasks[stuck].deps if not finished[d])
+    raise ValueError(f"the plan's dependencies form a cycle: {left} tasks never became ready, "
+                     f"e.g. {tasks[stuck].name!r} (stage {tasks[stuck].stage}) waits for "
+                     f"{tasks[blocker].name!r}")
+
+
+def execute_reference(tasks: Sequence[SimTask], *, interference: float = 0.0,
+                      slowdown: float = 1.0) -> Timeline:
+    """``execute`` in plain Python, event by event: the reference semantics, and the executor
+    of steps whose collectives slow down while their stage computes (a CPU host's).
+
+    Each resource runs one task at a time. At each instant every task that ends then finishes
+    first; then each free resource starts its ready task that comes first in plan order (a
+    collective's interference task right behind the collective), compute resources choosing
+    after the others so that the interference of a collective starting then is among their
+    choices."""
+    _check_factors(interference, slowdown)
     all_tasks = list(tasks)
     n = len(all_tasks)
     for i, task in enumerate(all_tasks):
-        if task.duration < 0:
-            raise ValueError(f"task {task.name!r} has a negative duration {task.duration!r}")
-        if task.interference is not None and not 0.0 <= task.interference <= 1.0:
-            raise ValueError(f"task {task.name!r} has interference {task.interference!r}; it "
-                             f"must be a fraction from 0 to 1")
-        if task.slowdown is not None and not task.slowdown >= 1.0:
-            raise ValueError(f"task {task.name!r} has slowdown {task.slowdown!r}; it must be a "
-                             f"factor of at least 1")
-        for d in task.deps:
-            if not 0 <= d < n or d == i:
-                raise ValueError(f"task {task.name!r} depends on index {d}, which is not another "
-                                 f"task of the plan (0..{n - 1})")
+        _check_task(i, task, n)
     # Collectives slowed while their stage computes: index -> factor.
     stretch = {i: f for i, t in enumerate(all_tasks) if t.collective and t.duration > 0
                for f in [slowdown if t.slowdown is None else t.slowdown] if f > 1.0}
@@ -124,8 +214,8 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
         share = interference if task.interference is None else task.interference
         if task.collective and task.duration > 0 and share > 0:
             companion[i] = len(all_tasks)
-            all_tasks.append(SimTask(f"interference/{task.name}", "interference", "compute",
-                                     task.duration * share, (), task.stage))
+            all_tasks.append(SimTask(f"{INTERFERENCE_KIND}/{task.name}", INTERFERENCE_KIND,
+                                     "compute", task.duration * share, (), task.stage))
     total = len(all_tasks)
 
     # Resource ids, and each task's priority key: plan order, companions right behind theirs.
@@ -172,7 +262,8 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
 
     def computing(stage: int) -> bool:
         rid = compute_of.get(stage)
-        return rid is not None and busy[rid] and all_tasks[running[rid]].kind != "interference"
+        return rid is not None and busy[rid] and \
+            all_tasks[running[rid]].kind != INTERFERENCE_KIND
 
     def retime(stage: int) -> None:
         flights = in_flight.get(stage)
@@ -245,11 +336,7 @@ def execute(tasks: Sequence[SimTask], *, interference: float = 0.0,
                     heapq.heappush(ready[res_of[child]], (priority[child], child))
                     dirty.add(res_of[child])
     if done != total:
-        stuck = next(i for i in range(n) if waiting[i] > 0)
-        blocker = next(d for d in all_tasks[stuck].deps if not finished[d])
-        raise ValueError(f"the plan's dependencies form a cycle: {total - done} tasks never "
-                         f"became ready, e.g. {all_tasks[stuck].name!r} (stage "
-                         f"{all_tasks[stuck].stage}) waits for {all_tasks[blocker].name!r}")
+        _refuse_cycle(all_tasks, total - done, waiting, finished)
     return Timeline(tuple(all_tasks), tuple(start), tuple(end), n)
 
 
@@ -291,7 +378,38 @@ def step_figures(timeline: Timeline) -> StepFigures:
     resource; it is exposed where no ``compute`` or ``host`` task of the same stage runs beside
     it. The bubble (pipelines only) is the stages' mean idle share of the window from the step's
     start to the last backward anywhere, counting forward/backward compute and its blocking TP
-    all-reduces as busy; with equal stage times and free communication it is (p-1)/(m+p-1)."""
+    all-reduces as busy; with equal stage times and free communication it is (p-1)/(m+p-1).
+    The interval sums run compiled (``sims.schedule_kernels``), in the order of
+    ``step_figures_reference``, which they equal."""
+    from sims.schedule_kernels import interval_figures
+
+    tasks = timeline.tasks
+    table = tasks if isinstance(tasks, TaskTable) else TaskTable.from_tasks(tasks)
+    stages = timeline.stages
+    resource, keys = _row_resources(table)
+    category = np.array([1 if r.startswith(("comm:", "copy:")) else
+                         2 if r in WORK_RESOURCES else 0 for _, r in keys], dtype=np.int8)
+    is_pass = np.concatenate([table.columns.kind_mask(PASS_KINDS),
+                              np.zeros(len(table.companions), dtype=np.bool_)])
+    start = np.array(timeline.start, dtype=np.float64)
+    stage = table.stage_array()
+    busy_s, comm_s, exposed_s, passes_s, window = interval_figures(
+        start, np.array(timeline.end, dtype=np.float64), stage, resource, category, is_pass,
+        np.lexsort((start, stage)), stages, len(keys))
+    busy: list[dict[str, float]] = [{} for _ in range(stages)]
+    for (s, r), seconds in zip(keys, busy_s.tolist()):
+        busy[s][r] = seconds
+    comm_total = exposed_total = idle_share = 0.0
+    for comm, exposed, passes in zip(comm_s.tolist(), exposed_s.tolist(), passes_s.tolist()):
+        comm_total += comm
+        exposed_total += exposed
+        if window > 0:
+            idle_share += 1.0 - passes / window
+    return _figures(timeline.step_time, busy, comm_total, exposed_total, idle_share)
+
+
+def step_figures_reference(timeline: Timeline) -> StepFigures:
+    """``step_figures`` in plain Python, interval list by interval list."""
     stages = timeline.stages
     busy: list[dict[str, float]] = [{} for _ in range(stages)]
     comm: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
@@ -317,12 +435,18 @@ def step_figures(timeline: Timeline) -> StepFigures:
         exposed_total += length - _intersection(c, _union(work[s]))
         if window > 0:
             idle_share += 1.0 - _length(_union(passes[s])) / window
+    return _figures(timeline.step_time, busy, comm_total, exposed_total, idle_share)
+
+
+def _figures(step_time: float, busy: list[dict[str, float]], comm_total: float,
+             exposed_total: float, idle_share: float) -> StepFigures:
+    stages = len(busy)
     names = sorted({r for d in busy for r in d}, key=_resource_order)
     mean_busy = {r: sum(d.get(r, 0.0) for d in busy) / stages for r in names}
     comm_mean, exposed_mean = comm_total / stages, exposed_total / stages
     overlap = None if comm_mean <= 0 else 100.0 * (1.0 - exposed_mean / comm_mean)
     bubble = 100.0 * idle_share / stages if stages > 1 else 0.0
-    return StepFigures(timeline.step_time, mean_busy, comm_mean, exposed_mean, overlap, bubble,
+    return StepFigures(step_time, mean_busy, comm_mean, exposed_mean, overlap, bubble,
                        tuple(busy))
 
 

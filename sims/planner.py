@@ -8,6 +8,9 @@ finer where communication overlaps a pass; its docstring lists the task names), 
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +34,13 @@ from flowtrain.plan.workload import numel as _numel
 from sims.executor import SimTask
 from sims.frameworks import get_framework
 from sims.layer_ops import SimOptions, stage_layer_costs
-from sims.pricing import pipeline_tasks, price
+from sims.pricing import PricedColumns, pipeline_tasks
 from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
-           "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan", "config_bucket_numel",
-           "layer_of", "module_units", "one_f_one_b", "pipeline_tasks", "split_stages",
-           "stage3_uses"]
+           "LaidOutStep", "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan",
+           "config_bucket_numel", "lay_out", "layer_of", "module_units", "one_f_one_b",
+           "paused_gc", "pipeline_tasks", "split_stages", "stage3_uses"]
 
 # The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
 # DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
@@ -49,7 +52,7 @@ class SimPlan:
     """The step's tasks for one representative rank per pipeline stage, and what is needed to
     turn a step time into throughput and MFU."""
 
-    tasks: tuple[SimTask, ...]
+    tasks: Sequence[SimTask]  # a TaskTable: columns, read task by task on demand
     layout: Layout
     workload: str
     micro_batch_size: int
@@ -60,9 +63,14 @@ class SimPlan:
     tokens_per_step: int  # 0 when the sequence length is not known
     model_flops_per_step: float  # forward + backward (3x forward), no recomputation
     interference: float  # fraction of a collective's time it also takes from compute
-    step_plans: tuple[StepPlan, ...] = field(default=())  # the data-parallel plan of each stage
+    stages: tuple[StageLayout, ...] = field(default=(), repr=False)  # each stage's layout
     notes: tuple[str, ...] = ()
     slowdown: float = 1.0  # how much longer a collective takes while its stage computes
+
+    @property
+    def step_plans(self) -> tuple[StepPlan, ...]:
+        """The data-parallel plan of each stage."""
+        return tuple(stage.step_plan for stage in self.stages)
 
 
 def config_bucket_numel(zero: Any, elem_size: int) -> int:
@@ -82,30 +90,103 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
     applied for ``layout.dp`` data-parallel ranks) on ``layout`` with hardware ``hw``;
     ``options`` are what the config has no key for (recompute, sequence parallelism, the
     attention kernel, fp8 GEMMs)."""
-    if not work.params:
-        raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
-    zero = cfg.zero_optimization
+    return lay_out(work, cfg, layout, hw, options).price(hw)
+
+
+@dataclass
+class _Stage:
+    """What one stage's pricing reads besides the hardware."""
+
+    params: list[ParamSpec]
+    weights: list[int]  # the parameters' unsharded element counts
+    total_weight: int  # ... and the whole model's
+    flops: float  # the stage's forward FLOPs of one sample
+    act_bytes: float
+    layout: StageLayout
+
+
+class LaidOutStep:
+    """A step laid out for every pipeline stage (``lay_out``), to be priced on hardware: the
+    tasks and their dependencies do not depend on the hardware's speeds, only their times do,
+    so one layout serves several pricings (the ends of a prediction's range)."""
+
+    def __init__(self, work: Workload, cfg: Any, layout: Layout, options: SimOptions | None,
+                 stages: list[_Stage], costs: list[StageCosts], graph: TaskGraph) -> None:
+        self.work, self.cfg, self.layout, self.options = work, cfg, layout, options
+        self.stages, self.costs = stages, costs
+        self.columns = PricedColumns(graph.columns())
+
+    def price(self, hw: Any) -> SimPlan:
+        """The step's tasks priced on ``hw``; hardware that lays the step out otherwise (other
+        engine overheads as tasks, another kind of device) gets a layout of its own."""
+        work, cfg, layout = self.work, self.cfg, self.layout
+        costs = self.costs if hw is self.costs[0].hw else \
+            [_stage_costs(s, cfg, layout, hw, self.options, stage.params)
+             for s, stage in enumerate(self.stages)]
+        if any(_lays_out(c) != _lays_out(mine) for c, mine in zip(costs, self.costs)):
+            return lay_out(work, cfg, layout, hw, self.options).price(hw)
+        if costs is not self.costs:
+            for c, stage in zip(costs, self.stages):
+                _price_passes(c, stage, work, cfg)
+        zero = cfg.zero_optimization
+        micro_batch = int(cfg.train_micro_batch_size_per_gpu)
+        micro_batches = int(cfg.gradient_accumulation_steps)
+        samples = micro_batch * micro_batches * layout.dp
+        notes = []
+        if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
+                not work.layer_input_bytes_per_sample and \
+                not (layout.tp == 1 and work.stage_output_bytes_per_sample):
+            notes.append("activation size unknown: pipeline sends and TP all-reduces cost "
+                         "latency only")
+        cpu = getattr(hw, "kind", "gpu") == "cpu"
+        kernels = getattr(hw, "kernels", None) if not cpu else None
+        # a CPU host's collectives take cores from compute; a GPU's NCCL kernels take SMs and
+        # memory bandwidth from the kernels they overlap
+        interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else \
+            (kernels.overlap_slowdown if kernels is not None else 0.0)
+        slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
+        return SimPlan(self.columns.price(costs), layout, work.name, micro_batch,
+                       micro_batches, PRECISION_DTYPE[cfg.precision], zero.stage, samples,
+                       samples * work.seq_len, 3.0 * work.forward_flops_per_sample * samples,
+                       interference, tuple(s.layout for s in self.stages), tuple(notes),
+                       slowdown)
+
+
+def _lays_out(costs: StageCosts) -> tuple[Any, ...]:
+    """What of a stage's costs its layout depends on: the device kind, the engine overheads
+    laid out as tasks, and whether a known transformer's pipeline sends are split over TP."""
+    return costs.gpu, frozenset(costs.overheads()), costs.kernels is not None
+
+
+def _stage_costs(s: int, cfg: Any, layout: Layout, hw: Any, options: SimOptions | None,
+                 params: list[ParamSpec]) -> StageCosts:
     dtype = PRECISION_DTYPE[cfg.precision]
     comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
-    comm_elem = DTYPE_BYTES.get(comm_dtype, 4)
-    micro_batch = int(cfg.train_micro_batch_size_per_gpu)
-    micro_batches = int(cfg.gradient_accumulation_steps)
-    weights_all = [_numel(p[1]) for p in work.params]
-    total_weight = sum(weights_all)
-    if total_weight == 0:
-        raise ValueError(f"model {work.name!r} has only empty parameters")
-    opts = options or SimOptions()
-    fw = get_framework(opts.framework)
-    shape = work.transformer
-    costs = stage_layer_costs(work.params, opts, hidden=shape.hidden, vocab=shape.vocab,
-                              seq_len=shape.seq_len) if shape is not None else \
-        stage_layer_costs(work.params, opts)
-    if layout.pp == 1:
-        costs = None
-    graph = TaskGraph()
-    stage_costs = []
-    step_plans = []
+    return StageCosts(s, layout=layout, hw=hw, cfg=cfg, params=params,
+                      micro_batches=int(cfg.gradient_accumulation_steps),
+                      micro_batch=int(cfg.train_micro_batch_size_per_gpu), dtype=dtype,
+                      comm_elem=DTYPE_BYTES.get(comm_dtype, 4), options=options)
+
+
+def _price_passes(costs: StageCosts, stage: _Stage, work: Workload, cfg: Any) -> None:
+    costs.price_passes(stage.layout.segments, stage.layout.buckets, stage_flops=stage.flops,
+                       work=work, weights=stage.weights, total_weight=stage.total_weight,
+                       dtype=PRECISION_DTYPE[cfg.precision], cfg=cfg,
+                       act_bytes=stage.act_bytes)
+
+
+def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
+                  ) -> tuple[list[list[ParamSpec]], list[list[int]],
+                             list[list[list[int]]] | None]:
+    """Each stage's parameters as one rank holds them, their global indices, and (interleaved)
+    each stage's chunks' global parameter indices; an unmeasured model is cut by the options'
+    partition method."""
     v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
+    shape = work.transformer
+    costs = None if layout.pp == 1 else \
+        stage_layer_costs(work.params, options, hidden=shape.hidden, vocab=shape.vocab,
+                          seq_len=shape.seq_len) if shape is not None else \
+        stage_layer_costs(work.params, options)
     chunks: list[list[list[int]]] | None = None  # each stage's chunks' global param indices
     if work.stage_params:
         if len(work.stage_params) != layout.pp:
@@ -126,17 +207,62 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
         split = [[i for chunk in stage for i in chunk] for stage in chunks]
     else:
         split = split_stages(work.params, layout.pp, costs)
+    params = [[work.params[i] if work.split_for_tp else tp_shard(work.params[i], layout.tp)
+               for i in indices] for indices in split]
+    return params, split, chunks
+
+
+def lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
+            options: SimOptions | None = None) -> LaidOutStep:
+    """The step of ``work`` (see ``build_plan``) laid out for ``hw``'s kind of device, ready to
+    be priced (``LaidOutStep.price``) on ``hw`` or on hardware that differs in speeds only."""
+    with paused_gc():
+        return _lay_out(work, cfg, layout, hw, options)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused (as it was after): a big step's graph is millions
+    of small tuples, none of them in a reference cycle, which each of the collector's passes
+    would walk again while the step is laid out, priced and run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
+             options: SimOptions | None) -> LaidOutStep:
+    if not work.params:
+        raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
+    zero = cfg.zero_optimization
+    dtype = PRECISION_DTYPE[cfg.precision]
+    comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
+    comm_elem = DTYPE_BYTES.get(comm_dtype, 4)
+    micro_batch = int(cfg.train_micro_batch_size_per_gpu)
+    micro_batches = int(cfg.gradient_accumulation_steps)
+    weights_all = [_numel(p[1]) for p in work.params]
+    total_weight = sum(weights_all)
+    if total_weight == 0:
+        raise ValueError(f"model {work.name!r} has only empty parameters")
+    opts = options or SimOptions()
+    fw = get_framework(opts.framework)
+    v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
+    graph = TaskGraph()
+    stage_costs = []
+    stages = []
+    stage_params, split, chunks = _stage_params(work, cfg, layout, opts)
     for s, indices in enumerate(split):
-        params = [work.params[i] if work.split_for_tp else tp_shard(work.params[i], layout.tp)
-                  for i in indices]
+        params = stage_params[s]
         weights = [weights_all[i] for i in indices]
         if work.stage_flops_per_sample:
             flops = work.stage_flops_per_sample[s]
         else:
             flops = work.forward_flops_per_sample * sum(weights) / total_weight
-        priced = StageCosts(s, layout=layout, hw=hw, cfg=cfg, params=params,
-                            micro_batches=micro_batches, micro_batch=micro_batch, dtype=dtype,
-                            comm_elem=comm_elem, options=options)
+        priced = _stage_costs(s, cfg, layout, hw, options, params)
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
                                    or work.layer_input_bytes_per_sample)
@@ -165,27 +291,8 @@ def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
             param_gather_overlap=opts.param_gather_overlap or fw.param_gather_overlap,
             fsdp=opts.fsdp or fw.fsdp_units,
             blocking_p2p=opts.blocking_p2p or fw.blocks_sends(v))
-        priced.price_passes(stage.segments, stage.buckets, stage_flops=flops, work=work,
-                            weights=weights, total_weight=total_weight, dtype=dtype, cfg=cfg,
-                            act_bytes=act_bytes)
+        stages.append(_Stage(params, weights, total_weight, flops, act_bytes, stage))
+        _price_passes(priced, stages[-1], work, cfg)
         stage.build()
         stage_costs.append(priced)
-        step_plans.append(stage.step_plan)
-    samples = micro_batch * micro_batches * layout.dp
-    notes = []
-    if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
-            not work.layer_input_bytes_per_sample and \
-            not (layout.tp == 1 and work.stage_output_bytes_per_sample):
-        notes.append("activation size unknown: pipeline sends and TP all-reduces cost latency "
-                     "only")
-    cpu = getattr(hw, "kind", "gpu") == "cpu"
-    kernels = getattr(hw, "kernels", None) if not cpu else None
-    # a CPU host's collectives take cores from compute; a GPU's NCCL kernels take SMs and
-    # memory bandwidth from the kernels they overlap
-    interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else \
-        (kernels.overlap_slowdown if kernels is not None else 0.0)
-    slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
-    return SimPlan(price(graph.resolve(), stage_costs), layout, work.name, micro_batch,
-                   micro_batches, dtype, zero.stage, samples, samples * work.seq_len,
-                   3.0 * work.forward_flops_per_sample * samples, interference,
-                   tuple(step_plans), tuple(notes), slowdown)
+    return LaidOutStep(work, cfg, layout, options, stages, stage_costs, graph)

@@ -167,9 +167,20 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     its profile says; on a CPU host comm is CPU work too), so the step scales by it.
     ``software``: the training stack whose memory layout the estimate follows
     (``sims.memory.SOFTWARE``; by default the one of the options' framework)."""
+    from sims.planner import paused_gc
+
+    # the step's graph is freed when _predict returns, before the collector runs again
+    with paused_gc():
+        return _predict(model, cfg, layout, hw, cluster=cluster, workload=workload,
+                        host_speed=host_speed, options=options, software=software)
+
+
+def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, workload: Any,
+             host_speed: float, options: Any, software: str | None) -> Prediction:
     from sims.executor import execute, step_figures
     from sims.frameworks import get_framework
-    from sims.planner import Workload, build_plan
+    from sims.planner import Workload, lay_out
+    from sims.task_table import TaskTable
 
     if software is None:
         software = get_framework(options.framework if options is not None
@@ -177,12 +188,15 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     started = time.perf_counter()
     work = workload if workload is not None else Workload.from_model(model, cfg.precision)
     try:
-        plan = build_plan(work, cfg, layout, hw, options)
+        # laid out once: the range's ends below only price the same tasks otherwise
+        laid = lay_out(work, cfg, layout, hw, options)
+        plan = laid.price(hw)
     except ValueError as exc:
         raise SimulateError(str(exc)) from None
     tasks = plan.tasks
     if host_speed != 1.0:
-        tasks = tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
+        tasks = tasks.scaled(host_speed) if isinstance(tasks, TaskTable) else \
+            tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
     step_range = None
@@ -190,10 +204,9 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     if kernels is not None and kernels.ranges and host_speed == 1.0:
         ends = []
         for bound in kernels.bounds():
-            bounded = build_plan(work, cfg, layout, dataclasses.replace(hw, kernels=bound),
-                                 options)
-            ends.append(step_figures(execute(bounded.tasks, interference=bounded.interference,
-                                             slowdown=bounded.slowdown)).step_time)
+            bounded = laid.price(dataclasses.replace(hw, kernels=bound))
+            ends.append(execute(bounded.tasks, interference=bounded.interference,
+                                slowdown=bounded.slowdown).step_time)
         step_range = (min(ends), max(ends))
     elapsed = time.perf_counter() - started
     notes = list(plan.notes)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flowtrain.plan.graph import OVERHEADS, GraphTask, bare_pipeline
+import numpy as np
+
+from flowtrain.plan.graph import OVERHEADS, GraphColumns, GraphTask, bare_pipeline
 from sims import costs
-from sims.executor import SimTask
 from sims.stage_costs import StageCosts
+from sims.task_table import SimTask, TaskColumns, TaskTable, first_use_ids
 
 
 def task_seconds(task: GraphTask, stage: StageCosts) -> tuple[float, float | None, float | None]:
@@ -50,6 +52,36 @@ def price(graph: Sequence[GraphTask], stages: Sequence[StageCosts]) -> tuple[Sim
                            t.flops,
                            t.nbytes, t.resource.startswith("comm:"), interference, slowdown))
     return tuple(out)
+
+
+class PricedColumns:
+    """A laid-out graph read for pricing, once for every pricing of it: the executor's task
+    columns, and each task's price key (tasks of one stage with the same cost, argument and
+    size cost the same), so that each key is priced once."""
+
+    def __init__(self, graph: GraphColumns) -> None:
+        self.graph = graph
+        self.tasks = TaskColumns(graph.names, graph.kinds, graph.resources, graph.stages,
+                                 graph.deps, graph.flops, graph.nbytes)
+        # keys numbered as they first occur, with the first task of each
+        key_of, first = first_use_ids(graph.stages, graph.costs, graph.args, graph.nbytes)
+        self.key_of, self.first = key_of, first.tolist()
+        self.repeats = np.array(graph.repeats, dtype=np.int64)
+
+    def price(self, stages: Sequence[StageCosts]) -> TaskTable:
+        """What ``price`` makes of the graph, as a task table."""
+        nan = float("nan")
+        seconds, shares, slowed = [], [], []
+        for i in self.first:
+            task = self.graph.task(i)
+            s, share, slow = task_seconds(task, stages[task.stage])
+            seconds.append(s)
+            shares.append(nan if share is None else share)
+            slowed.append(nan if slow is None else slow)
+        key_of = self.key_of
+        durations = np.array(seconds, dtype=np.float64)[key_of] * self.repeats
+        return TaskTable(self.tasks, durations, np.array(shares, dtype=np.float64)[key_of],
+                         np.array(slowed, dtype=np.float64)[key_of])
 
 
 def pipeline_tasks(stages: int, micro_batches: int, forward_s: float, backward_s: float,

@@ -29,18 +29,22 @@ Task names (the first two path parts are the name the engine records for a span)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from flowtrain.plan import names
 from flowtrain.plan.buckets import BucketPlan, plan_buckets, plan_units
-from flowtrain.plan.schedule import handover, stage_ops
+from flowtrain.plan.schedule import handover, stage_ops, stage_passes
 from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
-from flowtrain.plan.step_plan import StepPlan, build_step_plan, gather_uses
+from flowtrain.plan.step_plan import StepPlan, build_step_plan, gather_uses, pass_flops
+from flowtrain.plan.task_graph import GraphColumns, GraphTask, TaskGraph
 from flowtrain.plan.workload import ParamSpec, layer_of, module_units
+
+__all__ = ["COSTS", "OVERHEADS", "GraphColumns", "GraphTask", "Segment", "StageLayout",
+           "TaskGraph", "bare_pipeline", "link_of", "segments"]
 
 # What decides a task's time (``GraphTask.cost``), besides the engine's overheads below:
 # "forward" / "backward": a pass over segment ``arg`` of the stage (-1: every segment);
@@ -70,57 +74,6 @@ class Segment:
     label: str
     params: list[int]  # stage-local parameter indices
     layer: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class GraphTask:
-    """One task of a stage's step, unpriced: ``cost`` (one of ``COSTS`` or ``OVERHEADS``) and
-    ``arg`` say what its time depends on."""
-
-    name: str
-    kind: str
-    resource: str
-    cost: str
-    stage: int = 0
-    deps: tuple[int, ...] = ()  # indices into the graph's task list
-    flops: float = 0.0
-    nbytes: float = 0.0
-    arg: int = -1
-    # the stage's model chunk (interleaved schedule) a pass or send belongs to; None otherwise
-    chunk: int | None = None
-    # how many times the cost is paid in a row (a pass's TP collectives, one set per layer)
-    repeat: int = 1
-
-
-class TaskGraph:
-    """Collects the tasks of every stage; dependencies on tasks of later stages are given by
-    (stage, name) and resolved once every task exists."""
-
-    def __init__(self) -> None:
-        self.tasks: list[GraphTask] = []
-        self.index: dict[tuple[int, str], int] = {}
-        self.forward_refs: list[tuple[int, tuple[int, str]]] = []
-
-    def add(self, stage: int, name: str, kind: str, resource: str, cost: str,
-            deps: Sequence[int | None] = (), refs: Sequence[tuple[int, str]] = (), *,
-            arg: int = -1, flops: float = 0.0, nbytes: float = 0.0,
-            chunk: int | None = None, repeat: int = 1) -> int:
-        i = len(self.tasks)
-        self.tasks.append(GraphTask(name, kind, resource, cost, stage,
-                                    tuple(dict.fromkeys(d for d in deps if d is not None)),
-                                    flops, nbytes, arg, chunk, repeat))
-        self.index[(stage, name)] = i
-        self.forward_refs += [(i, ref) for ref in refs]
-        return i
-
-    def resolve(self) -> tuple[GraphTask, ...]:
-        for i, ref in self.forward_refs:
-            if ref not in self.index:
-                raise KeyError(f"the plan refers to task {ref[1]!r} of stage {ref[0]}, which "
-                               f"was never built")
-            t = self.tasks[i]
-            self.tasks[i] = dataclasses.replace(t, deps=t.deps + (self.index[ref],))
-        return tuple(self.tasks)
 
 
 def _size(param: ParamSpec) -> int:
@@ -256,19 +209,36 @@ class StageLayout:
         # the gathers each segment waits for before its first forward (param_gather_overlap)
         self.gathers_before: dict[int, list[int]] = {}
         self.uses = self._stage3_uses(zero) if self.partitioned else None
-        self.step_plan: StepPlan = build_step_plan(
-            params, world_size=dp, gradient_accumulation_steps=micro_batches,
-            micro_batch_size=micro_batch, bucket_numel=bucket_numel, comm_dtype=comm_dtype,
-            comm_elem_size=comm_elem, forward_flops=forward_flops, buckets=buckets,
-            reduce_every_micro_batch=self.reduce_every_mb, stage=stage, stages=stages,
-            schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
-            chunk_flops=chunk_flops,
-            stage3=(self.uses, self.trace) if self.uses is not None else None)
+        self.params, self.forward_flops, self.chunk_flops = params, forward_flops, chunk_flops
+        self.micro_batch, self.bucket_numel = micro_batch, bucket_numel
+        self.comm_dtype = comm_dtype
+        # the passes in the order the step plan runs them (the plan itself is made when read)
+        self.passes = stage_passes("interleaved" if self.v > 1 else "1f1b", stage, stages,
+                                   micro_batches, self.v)
         self.layer_count = len({seg.layer for seg in self.segments if seg.layer is not None})
+        # per segment: whether a TP layer's all-reduces follow it going forward and backward
+        self.ends_forward = [self._ends_layer(j, +1) for j in range(len(self.segments))]
+        self.ends_backward = [self._ends_layer(j, -1) for j in range(len(self.segments))]
+        self.tp_bytes = 2 * self.act_bytes  # a layer's two all-reduces of its output
+        # the stage, send and chunk each kind of receive of each chunk gets its tensor from
+        self.peers: dict[tuple[str, int | None], tuple[int, str, int | None]] = {}
         # a bucket's gradients are complete after the backward of its earliest-forward segment
         self.ready_after: dict[int, list[BucketPlan]] = {}
         for b in self.buckets:
             self.ready_after.setdefault(min(seg_of[s.index] for s in b.slots), []).append(b)
+
+    @cached_property
+    def step_plan(self) -> StepPlan:
+        """The engine's step plan of the stage, which the graph cuts finer."""
+        return build_step_plan(
+            self.params, world_size=self.dp, gradient_accumulation_steps=self.m,
+            micro_batch_size=self.micro_batch, bucket_numel=self.bucket_numel,
+            comm_dtype=self.comm_dtype, comm_elem_size=self.comm_elem,
+            forward_flops=self.forward_flops, buckets=self.buckets,
+            reduce_every_micro_batch=self.reduce_every_mb, stage=self.stage, stages=self.pp,
+            schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
+            chunk_flops=self.chunk_flops,
+            stage3=(self.uses, self.trace) if self.uses is not None else None)
 
     def _stage3_uses(self, zero: Any) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -315,29 +285,36 @@ class StageLayout:
         if self.gather_ahead:
             self._gathers_ahead(seg_of={i: j for j, seg in enumerate(self.segments)
                                         for i in seg.params})
-        passes = self.step_plan.chunk_pass_order()
+        passes = self.passes
         self.last_backward = max((i for i, (op, _, _) in enumerate(passes) if op == "backward"),
                                  default=-1)
+        last_chunk = self.pp * self.v - 1
+        act_link, grad_link = link_of("send_act", s, self.pp), link_of("send_grad", s, self.pp)
+        loss, pass_start = "loss" in self.overheads, "pass_start" in self.overheads
         for i, (op, k, c) in enumerate(passes):
             here = s if c is None else c * self.pp + s  # the model's chunk
             if op == "forward":
                 refs = self._handed("recv_act", k, c) if here > 0 else []
-                last, refs = self._pass_start("forward", k, c, last, refs)
+                if pass_start:
+                    last, refs = self._pass_start("forward", k, c, last, refs)
                 last = self._forward(k, c, last, refs)
-                last = self._overhead("loss", names.overhead("loss", k, c), "overhead", last)
-                if here < self.pp * self.v - 1:
+                if loss:
+                    last = self._overhead("loss", names.overhead("loss", k, c), "overhead",
+                                          last)
+                if here < last_chunk:
                     sent = graph.add(s, names.pipe_op("send_act", k, c), "send", "comm:pp",
-                                     "send", [last], arg=link_of("send_act", s, self.pp),
-                                     nbytes=self.send_bytes, chunk=c)
+                                     "send", (last,), arg=act_link, nbytes=self.send_bytes,
+                                     chunk=c)
                     last = sent if self.blocking_p2p else last
             else:
-                refs = self._handed("recv_grad", k, c) if here < self.pp * self.v - 1 else []
-                last, refs = self._pass_start("backward", k, c, last, refs)
+                refs = self._handed("recv_grad", k, c) if here < last_chunk else []
+                if pass_start:
+                    last, refs = self._pass_start("backward", k, c, last, refs)
                 last = self._backward(k, c, last, refs, reduces, i == self.last_backward)
                 if here > 0:
                     sent = graph.add(s, names.pipe_op("send_grad", k, c), "send", "comm:pp",
-                                     "send", [last], arg=link_of("send_grad", s, self.pp),
-                                     nbytes=self.recv_bytes, chunk=c)
+                                     "send", (last,), arg=grad_link, nbytes=self.recv_bytes,
+                                     chunk=c)
                     last = sent if self.blocking_p2p else last
         last = self._overhead("step", names.overhead("step"), "overhead", last,
                               [reduces[-1] if reduces else None])
@@ -359,9 +336,12 @@ class StageLayout:
 
     def _handed(self, kind: str, k: int, c: int | None) -> list[tuple[int, str]]:
         """The send a pass waits for: (stage, task name) of the chunk that hands it over."""
-        peer, chunk = handover(kind, self.stage, self.pp, c)
-        return [(peer, names.pipe_op("send_act" if kind == "recv_act" else "send_grad", k,
-                                     chunk))]
+        peer = self.peers.get((kind, c))
+        if peer is None:
+            stage, chunk = handover(kind, self.stage, self.pp, c)
+            peer = self.peers[(kind, c)] = \
+                (stage, "send_act" if kind == "recv_act" else "send_grad", chunk)
+        return [(peer[0], names.pipe_op(peer[1], k, peer[2]))]
 
     def _pass_start(self, kind: str, k: int, c: int | None, last: int | None,
                     refs: list[tuple[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
@@ -404,23 +384,27 @@ class StageLayout:
                  refs: list[tuple[int, str]]) -> int:
         s, graph = self.stage, self.graph
         if not self._pass_chunked(k, backward=False):
-            last = graph.add(s, names.forward(k), "forward", "compute", "forward", [last], refs,
-                             flops=self.step_plan.task(names.forward(k)).flops)
+            last = graph.add(s, names.forward(k), "forward", "compute", "forward", (last,), refs,
+                             flops=pass_flops("forward", self.forward_flops))
             return self._pass_tp("fwd", k, last)
         segs = self.chunk_segments[c or 0]
+        segments, ends = self.segments, self.ends_forward
         for j in segs:
-            seg = self.segments[j]
+            seg = segments[j]
             first = refs if j == segs[0] else []
-            last, first = self._fetch("forward", k, j, last, first)
-            waits = self._gathers(k, j, "fwd", last)
-            if k == 0:
-                waits += self.gathers_before.get(j, [])
-            last = graph.add(s, names.forward(k, seg.label, chunk=c), "forward", "compute",
-                             "forward", [last, *waits], first, arg=j, chunk=c)
-            if self._ends_layer(j, +1):
+            waits: list[int] = []
+            if self.uses is not None:
+                last, first = self._fetch("forward", k, j, last, first)
+                waits = self._gathers(k, j, "fwd", last)
+            if k == 0 and self.gathers_before:
+                waits = waits + self.gathers_before.get(j, [])
+            last = graph.add(s, names.pass_task("forward", k, seg.label, chunk=c), "forward",
+                             "compute", "forward", [last, *waits] if waits else (last,),
+                             first, arg=j, chunk=c)
+            if ends[j]:
                 assert seg.layer is not None
                 last = graph.add(s, names.tp("fwd", k, seg.layer, c), "tp", "comm:tp", "tp",
-                                 [last], arg=0, nbytes=2 * self.act_bytes, chunk=c)
+                                 (last,), arg=0, nbytes=self.tp_bytes, chunk=c)
         assert last is not None
         return last
 
@@ -439,8 +423,8 @@ class StageLayout:
             return last
         mb = k if self.reduce_every_mb and self.m > 1 else None
         if not self._pass_chunked(k, backward=True):
-            last = graph.add(s, names.backward(k), "backward", "compute", "backward", [last],
-                             refs, flops=self.step_plan.task(names.backward(k)).flops)
+            last = graph.add(s, names.backward(k), "backward", "compute", "backward", (last,),
+                             refs, flops=pass_flops("backward", self.forward_flops))
             last = self._pass_tp("bwd", k, last)
             if reduce_now:
                 for b in self.buckets:
@@ -459,10 +443,10 @@ class StageLayout:
             if self.uses is not None and self.bucket_of_seg[j] is not None:
                 last = self._overhead("release", names.release(k, seg.label), "backward",
                                       last)
-            if self._ends_layer(j, -1):
+            if self.ends_backward[j]:
                 assert seg.layer is not None
                 last = graph.add(s, names.tp("bwd", k, seg.layer), "tp", "comm:tp", "tp",
-                                 [last], arg=1, nbytes=2 * self.act_bytes)
+                                 (last,), arg=1, nbytes=self.tp_bytes)
             if reduce_now:
                 for b in self.ready_after.get(j, []):
                     if "bucket_hand_off" in self.overheads:
@@ -477,14 +461,16 @@ class StageLayout:
         """Chunk ``c``'s backward over its segments, last first (interleaved)."""
         s, graph = self.stage, self.graph
         segs = self.chunk_segments[c]
+        segments, ends = self.segments, self.ends_backward
         for j in reversed(segs):
-            seg = self.segments[j]
-            last = graph.add(s, names.backward(k, seg.label, chunk=c), "backward", "compute",
-                             "backward", [last], refs if j == segs[-1] else [], arg=j, chunk=c)
-            if self._ends_layer(j, -1):
+            seg = segments[j]
+            last = graph.add(s, names.pass_task("backward", k, seg.label, chunk=c), "backward",
+                             "compute", "backward", (last,), refs if j == segs[-1] else (),
+                             arg=j, chunk=c)
+            if ends[j]:
                 assert seg.layer is not None
                 last = graph.add(s, names.tp("bwd", k, seg.layer, c), "tp", "comm:tp", "tp",
-                                 [last], arg=1, nbytes=2 * self.act_bytes, chunk=c)
+                                 (last,), arg=1, nbytes=self.tp_bytes, chunk=c)
         assert last is not None
         return last
 

@@ -43,10 +43,16 @@ def layer(index: int) -> str:
     return f"layer{index}"
 
 
+# A step of a big pipeline has hundreds of thousands of tasks: the name makers below spell a
+# name in one f-string (the simulator lays every task out by name).
+
 def pass_task(kind: str, mb: int, *piece: str, chunk: int | None = None) -> str:
     """``forward/mb{k}`` or ``backward/mb{k}`` (of model chunk ``chunk``); with ``piece``, a
     part of that pass."""
-    return "/".join((_check("pass", kind, PASSES), micro_batch(mb, chunk), *piece))
+    if kind not in PASSES:
+        _check("pass", kind, PASSES)
+    head = f"{kind}/mb{mb}" if chunk is None else f"{kind}/mb{mb}.chunk{chunk}"
+    return "/".join((head, *piece)) if piece else head
 
 
 def forward(mb: int, *piece: str, chunk: int | None = None) -> str:
@@ -61,7 +67,9 @@ def pipe_op(kind: str, mb: int, chunk: int | None = None) -> str:
     """A pipeline instruction: a pass, or a send/receive of activations or gradients."""
     if kind in PASSES:
         return pass_task(kind, mb, chunk=chunk)
-    return f"{_check('pipeline instruction', kind, PIPE_OPS)}/{micro_batch(mb, chunk)}"
+    if kind not in PIPE_OPS:
+        _check("pipeline instruction", kind, PIPE_OPS)
+    return f"{kind}/mb{mb}" if chunk is None else f"{kind}/mb{mb}.chunk{chunk}"
 
 
 def reduce(index: int, mb: int | None = None) -> str:
@@ -97,8 +105,10 @@ def tp(direction: str, mb: int, layer_index: int | None = None,
        chunk: int | None = None) -> str:
     """A layer's tensor-parallel all-reduces of one pass (every layer's: ``layer_index``
     None)."""
-    base = f"tp/{_check('direction', direction, DIRECTIONS)}/{micro_batch(mb, chunk)}"
-    return base if layer_index is None else f"{base}/{layer(layer_index)}"
+    if direction not in DIRECTIONS:
+        _check("direction", direction, DIRECTIONS)
+    base = f"tp/{direction}/mb{mb}" if chunk is None else f"tp/{direction}/mb{mb}.chunk{chunk}"
+    return base if layer_index is None else f"{base}/layer{layer_index}"
 
 
 def handoff(kind: str, mb: int, chunk: int | None = None) -> str:

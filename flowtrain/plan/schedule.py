@@ -80,7 +80,33 @@ def interleaved_order(stages: int, micro_batches: int, virtual_stages: int
 def stage_ops(schedule: str, stage: int, stages: int, micro_batches: int,
               virtual_stages: int = 1) -> list[Op]:
     """The instructions stage ``stage`` runs for one optimizer step (``virtual_stages``: model
-    chunks per stage, more than one only with the interleaved schedule)."""
+    chunks per stage, more than one only with the interleaved schedule): each pass of
+    ``stage_passes``, after the receive of its input and before the send of its output (none
+    at the model's ends)."""
+    passes = stage_passes(schedule, stage, stages, micro_batches, virtual_stages)
+    last_chunk = stages * virtual_stages - 1  # the model's last chunk (c * p + stage)
+    ops: list[Op] = []
+    for kind, mb, c in passes:
+        here = stage if c is None else c * stages + stage
+        if kind == "forward":
+            if here > 0:
+                ops.append(Op("recv_act", mb, c))
+            ops.append(Op("forward", mb, c))
+            if here < last_chunk:
+                ops.append(Op("send_act", mb, c))
+        else:
+            if here < last_chunk:
+                ops.append(Op("recv_grad", mb, c))
+            ops.append(Op("backward", mb, c))
+            if here > 0:
+                ops.append(Op("send_grad", mb, c))
+    return ops
+
+
+def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int,
+                 virtual_stages: int = 1) -> list[tuple[str, int, int | None]]:
+    """The passes stage ``stage`` runs for one optimizer step, in order: (``forward`` |
+    ``backward``, micro-batch, model chunk or None without interleaving)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of "
                          f"{', '.join(SCHEDULES)}")
@@ -93,75 +119,40 @@ def stage_ops(schedule: str, stage: int, stages: int, micro_batches: int,
     if virtual_stages != 1:
         raise ValueError(f"pipeline.virtual_stages {virtual_stages} needs pipeline.schedule "
                          f"'interleaved', not {schedule!r}")
-    first, last = stage == 0, stage == stages - 1
-
-    def fwd(mb: int) -> list[Op]:
-        ops = [] if first else [Op("recv_act", mb)]
-        ops.append(Op("forward", mb))
-        if not last:
-            ops.append(Op("send_act", mb))
-        return ops
-
-    def bwd(mb: int) -> list[Op]:
-        ops = [] if last else [Op("recv_grad", mb)]
-        ops.append(Op("backward", mb))
-        if not first:
-            ops.append(Op("send_grad", mb))
-        return ops
-
-    ops: list[Op] = []
+    forwards: list[tuple[str, int, int | None]] = [("forward", mb, None)
+                                                   for mb in range(micro_batches)]
+    backwards: list[tuple[str, int, int | None]] = [("backward", mb, None)
+                                                    for mb in range(micro_batches)]
     if schedule == "gpipe":
-        for mb in range(micro_batches):
-            ops += fwd(mb)
-        for mb in range(micro_batches):
-            ops += bwd(mb)
-        return ops
+        return forwards + backwards
     warmup = min(stages - stage - 1, micro_batches)
-    for mb in range(warmup):
-        ops += fwd(mb)
-    for i in range(micro_batches - warmup):
-        ops += fwd(warmup + i)
-        ops += bwd(i)
-    for mb in range(micro_batches - warmup, micro_batches):
-        ops += bwd(mb)
-    return ops
+    return _one_f_one_b(forwards, backwards, warmup)
 
 
-def _interleaved(stage: int, stages: int, micro_batches: int, virtual_stages: int) -> list[Op]:
+def _one_f_one_b(forwards: list[tuple[str, int, int | None]],
+                 backwards: list[tuple[str, int, int | None]],
+                 warmup: int) -> list[tuple[str, int, int | None]]:
+    """``warmup`` forwards, then one forward and one backward in turn, then the backwards
+    left."""
+    out = forwards[:warmup]
+    for i in range(len(forwards) - warmup):
+        out.append(forwards[warmup + i])
+        out.append(backwards[i])
+    out += backwards[len(forwards) - warmup:]
+    return out
+
+
+def _interleaved(stage: int, stages: int, micro_batches: int, virtual_stages: int
+                 ) -> list[tuple[str, int, int | None]]:
     check_interleaving(stages, micro_batches, virtual_stages)
     p, v = stages, virtual_stages
-    last_chunk = p * v - 1  # the model's last chunk (global numbering c * p + stage)
-
-    def fwd(c: int, mb: int) -> list[Op]:
-        here = c * p + stage
-        ops = [Op("recv_act", mb, c)] if here > 0 else []
-        ops.append(Op("forward", mb, c))
-        if here < last_chunk:
-            ops.append(Op("send_act", mb, c))
-        return ops
-
-    def bwd(c: int, mb: int) -> list[Op]:
-        here = c * p + stage
-        ops = [Op("recv_grad", mb, c)] if here < last_chunk else []
-        ops.append(Op("backward", mb, c))
-        if here > 0:
-            ops.append(Op("send_grad", mb, c))
-        return ops
-
-    forwards = interleaved_order(p, micro_batches, v)
+    order = interleaved_order(p, micro_batches, v)
+    forwards: list[tuple[str, int, int | None]] = [("forward", mb, c) for c, mb in order]
     # a chunk's backwards go in its forwards' order, the chunks from the model's end
-    backwards = [(v - 1 - c, mb) for c, mb in forwards]
-    total = len(forwards)
-    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-    ops: list[Op] = []
-    for c, mb in forwards[:warmup]:
-        ops += fwd(c, mb)
-    for i in range(total - warmup):
-        ops += fwd(*forwards[warmup + i])
-        ops += bwd(*backwards[i])
-    for c, mb in backwards[total - warmup:]:
-        ops += bwd(c, mb)
-    return ops
+    backwards: list[tuple[str, int, int | None]] = [("backward", mb, v - 1 - c)
+                                                    for c, mb in order]
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p, len(forwards))
+    return _one_f_one_b(forwards, backwards, warmup)
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:

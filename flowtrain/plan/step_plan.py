@@ -107,6 +107,11 @@ def gather_uses(uses: Stage3Uses, trace: Sequence[int]) -> list[list[tuple[int, 
     return out
 
 
+def pass_flops(kind: str, forward_flops: float) -> float:
+    """A ``kind`` pass's FLOPs over what one forward of it computes (a backward: twice)."""
+    return forward_flops if kind == "forward" else 2 * forward_flops
+
+
 def build_step_plan(
     params: Sequence[ParamSpec],
     *,
@@ -189,8 +194,7 @@ def build_step_plan(
         forward = op.kind == "forward"
         positions = range(0, half) if forward else range(half, 2 * half)
         waits = add_gathers(mb, positions, previous) if gathers is not None else ()
-        fwd_flops = forward_flops if op.chunk is None else per_chunk[op.chunk]
-        flops = fwd_flops if forward else 2 * fwd_flops
+        flops = pass_flops(op.kind, forward_flops if op.chunk is None else per_chunk[op.chunk])
         previous = (add(Task(op.task_name, op.kind, "compute", previous + waits, flops,
                              micro_batch=mb, chunk=op.chunk)),)
         if not forward and world_size > 1 and (every or i == last_backward):
