@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flowtrain.config import load_config  # noqa: E402
 from flowtrain.plan.workload import Layout, Workload  # noqa: E402
-from sims.frameworks import get_framework  # noqa: E402
 from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
 from sims.layer_ops import SimOptions  # noqa: E402
 from sims.memory import memory_per_rank  # noqa: E402
@@ -74,11 +73,6 @@ def framework(run: Mapping[str, Any]) -> str:
 
 def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text())["runs"])
-
-
-def unmodelled(run: Mapping[str, Any]) -> list[str]:
-    """What a run uses that the simulator does not model yet (its prediction is still made)."""
-    return []
 
 
 def architecture(run: Mapping[str, Any]) -> Architecture:
@@ -155,8 +149,7 @@ def memory(run: Mapping[str, Any]) -> tuple[dict[str, float], int]:
     simulating its step."""
     model, cfg, layout, hw, options = prepare(run)
     return memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
-                           options=options, software=get_framework(framework(run)).memory), \
-        int(hw.device_memory_bytes)
+                           options=options), int(hw.device_memory_bytes)
 
 
 def memory_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -202,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                      "range_s": [low, high], "published_in_range": inside,
                      "peak_memory_gib": (p.peak_memory_bytes or 0) / 2**30, "oom": p.oom,
                      "published_memory_gib": stated, "memory": p.memory,
-                     "framework": framework(run), "unmodelled": unmodelled(run)})
+                     "framework": framework(run)})
         mem = f"{(p.peak_memory_bytes or 0) / 2**30:.1f}" + (f" ({stated:.1f})" if stated else "")
         print(f"{run['id'][:40]:40s} {run['source'][:26]:26s} {run['hardware']['gpus']:6d} "
               f"{published:11.3f} {predicted:11.3f} {error * 100:+6.1f}%  "

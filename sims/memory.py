@@ -22,6 +22,7 @@ from typing import Any
 from flowtrain.config import load_config
 from flowtrain.plan.workload import layer_of, split_stages
 from sims.activation_memory import Kernels, in_flight, layer_bytes, loss_bytes
+from sims.frameworks import get_framework
 from sims.layer_ops import SimOptions, cfg_checkpoints_activations, stage_layer_costs
 from sims.memory_states import (
     ADAM_K,
@@ -147,14 +148,15 @@ def _layer_figures(model: ModelSpec, *, tp: int, partition: bool, options: SimOp
 def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int | None = None,
                     pp: int | None = None, checkpointing: bool | None = None,
                     options: SimOptions | None = None,
-                    software: str | Software = "deepspeed") -> dict[str, float]:
+                    software: str | Software | None = None) -> dict[str, float]:
     """Bytes one rank needs at its peak, for the pipeline stage that needs the most, with the
     parts that make it up.
 
     Model states ("parameters", "gradients", "optimizer"; "model_states" their sum) of the
     stage's parameters divided by ``tp``, over dp = world_size / (tp · pp) ranks, with the
     config's ZeRO stage, offload and precision (bf16/fp16: mixed, else fp32), laid out as
-    ``software`` does (``Software``; "deepspeed" by default: ``model_state_bytes``).
+    ``software`` does (``Software``; by default the layout of the options' framework,
+    ``sims.frameworks``, which for flowtrain's is "deepspeed": ``model_state_bytes``).
     Activations: ``train_micro_batch_size_per_gpu`` samples of each model chunk's layers
     (16-bit formula bytes, doubled for fp32) for every micro-batch chunk the pipeline schedule
     holds at once ("activations_held"; 1F1B stage i: min(pp - i, gradient_accumulation_steps)
@@ -176,7 +178,9 @@ def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int |
     per-token activations and whether the GEMMs run in fp8. Without ``options`` the maps are
     kept. "pipeline_stage" names the stage of the peak; "host" is what lives in host memory.
     """
-    soft = software_named(software)
+    soft = software_named(software if software is not None else
+                          get_framework(options.framework if options is not None
+                                        else "flowtrain").memory)
     if checkpointing is None and options is not None and options.recompute is not None:
         checkpointing = options.recompute == "full"
     positive_int("world_size", world_size)

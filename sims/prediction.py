@@ -166,7 +166,8 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     ``host_speed`` scales every task's duration (the host computes that much slower now than
     its profile says; on a CPU host comm is CPU work too), so the step scales by it.
     ``software``: the training stack whose memory layout the estimate follows
-    (``sims.memory.SOFTWARE``; by default the one of the options' framework)."""
+    (``sims.memory.SOFTWARE``; by default the one of the options' framework, as
+    ``memory_per_rank`` takes it)."""
     from sims.planner import paused_gc
 
     # the step's graph is freed when _predict returns, before the collector runs again
@@ -178,13 +179,9 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
 def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, workload: Any,
              host_speed: float, options: Any, software: str | None) -> Prediction:
     from sims.executor import execute, step_figures
-    from sims.frameworks import get_framework
     from sims.planner import Workload, lay_out
     from sims.task_table import TaskTable
 
-    if software is None:
-        software = get_framework(options.framework if options is not None
-                                 else "flowtrain").memory
     started = time.perf_counter()
     work = workload if workload is not None else Workload.from_model(model, cfg.precision)
     try:

@@ -127,7 +127,8 @@ def test_passes_are_one_op_per_module_at_the_ranks_threads_and_factors() -> None
 
     one = build_plan(tiny_workload(), sim_config(1), Layout(1, 1), hw).tasks
     by_name = {t.name: t for t in one}
-    # one rank of a 2-core host: 2 threads, no slowdown, the nearest job factor (2 ranks)
+    # one rank of the profile's 2 cores: 2 threads, no slowdown, the nearest job factor
+    # (2 ranks)
     assert by_name["forward/mb0"].duration == pytest.approx(expected("forward", 2, 1.25))
     assert by_name["backward/mb0"].duration == pytest.approx(expected("backward", 2, 1.25))
     two = {t.name: t for t in build_plan(tiny_workload(), sim_config(2), Layout(1, 2), hw).tasks}
@@ -230,7 +231,7 @@ def test_pipeline_hand_offs_are_tasks_of_their_own() -> None:
     assert classes["forward"] + classes["backward"] == pytest.approx(sum(passes) / 2)
     with pytest.raises(ValueError, match="split into 2 pipeline stages"):
         build_plan(work, sim_config(1), Layout(1, 3, pp=3), hw)
-    # 4 ranks (2 stages x 2 data parallel) on the 2-core host: the hand-offs measured on 2
+    # 4 ranks (2 stages x 2 data parallel) on the profile's 2 cores: the hand-offs measured on 2
     # ranks take 2.0 / 1.1 as long (the ranks' compute slowdown), the stages broadcast the
     # loss, and clipping sums the norm over all 4 ranks
     four = {t.name: t for t in build_plan(work, sim_config(2, gradient_accumulation_steps=2),

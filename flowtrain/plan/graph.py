@@ -181,7 +181,7 @@ class StageLayout:
         self.fsdp = fsdp and self.partitioned
         self.blocking_p2p = blocking_p2p
         self.segments = segments(params, self.partitioned, blocks=self.fsdp)
-        seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
+        self.seg_of = seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
         # each chunk's segments, in forward order (one chunk, every segment, without them)
         self.chunk_segments = [list(range(len(self.segments)))]
@@ -283,8 +283,7 @@ class StageLayout:
         last: int | None = None
         reduces: list[int] = []
         if self.gather_ahead:
-            self._gathers_ahead(seg_of={i: j for j, seg in enumerate(self.segments)
-                                        for i in seg.params})
+            self._gathers_ahead()
         passes = self.passes
         self.last_backward = max((i for i, (op, _, _) in enumerate(passes) if op == "backward"),
                                  default=-1)
@@ -322,10 +321,10 @@ class StageLayout:
                               last)
         self._step(last, reduces[-1] if reduces else None)
 
-    def _gathers_ahead(self, seg_of: dict[int, int]) -> None:
+    def _gathers_ahead(self) -> None:
         """The previous step's parameter all-gathers, one per whole bucket in the order the
         forward reads them, each before the first segment that uses its parameters."""
-        first_use = {b.index: min(seg_of[slot.index] for slot in b.slots)
+        first_use = {b.index: min(self.seg_of[slot.index] for slot in b.slots)
                      for b in self.buckets if not b.partitioned}
         last: int | None = None
         for b in sorted(first_use, key=lambda i: (first_use[i], i)):
