@@ -54,8 +54,8 @@ SOURCE_FRAMEWORKS = {
     # NeMo 1.x: Megatron-LM's layers with Apex's DistributedFusedAdam, which reduce-scatters
     # gradient buckets during backward and gathers the parameters under the next forward
     "nemo-megatron-launcher-2022": "megatron-core",
-    "bloom-2022": "deepspeed", "mtnlg-2022": "deepspeed",  # Megatron-DeepSpeed
-    "opt-2022": "fsdp",  # metaseq: FairScale's fully sharded data parallel
+    "bloom-2022": "megatron-deepspeed", "mtnlg-2022": "megatron-deepspeed",
+    "opt-2022": "fsdp1",  # metaseq: FairScale's fully sharded data parallel
     "torchtitan-bench": "fsdp", "nemo-automodel-perf": "fsdp",  # FSDP2
     "llmfoundry-bench": "llm-foundry", "llama3-2024": "llama3",
 }
@@ -81,7 +81,8 @@ def architecture(run: Mapping[str, Any]) -> Architecture:
     return Architecture(family, int(m["layers"]), int(m["hidden"]), int(m["heads"]),
                         int(m.get("kv_heads") or m["heads"]), int(m["ffn"]), int(m["vocab"]),
                         int(m["seq_len"]), source=run["citation"],
-                        dropout=bool(m.get("dropout", False)))
+                        dropout=bool(m.get("dropout", False)),
+                        tied=m.get("tied_embeddings"))
 
 
 def profile(run: Mapping[str, Any]) -> HardwareProfile:

@@ -16,6 +16,17 @@ BUCKETS = ("config", "whole", "megatron")
 # pipeline sends: "never" block the stage, "always" do, or only in plain 1F1B ("1f1b")
 BLOCKING = ("never", "always", "1f1b")
 WHOLE_STAGE = 2**62
+# the cross-entropy over the logits (sims.layer_ops prices each): "fused" (one kernel reads
+# the logits and writes the loss and its fp32 row statistics; backward reads them once and
+# writes the gradient), "eager" (torch's F.cross_entropy over fp32-cast logits, its primitive
+# kernels), "megatron" (Megatron's vocab-parallel cross-entropy: a kernel per step over fp32
+# logits)
+LOSSES = ("fused", "eager", "megatron")
+# the copies a sharded data-parallel framework makes of each unit's parameters and gradients
+# around its collectives, on top of the collectives (``Framework.shard_copy_bytes``): "none";
+# "fsdp1" (PyTorch's FullyShardedDataParallel and FairScale's: flat parameters, the gathered
+# flat parameter used in place); "fsdp2" (fully_shard: per-parameter sharding)
+SHARD_COPIES = ("none", "fsdp1", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -35,11 +46,21 @@ class Framework:
     zero1_reduce_scatter: bool = False
     # how a model is cut into pipeline stages (flowtrain.plan.partition.PARTITIONS)
     partition: str = "layers"
+    # the cross-entropy's kernels (sims.layer_ops.LOSSES)
+    loss: str = "fused"
+    # what ZeRO 2-3 copies around its collectives (SHARD_COPIES)
+    shard_copies: str = "none"
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
             raise ValueError(f"Framework.buckets must be one of {', '.join(BUCKETS)}, got "
                              f"{self.buckets!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"Framework.loss must be one of {', '.join(LOSSES)}, got "
+                             f"{self.loss!r}")
+        if self.shard_copies not in SHARD_COPIES:
+            raise ValueError(f"Framework.shard_copies must be one of {', '.join(SHARD_COPIES)}, "
+                             f"got {self.shard_copies!r}")
         if self.blocking_p2p not in BLOCKING:
             raise ValueError(f"Framework.blocking_p2p must be one of {', '.join(BLOCKING)}, "
                              f"got {self.blocking_p2p!r}")
@@ -52,6 +73,33 @@ class Framework:
             return max(40_000_000, 1_000_000 * dp)
         return config_numel
 
+    def shard_copy_bytes(self, param_elem: int, reduce_elem: int, *, gathers: bool
+                         ) -> tuple[float, float]:
+        """Bytes per parameter element of a unit that the framework's copies stream in one
+        micro-batch's forward and in its backward (``param_elem``: the gathered parameters'
+        element size; ``reduce_elem``: the gradient reduce's; ``gathers``: the unit is gathered
+        for each pass, as ZeRO-3 does, not kept between them as ZeRO-2 does).
+
+        - "fsdp1" (torch.distributed.fsdp ``_runtime_utils``: ``_post_backward_hook``,
+          ``_reduce_grad``): the forward uses the gathered flat parameter in place. Backward
+          produces the flat gradient from the parameters' views (read and write), casts it to
+          the reduce dtype where that differs (read, write) and divides it by the pre-divide
+          factor, which is above 1 for every world size over 1 (read, write), before the
+          reduce-scatter.
+        - "fsdp2" (torch.distributed.fsdp ``_fully_shard/_fsdp_collectives``): each all-gather's
+          output is copied out into the parameters (``foreach_all_gather_copy_out``: read,
+          write), in forward and again in backward where the unit was resharded; the
+          gradients are copied, cast to the reduce dtype, into the reduce-scatter's input
+          (``foreach_reduce``: read, write); the division rides on the reduce (a pre-multiplied
+          sum)."""
+        e, r = param_elem, reduce_elem
+        if self.shard_copies == "fsdp1":
+            return 0.0, 2.0 * e + (e + r if r != e else 0.0) + 2.0 * r
+        if self.shard_copies == "fsdp2":
+            out = 2.0 * e
+            return out, (out if gathers else 0.0) + e + r
+        return 0.0, 0.0
+
     def blocks_sends(self, virtual_stages: int) -> bool:
         return self.blocking_p2p == "always" or \
             (self.blocking_p2p == "1f1b" and virtual_stages == 1)
@@ -60,24 +108,39 @@ class Framework:
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("flowtrain", "flowtrain's engine: DeepSpeed's buckets and ZeRO, sends while it "
                            "computes, ZeRO-1 all-reduces"),
-    Framework("deepspeed", "DeepSpeed (and Megatron-DeepSpeed): ZeRO-1 reduce-scatters, its "
-                           "pipeline engine waits on each send, its PipelineModule cuts "
-                           "stages by parameter count", blocking_p2p="always",
-              zero1_reduce_scatter=True, partition="parameters"),
+    Framework("deepspeed", "DeepSpeed: ZeRO-1 reduce-scatters, its pipeline engine waits on "
+                           "each send, its PipelineModule cuts stages by parameter count, "
+                           "the model's loss is torch's eager cross-entropy",
+              blocking_p2p="always", zero1_reduce_scatter=True, partition="parameters",
+              loss="eager"),
+    Framework("megatron-deepspeed", "Megatron-DeepSpeed: DeepSpeed's engine (as deepspeed) "
+                                    "training Megatron's layers and its vocab-parallel "
+                                    "cross-entropy",
+              blocking_p2p="always", zero1_reduce_scatter=True, partition="parameters",
+              loss="megatron"),
     Framework("megatron-lm", "Megatron-LM before Megatron-Core (2020-2022): one all-reduce of "
                              "the gradient buffer after the last backward, 1F1B waits on its "
-                             "sends", memory="megatron", buckets="whole",
-              blocking_p2p="always", zero1_reduce_scatter=True),
+                             "sends, its vocab-parallel cross-entropy", memory="megatron",
+              buckets="whole", blocking_p2p="always", zero1_reduce_scatter=True,
+              loss="megatron"),
     Framework("megatron-core", "Megatron-Core (NeMo, Megatron-Bridge): 40M-parameter buckets "
                                "reduced during backward, the distributed optimizer's gathers "
-                               "under the next forward, sends overlapped when interleaved",
+                               "under the next forward, sends overlapped when interleaved, "
+                               "the vocab-parallel cross-entropy unfused (its default)",
               memory="megatron", buckets="megatron", param_gather_overlap=True,
-              blocking_p2p="1f1b", zero1_reduce_scatter=True),
-    Framework("fsdp", "PyTorch FSDP (torchtitan, NeMo AutoModel, metaseq): a unit per "
-                      "transformer block, the next one prefetched", memory="fsdp",
-              fsdp_units=True),
-    Framework("llm-foundry", "llm-foundry (Composer's FSDP) with MPT's fused loss",
-              memory="llm-foundry", fsdp_units=True),
+              blocking_p2p="1f1b", zero1_reduce_scatter=True, loss="megatron"),
+    Framework("fsdp", "PyTorch FSDP2 (fully_shard: torchtitan, NeMo AutoModel): a unit per "
+                      "transformer block, the next one prefetched, each gather copied out "
+                      "into the parameters and the gradients copied into the reduce, the "
+                      "model's loss torch's eager cross-entropy", memory="fsdp",
+              fsdp_units=True, loss="eager", shard_copies="fsdp2"),
+    Framework("fsdp1", "PyTorch FSDP1 and FairScale FSDP (metaseq): flat parameters, a unit "
+                       "per transformer block, the next one prefetched, the flat gradient "
+                       "built, cast and pre-divided before its reduce-scatter, the model's "
+                       "loss torch's eager cross-entropy", memory="fsdp", fsdp_units=True,
+              loss="eager", shard_copies="fsdp1"),
+    Framework("llm-foundry", "llm-foundry (Composer's FSDP1, as fsdp1) with MPT's fused loss",
+              memory="llm-foundry", fsdp_units=True, shard_copies="fsdp1"),
     Framework("llama3", "Meta's Llama 3 stack (arXiv:2407.21783 Sec. 3.3.2): FSDP-style "
                         "sharding of gradients and optimizer states with 4D parallelism",
               memory="llama3", zero1_reduce_scatter=True),

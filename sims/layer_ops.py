@@ -18,7 +18,7 @@ from typing import Any
 
 from flowtrain.plan.partition import PARTITIONS, partition_costs
 from flowtrain.plan.workload import TransformerShape, layer_of
-from sims.frameworks import get_framework
+from sims.frameworks import LOSSES, get_framework
 
 # "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
 # per-op selective checkpointing: every other matmul and every memory-bound op again; "full":
@@ -101,11 +101,19 @@ class RankShape:
     # eager PyTorch (no fused kernels, no torch.compile): RMSNorm, rotary, SwiGLU and the loss
     # run as their primitive ops, each a kernel streaming its tensors (``eager_bytes``)
     eager: bool = False
+    # how the cross-entropy over the logits runs (``LOSSES``; "eager" when ``eager``)
+    loss: str = "fused"
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
                              f"{self.recompute!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+
+    @property
+    def loss_kernel(self) -> str:
+        return "eager" if self.eager else self.loss
 
 
 def _heads_per_rank(heads: int, tp: int) -> int:
@@ -132,6 +140,18 @@ def eager_bytes(op: str, e: int) -> float:
     per_element = {"rmsnorm": 4 * e + 28, "rotary": 2 * e + 16, "swiglu": 5 * e,
                    "cross_entropy": e + 16, "cross_entropy.grad": e + 24}
     return float(per_element[op])
+
+
+def megatron_loss_bytes(e: int, backward: bool) -> float:
+    """Bytes per logit of Megatron's vocab-parallel cross-entropy (Megatron-LM's
+    ``mpu/cross_entropy.py``, Megatron-Core's ``tensor_parallel/cross_entropy.py`` without
+    ``--cross-entropy-loss-fusion``), each step a kernel of its own over the rank's logits
+    (``e``: their element size). Forward: the cast to fp32 (read e, write 4), the row max
+    (4), subtracting it in place (4, 4), ``exp`` in place (4, 4), the row sum (4) and the
+    division into the softmax it keeps for backward (4, 4). Backward: the softmax scaled by
+    the output gradient in place (4, 4; the target's -1 touches one logit a row), and the
+    cast back to the logits' dtype (4, e)."""
+    return float(12 + e if backward else e + 36)
 
 
 def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
@@ -270,8 +290,19 @@ def head_forward(t: TransformerShape, r: RankShape) -> list[Op]:
     vocab = math.ceil(t.vocab / r.tp)
     return [Stream("final_norm", local * t.hidden * _final_norm_bytes(t, r)),
             Gemm("lm_head", tokens, vocab, t.hidden),
-            Stream("cross_entropy", tokens * vocab * (
-                eager_bytes("cross_entropy", r.act_bytes) if r.eager else r.act_bytes + 4 * 2))]
+            Stream("cross_entropy", tokens * vocab * _loss_bytes(r, backward=False))]
+
+
+def _loss_bytes(r: RankShape, *, backward: bool) -> float:
+    """Bytes per logit the loss streams in one pass (``LOSSES``): a fused kernel reads the
+    logits and writes fp32 statistics forward (e + 8), and backward reads the logits and
+    writes their gradient (4 + e)."""
+    kernel = r.loss_kernel
+    if kernel == "eager":
+        return eager_bytes("cross_entropy.grad" if backward else "cross_entropy", r.act_bytes)
+    if kernel == "megatron":
+        return megatron_loss_bytes(r.act_bytes, backward)
+    return float(4 + r.act_bytes if backward else r.act_bytes + 4 * 2)
 
 
 def _final_norm_bytes(t: TransformerShape, r: RankShape) -> float:
@@ -284,8 +315,7 @@ def _final_norm_bytes(t: TransformerShape, r: RankShape) -> float:
 def head_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     tokens = r.micro_batch * t.seq_len
     vocab = math.ceil(t.vocab / r.tp)
-    grad = eager_bytes("cross_entropy.grad", r.act_bytes) if r.eager else 4 + r.act_bytes
-    return [Stream("cross_entropy.grad", tokens * vocab * grad),
+    return [Stream("cross_entropy.grad", tokens * vocab * _loss_bytes(r, backward=True)),
             Gemm("lm_head.dgrad", tokens, t.hidden, vocab),
             Gemm("lm_head.wgrad", vocab, t.hidden, tokens),
             Stream("final_norm.grad", tokens * t.hidden * _final_norm_bytes(t, r) * 2)]
@@ -347,6 +377,9 @@ class SimOptions:
     # block in plain PyTorch without torch.compile); "fused": as fused kernels (Megatron,
     # Transformer Engine, Apex, torch.compile)
     elementwise: str = "fused"
+    # the cross-entropy's kernels (``LOSSES``); None: the framework's ("eager" with eager
+    # elementwise ops)
+    loss: str | None = None
     # ZeRO 1-2's all-gather of the updated parameters runs under the next step's forward
     # (Megatron's --overlap-param-gather) instead of after the optimizer step
     param_gather_overlap: bool = False
@@ -367,6 +400,12 @@ class SimOptions:
     def stage_partition(self) -> str:
         return self.partition or get_framework(self.framework).partition
 
+    @property
+    def loss_kernel(self) -> str:
+        if self.loss is not None:
+            return self.loss
+        return "eager" if self.elementwise == "eager" else get_framework(self.framework).loss
+
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
@@ -383,6 +422,8 @@ class SimOptions:
         if self.partition is not None and self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, got "
                              f"{self.partition!r}")
+        if self.loss is not None and self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.elementwise not in ELEMENTWISE:
             raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got "
                              f"{self.elementwise!r}")

@@ -24,7 +24,9 @@ class Architecture:
     ``family`` "gpt2": learned positions, LayerNorm and linear biases, GeLU MLP of ``ffn``,
     tied LM head. "llama": rotary positions (no parameters), RMSNorm, no biases, SwiGLU
     MLP of ``ffn``, grouped-query attention with ``kv_heads``, untied LM head. ``dropout``
-    changes only the activation bytes (its masks and outputs are kept for backward).
+    changes only the activation bytes (its masks and outputs are kept for backward); ``tied``
+    overrides the family's LM head (Megatron-Core's GPT unties it with
+    --untie-embeddings-and-output-weights, some Llama-shaped models tie it).
     """
 
     family: str
@@ -38,6 +40,8 @@ class Architecture:
     source: str = ""
     # None: the family's own (GPT-2 trains with dropout 0.1, Llama with none)
     dropout: bool | None = None
+    # None: the family's own (GPT-2 ties the LM head to the token embedding, Llama does not)
+    tied: bool | None = None
 
     @property
     def head_dim(self) -> int:
@@ -49,7 +53,7 @@ class Architecture:
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.family == "gpt2"
+        return self.family == "gpt2" if self.tied is None else self.tied
 
     @property
     def gated_mlp(self) -> bool:
@@ -185,6 +189,8 @@ def architecture_params(arch: Architecture) -> ParamShapes:
                     (p + "mlp.c_fc.weight", (h, f)), (p + "mlp.c_fc.bias", (f,)),
                     (p + "mlp.c_proj.weight", (f, h)), (p + "mlp.c_proj.bias", (h,))]
         out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+        if not arch.tied_embeddings:
+            out.append(("lm_head.weight", (v, h)))
     else:
         kv = arch.kv_dim
         out.append(("model.embed_tokens.weight", (v, h)))
@@ -197,7 +203,9 @@ def architecture_params(arch: Architecture) -> ParamShapes:
                     (p + "mlp.down_proj.weight", (h, f)),
                     (p + "input_layernorm.weight", (h,)),
                     (p + "post_attention_layernorm.weight", (h,))]
-        out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+        out.append(("model.norm.weight", (h,)))
+        if not arch.tied_embeddings:
+            out.append(("lm_head.weight", (v, h)))
     return tuple(out)
 
 

@@ -276,7 +276,8 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
             f" ({src.get('attention', 'profile')})" if attention != "unfused"
             else " (scores stored; softmax and dropout memory-bound)"))
         out.append(f"memory-bound ops: at {kernels.memory_efficiency:.2f} of HBM bandwidth "
-                   f"({src.get('memory_efficiency', 'profile')})")
+                   f"({src.get('memory_efficiency', 'profile')}); elementwise "
+                   f"{opts.elementwise}; loss {opts.loss_kernel}")
         recompute = opts.recompute or ("full" if cfg_checkpoints_activations(cfg) else "none")
         out.append(f"recompute: {recompute}; sequence parallel: "
                    f"{'yes' if opts.sequence_parallel else 'no'}; context parallel: {opts.cp}; "
@@ -345,6 +346,7 @@ def sim_options(ns: argparse.Namespace) -> Any:
                           zero1_reduce="reduce_scatter"
                           if getattr(ns, "zero1_reduce_scatter", False) else None,
                           elementwise=getattr(ns, "elementwise", None) or "fused",
+                          loss=getattr(ns, "loss", None),
                           param_gather_overlap=bool(getattr(ns, "overlap_param_gather",
                                                             False)),
                           fsdp=bool(getattr(ns, "fsdp", False)),

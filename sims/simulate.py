@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from flowtrain.plan.partition import PARTITIONS
-from sims.frameworks import FRAMEWORKS
+from sims.frameworks import FRAMEWORKS, LOSSES
 from sims.prediction import (
     DEFAULT_CLUSTER,
     Prediction,
@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_opts.add_argument("--elementwise", choices=("fused", "eager"), default=None,
                           help="memory-bound ops as fused kernels (default) or as eager "
                                "PyTorch's primitive kernels (no torch.compile)")
+    run_opts.add_argument("--loss", choices=LOSSES, default=None,
+                          help="the cross-entropy's kernels: fused, eager (torch's "
+                               "F.cross_entropy over fp32 logits) or megatron (Megatron's "
+                               "vocab-parallel one; default: the framework's)")
     run_opts.add_argument("--overlap-param-gather", action="store_true",
                           help="ZeRO 1-2: gather the updated parameters under the next "
                                "forward (Megatron's --overlap-param-gather)")

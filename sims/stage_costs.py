@@ -189,9 +189,11 @@ class StageCosts:
                                sequence_parallel=self.options.sequence_parallel,
                                flash=self.attention != "unfused", recompute=self.recompute,
                                act_bytes=DTYPE_BYTES.get(dtype, 2), cp=self.options.cp,
-                               eager=self.options.elementwise == "eager")
+                               eager=self.options.elementwise == "eager",
+                               loss=self.options.loss_kernel)
         if self.kernels is not None and work.transformer is not None:
             self._cost_op_segments(work.transformer, weights, dtype)
+            self._cost_shard_copies()
         else:
             self._cost_segments(work, weights, total_weight, dtype, cfg)
         one = self.collective_seconds_tp(act_bytes)
@@ -292,6 +294,31 @@ class StageCosts:
                 share = w / total if total else 1 / len(members)
                 self.forward_s[j] += fwd * share
                 self.backward_s[j] += bwd * share
+
+    def _cost_shard_copies(self) -> None:
+        """Each segment's share of the copies its framework makes around ZeRO 2-3's
+        collectives (``Framework.shard_copy_bytes``) of the segment's parameters on this rank,
+        streamed at the achieved HBM bandwidth. They run in every micro-batch, as the reduce
+        and (at stage 3) the gathers do without pipeline stages; with pipeline stages the
+        parameters are gathered and their gradients reduced once a step, which the passes do
+        not carry."""
+        kern = self.kernels
+        assert kern is not None
+        if self.stage_no < 2 or self.dp == 1 or self.pp > 1:
+            return
+        fw = get_framework(self.options.framework)
+        forward, backward = fw.shard_copy_bytes(self.param_elem, self.comm_elem,
+                                                gathers=self.stage_no == 3)
+        if not forward and not backward:
+            return
+        rate = self.hw.memory_bandwidth * kern.memory_efficiency
+        for j, seg in enumerate(self.segments):
+            elements = sum(_numel(self.params[i][1]) for i in seg.params)
+            if not elements:
+                continue
+            if forward:
+                self.forward_s[j] += forward * elements / rate + kern.kernel_overhead_s
+            self.backward_s[j] += backward * elements / rate + kern.kernel_overhead_s
 
     def pass_seconds(self, kind: str, segment: int) -> float:
         """A ``kind`` pass over segment ``segment`` (-1: the whole stage)."""

@@ -316,3 +316,86 @@ def test_a_framework_changes_the_plan_as_it_says() -> None:
     assert all(i < first_forward for i, t in enumerate(megatron.tasks) if t.kind == "allgather")
     step = next(i for i, t in enumerate(ours.tasks) if t.kind == "optimizer")
     assert all(i > step for i, t in enumerate(ours.tasks) if t.kind == "allgather")
+
+
+def test_megatron_loss_streams_each_step_of_its_cross_entropy() -> None:
+    from sims.layer_ops import head_backward
+
+    gpt = TransformerShape(24, 2048, 16, 16, 8192, 131072, 4096)
+
+    def loss_bytes(loss: str, backward: bool) -> float:
+        r = RankShape(micro_batch=1, loss=loss)
+        ops = head_backward(gpt, r) if backward else head_forward(gpt, r)
+        return sum(op.bytes for op in ops if isinstance(op, Stream) and
+                   op.label.startswith("cross_entropy"))
+
+    logits = 4096 * 131072
+    # cast (2+4), max (4), subtract (4+4), exp (4+4), sum (4), divide (4+4)
+    assert loss_bytes("megatron", False) == logits * (6 + 4 + 8 + 8 + 4 + 8)
+    # scale by the output gradient (4+4), cast back (4+2)
+    assert loss_bytes("megatron", True) == logits * (8 + 6)
+    assert loss_bytes("fused", False) == logits * (2 + 8)
+    assert loss_bytes("fused", True) == logits * (4 + 2)
+    # tensor parallelism splits the vocabulary, so each rank streams 1/tp of the logits
+    split = sum(op.bytes for op in head_forward(gpt, RankShape(micro_batch=1, tp=4,
+                                                               loss="megatron"))
+                if isinstance(op, Stream) and op.label == "cross_entropy")
+    assert split == loss_bytes("megatron", False) / 4
+    # eager elementwise ops mean the eager loss whatever the framework says
+    assert RankShape(micro_batch=1, eager=True, loss="megatron").loss_kernel == "eager"
+    assert SimOptions(framework="megatron-core").loss_kernel == "megatron"
+    assert SimOptions(framework="megatron-core", loss="fused").loss_kernel == "fused"
+    assert SimOptions(framework="llm-foundry").loss_kernel == "fused"
+    with pytest.raises(ValueError, match="loss must be one of.*'triton'"):
+        SimOptions(loss="triton")
+
+
+def test_fsdp_copies_by_version() -> None:
+    from sims.frameworks import Framework, get_framework
+
+    fsdp1, fsdp2 = get_framework("fsdp1"), get_framework("fsdp")
+    # FSDP1, bf16 parameters reduced in fp32: flatten (2+2), cast (2+4), pre-divide (4+4)
+    assert fsdp1.shard_copy_bytes(2, 4, gathers=True) == (0.0, 4 + 6 + 8)
+    # reduced in bf16: no cast
+    assert fsdp1.shard_copy_bytes(2, 2, gathers=True) == (0.0, 4 + 4)
+    # FSDP2: each gather copied out (2+2), the gradients copied and cast into the reduce (2+4)
+    assert fsdp2.shard_copy_bytes(2, 4, gathers=True) == (4.0, 4 + 6)
+    # ZeRO-2-style (not resharded): gathered once, in forward
+    assert fsdp2.shard_copy_bytes(2, 4, gathers=False) == (4.0, 6)
+    assert get_framework("megatron-core").shard_copy_bytes(2, 4, gathers=True) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="shard_copies must be one of.*'fsdp3'"):
+        Framework("x", "x", shard_copies="fsdp3")
+
+
+def test_fsdp_copies_lengthen_the_passes_by_their_bytes() -> None:
+    from flowtrain.config import load_config
+    from flowtrain.plan.workload import Layout, Workload
+    from sims.models import get_model
+    from sims.planner import build_plan
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                       "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                       "communication_data_type": "fp32"},
+                      world_size=8, check_supported=False)
+    work = Workload.from_model(get_model("llama2-7b", 2048), cfg.precision)
+    hw = get_profile("h100-x8")
+    kern = hw.kernels
+    assert kern is not None
+
+    def compute(framework: str) -> float:
+        plan = build_plan(work, cfg, Layout(1, 8), hw, SimOptions(framework=framework,
+                                                                  loss="fused"))
+        return sum(t.duration for t in plan.tasks if t.kind in ("forward", "backward"))
+
+    # llm-foundry's copies are FSDP1's
+    assert compute("fsdp1") == pytest.approx(compute("llm-foundry"), rel=1e-12)
+    params = sum(math.prod(p[1]) for p in work.params)
+    rate = hw.memory_bandwidth * kern.memory_efficiency
+    segments = len([t for t in build_plan(work, cfg, Layout(1, 8), hw,
+                                          SimOptions(framework="fsdp1")).tasks
+                    if t.kind == "backward"])
+    # FSDP1's 18 bytes per parameter of backward copies over FSDP2's 4 + 10, each segment's
+    # copy a kernel of its own (FSDP2 copies in forward too)
+    extra = compute("fsdp1") - compute("fsdp")
+    assert extra == pytest.approx((18 - 14) * params / rate - segments * kern.kernel_overhead_s,
+                                  rel=1e-6)

@@ -4,6 +4,7 @@ formula (hand-computed) and against what autograd saves, and trace_module on the
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -56,6 +57,20 @@ def test_preset_shapes_follow_hugging_face_layouts() -> None:
     assert llama3["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)  # 8 KV heads x 128
     assert llama3["model.layers.31.mlp.gate_proj.weight"] == (14336, 4096)
     assert llama3["lm_head.weight"] == (128256, 4096)
+
+
+def test_an_architecture_may_untie_or_tie_its_head() -> None:
+    from dataclasses import replace
+
+    gpt2 = models.PRESETS["gpt2"]
+    untied = models.architecture_params(replace(gpt2, tied=False))
+    # Megatron-Core's untied GPT: the head is its own (vocab, hidden) matrix after the norm
+    assert untied[-1] == ("lm_head.weight", (50257, 768))
+    assert sum(math.prod(s) for _, s in untied) == PUBLISHED["gpt2"] + 50257 * 768
+    tied_llama = models.architecture_params(replace(models.PRESETS["llama3-8b"], tied=True))
+    assert "lm_head.weight" not in dict(tied_llama)
+    assert replace(gpt2, tied=False).tied_embeddings is False
+    assert gpt2.tied_embeddings is True
 
 
 def test_gpt2_flops_equal_the_textbook_closed_form() -> None:
