@@ -142,8 +142,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("llm-foundry", "llm-foundry (Composer's FSDP1, as fsdp1) with MPT's fused loss",
               memory="llm-foundry", fsdp_units=True, shard_copies="fsdp1"),
     Framework("llama3", "Meta's Llama 3 stack (arXiv:2407.21783 Sec. 3.3.2): FSDP-style "
-                        "sharding of gradients and optimizer states with 4D parallelism",
-              memory="llama3", zero1_reduce_scatter=True),
+                        "sharding of gradients and optimizer states with 4D parallelism, "
+                        "one layer fewer on the first and the last pipeline stage",
+              memory="llama3", zero1_reduce_scatter=True, partition="ends"),
 )}
 
 

@@ -99,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           help="how a preset is cut into pipeline stages: layers (even layer "
                                "counts, Megatron), parameters (balanced parameter counts, "
                                "DeepSpeed's PipelineModule), balanced (forward FLOPs with the "
-                               "LM head's; default: the framework's)")
+                               "LM head's), ends (even, the embedding and the loss counted as "
+                               "a layer each: Llama 3; default: the framework's)")
     run_opts.add_argument("--blocking-p2p", action="store_true",
                           help="pipeline stages wait for each send before their next pass")
     p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,

@@ -330,3 +330,21 @@ def test_partition_costs_weigh_the_embedding_and_head_with_the_end_layers() -> N
     assert heavy[0][0] == 0 and heavy[-1][-1] == len(params) - 1
     with pytest.raises(ValueError, match="partition must be one of.*'random'"):
         partition_costs(params, "random", layer_of=layer_of)
+
+
+def test_ends_partition_gives_the_first_and_last_stage_one_layer_fewer() -> None:
+    from flowtrain.plan.partition import partition_costs
+    from flowtrain.plan.workload import layer_of, split_stages
+
+    # Llama 3 405B's cut (arXiv:2407.21783 Sec. 3.3.2): 126 layers on 16 stages x 2 chunks,
+    # the embedding and the loss counted as a layer each: 3 + 30 x 4 + 3
+    params = [("embed.weight", (10, 4), "float32", 4)]
+    params += [(f"layers.{i}.w", (4, 4), "float32", 4) for i in range(126)]
+    params += [("head.weight", (10, 4), "float32", 4)]
+    ends = partition_costs(params, "ends", layer_of=layer_of)
+    assert ends is not None and ends[0] == ends[125] == 2.0 and ends[60] == 1.0
+    chunks = split_stages(params, 32, ends)
+    counts = [len({layer_of(params[i][0]) for i in c} - {None}) for c in chunks]
+    assert counts == [3] + [4] * 30 + [3]
+    # the plain even cut gives the first chunk four
+    assert len({layer_of(params[i][0]) for i in split_stages(params, 32)[0]} - {None}) == 4

@@ -11,8 +11,12 @@ from typing import Any
 # embedding on the first and the head on the last: Megatron's cut), "parameters" (layers cut so
 # that parameter counts balance, the embedding's counted with the first layer and the head's
 # with the last: DeepSpeed's and PipelineModule's default), "balanced" (by forward FLOPs, the
-# LM head's with the last layer)
-PARTITIONS = ("layers", "parameters", "balanced")
+# LM head's with the last layer), "ends" (the same number of layers on each, counting the
+# embedding as one more layer on the first stage and the loss as one more on the last: Llama 3's
+# cut, arXiv:2407.21783 Sec. 3.3.2, "reducing one Transformer layer each from the first and the
+# last stages", and Megatron-Core's account_for_embedding_in_pipeline_split and
+# account_for_loss_in_pipeline_split)
+PARTITIONS = ("layers", "parameters", "balanced", "ends")
 
 
 def partition_balanced(costs: Sequence[float], parts: int) -> list[int]:
@@ -61,7 +65,8 @@ def partition_costs(params: Sequence[tuple[str, tuple[int, ...], str, int]], met
                     attention_flops_per_token: float = 0.0) -> dict[int, float] | None:
     """Each numbered layer's weight in a ``method`` cut (None for "layers": an even cut).
     "parameters": its parameters, with those before the first layer added to the first and
-    those after the last to the last; "balanced": its forward FLOPs per token (2 per weight,
+    those after the last to the last; "ends": one each, two for the first and the last;
+    "balanced": its forward FLOPs per token (2 per weight,
     plus ``attention_flops_per_token``), with the head's ``head_flops_per_token`` (the LM head
     runs on the last stage even when it shares the embedding's weight) on the last."""
     if method not in PARTITIONS:
@@ -88,6 +93,11 @@ def partition_costs(params: Sequence[tuple[str, tuple[int, ...], str, int]], met
         costs[first] += before
         costs[last] += after
         return costs
+    if method == "ends":
+        ends = {n: 1.0 for n in costs}
+        ends[first] += 1.0
+        ends[last] += 1.0
+        return ends
     out = {n: 2.0 * size + attention_flops_per_token for n, size in costs.items()}
     out[last] += head_flops_per_token or 2.0 * after
     return out
