@@ -179,20 +179,24 @@ def memory_lines(m: dict[str, float]) -> list[str]:
 
 
 def sweep_lines(results: list[tuple[dict[str, Any], Any]]) -> list[str]:
-    """The sweep as a table ranked by throughput."""
+    """The sweep as a table (``run_sweep``'s order: what fits, by throughput, then what does
+    not). Each column has one unit, named in its header, so that rows compare by eye; a row
+    that does not fit says OOM in its own column."""
     keys = list(results[0][0]) if results else []
-    head = [*keys, "step", "samples/s", "tokens/s", "MFU", "exposed", "bubble", "memory"]
+    head = [*keys, "fits", "step (s)", "samples/s", "tokens/s", "MFU %", "exposed (s)",
+            "bubble %", "memory (GiB)"]
     rows = []
     for chosen, result in results:
         values = [json.dumps(chosen[k]) if not isinstance(chosen[k], str) else chosen[k]
                   for k in keys]
         if isinstance(result, Prediction):
             memory = "-" if result.peak_memory_bytes is None else \
-                _gib(result.peak_memory_bytes) + (" OOM" if result.oom else "")
-            rows.append([*values, _seconds(result.step_time_s), f"{result.samples_per_s:,.1f}",
+                f"{result.peak_memory_bytes / 2**30:.1f}"
+            rows.append([*values, "OOM" if result.oom else "yes",
+                         f"{result.step_time_s:.4g}", f"{result.samples_per_s:,.1f}",
                          f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-",
-                         f"{100 * result.mfu:.1f} %", _seconds(result.exposed_comm_s),
-                         f"{result.bubble_pct:.1f} %", memory])
+                         f"{100 * result.mfu:.1f}", f"{result.exposed_comm_s:.4g}",
+                         f"{result.bubble_pct:.1f}", memory])
         else:
             rows.append([*values, f"cannot run: {result}"])
     widths = [max(len(str(r[i])) for r in [head] + [r for r in rows if len(r) > i])
@@ -230,7 +234,9 @@ def run(ns: argparse.Namespace) -> int:
             print(json.dumps({"sweep": [{"values": v, **(r.to_dict() if isinstance(
                 r, Prediction) else {"error": r})} for v, r in results]}, indent=1))
         else:
-            print(f"{len(results)} configurations of {ns.model} on {cluster}, best first:")
+            fits = sum(isinstance(r, Prediction) and not r.oom for _, r in results)
+            print(f"{len(results)} configurations of {ns.model} on {cluster}, {fits} fit the "
+                  f"devices' memory; those first, best throughput first:")
             print("\n".join(sweep_lines(results)))
         if best is not None and ns.trace:
             _write_trace(best, ns.trace, ns.json)

@@ -155,8 +155,9 @@ class _Progress:
 def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
               sweeps: list[tuple[str, list[Any]]], host_speed: float = 1.0,
               ) -> list[tuple[dict[str, Any], Any]]:
-    """Every combination: (its values, a Prediction or the one-line reason it cannot run),
-    best throughput first, failures last."""
+    """Every combination: (its values, a Prediction or the one-line reason it cannot run):
+    those that fit the devices' memory first, best throughput first, then those predicted out
+    of memory (best throughput first), then those that cannot run."""
     combos = list(itertools.product(*[values for _, values in sweeps]))
     progress = _Progress(len(combos))
     models: dict[tuple[Any, ...], Any] = {}
@@ -182,5 +183,12 @@ def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str
             progress.advance()
     finally:
         progress.close()
-    results.sort(key=lambda r: -r[1].samples_per_s if isinstance(r[1], Prediction) else 1.0)
+    results.sort(key=_rank)
     return results
+
+
+def _rank(result: tuple[dict[str, Any], Any]) -> tuple[int, float]:
+    predicted = result[1]
+    if not isinstance(predicted, Prediction):
+        return 2, 0.0
+    return (1 if predicted.oom else 0), -predicted.samples_per_s

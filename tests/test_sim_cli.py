@@ -134,10 +134,40 @@ def test_sweep_ranks_by_throughput(capsys: pytest.CaptureFixture[str], config: P
                         "--sweep", "nodes=1,2", "--sweep", "pp=1,3")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == "4 configurations of gpt2 on h100-x8, best first:"
-    assert lines[1].split()[:4] == ["nodes", "pp", "step", "samples/s"]
+    assert lines[0] == ("4 configurations of gpt2 on h100-x8, 2 fit the devices' memory; "
+                        "those first, best throughput first:")
+    assert lines[1].split()[:6] == ["nodes", "pp", "fits", "step", "(s)", "samples/s"]
     # pp 3 does not divide 8 ranks per node: listed last with the reason
     assert "cannot run: tp x pp = 3 must divide the world size 8" in lines[-2]
+
+
+def test_sweep_lists_what_fits_first_and_marks_what_does_not(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                               "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                               "zero_optimization": {"stage": 0}}))
+    # llama2-7b on one 8 x 80 GB node: unsharded Adam states (16 bytes a parameter) do not
+    # fit at stages 0-1, and a micro-batch of 16 at 4K does not fit at any stage
+    code, out, _ = _run(capsys, "--model", "llama2-7b", "--config", str(cfg),
+                        "--sweep", "zero_optimization.stage=0,1,2,3",
+                        "--sweep", "train_micro_batch_size_per_gpu=1,16", "--json")
+    assert code == 0
+    rows = json.loads(out)["sweep"]
+    fits = [r["peak_memory_bytes"] <= r["device_memory_bytes"] for r in rows]
+    assert any(fits) and not all(fits)
+    assert fits == sorted(fits, reverse=True)  # every fitting row above every OOM row
+    for group in (True, False):
+        rates = [r["samples_per_s"] for r, f in zip(rows, fits) if f is group]
+        assert rates == sorted(rates, reverse=True)
+    code, out, _ = _run(capsys, "--model", "llama2-7b", "--config", str(cfg),
+                        "--sweep", "zero_optimization.stage=0,1,2,3",
+                        "--sweep", "train_micro_batch_size_per_gpu=1,16")
+    table = out.splitlines()[2:]
+    marks = [line.split()[2] for line in table]
+    assert marks == ["yes"] * sum(fits) + ["OOM"] * (len(fits) - sum(fits))
+    # one unit per column: every step figure is a plain number of seconds
+    assert all(float(line.split()[3]) > 0 for line in table)
 
 
 def test_sweep_progress_on_a_terminal(capsys: pytest.CaptureFixture[str], config: Path,
