@@ -124,6 +124,23 @@ def _simulate_entry() -> tuple[AddArguments, Run]:
     return add_arguments, run
 
 
+def _tune_entry() -> tuple[AddArguments, Run]:
+    from sims.tune_command import add_arguments
+
+    def run(ns: argparse.Namespace, argv: list[str]) -> int:
+        from sims.tune import TuneError
+        from sims.tune_command import run as tune_run
+
+        try:
+            return tune_run(ns)
+        except TuneError as exc:
+            raise UsageError("flowtrain tune", str(exc)) from None
+        except ValueError as exc:  # SimulateError and config errors: one line, as simulate's
+            raise UsageError("flowtrain tune", str(exc).splitlines()[0]) from None
+
+    return add_arguments, run
+
+
 def _calibrate_entry() -> tuple[AddArguments, Run]:
     def add(p: argparse.ArgumentParser) -> None:
         from sims.calibrate.command import build_parser
@@ -160,6 +177,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[AddArguments, Run]]]] = {
                  "cluster", _simulate_entry),
     "calibrate": ("measure this host and write the simulator's this-host hardware profile",
                   _calibrate_entry),
+    "tune": ("search ZeRO stage, micro-batch, parallelism and buckets with the simulator, then "
+             "confirm the best with a few real trials", _tune_entry),
 }
 
 

@@ -333,7 +333,7 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
     if dtype not in DTYPES:
         raise ValueError(f"trace_module: dtype {dtype!r} is not supported; choose one of "
                          f"{', '.join(DTYPES)}")
-    build = _resolve(factory, "factory")
+    build = resolve(factory, "factory")
     with torch.device("meta"):
         module = build()
     if not isinstance(module, torch.nn.Module):
@@ -387,7 +387,7 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
         layer_input_bytes_per_sample=layer_input, op_census=per_sample)
 
 
-def _resolve(target: str, what: str) -> Callable[..., Any]:
+def resolve(target: str, what: str) -> Callable[..., Any]:
     """Imports "pkg.mod:fn" and returns ``fn``."""
     module_name, sep, attr = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not sep or not module_name or not attr or ":" in attr or not all(
@@ -418,7 +418,7 @@ def _example_inputs(example: str | None, batch: int, seq_len: int
                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example is None:
         return (torch.zeros((batch, seq_len), dtype=torch.long, device="meta"),), {}
-    make = _resolve(example, "example")
+    make = resolve(example, "example")
     with torch.device("meta"):
         given = make(batch=batch, seq_len=seq_len)
     def to_meta(x):

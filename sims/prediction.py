@@ -139,7 +139,9 @@ def _config_parallel(raw: dict[str, Any]) -> tuple[int, int]:
     return tp, stages if isinstance(stages, int) and stages > 0 else 1
 
 
-def _model(name: str, seq_len: int | None, micro_batch: int, precision: str) -> Any:
+def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str) -> Any:
+    """--model's ModelSpec: a preset, or "pkg.mod:fn" traced at ``micro_batch`` x ``seq_len``
+    in ``precision`` (a bad name or factory raises SimulateError)."""
     from sims.models import get_model, trace_module
 
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
@@ -325,7 +327,7 @@ def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster
     seq_len = _rank_seq_len(ns.model, ns.seq_len, options.cp)
     key = (ns.model, seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
     if key not in models:  # a traced model is traced once per micro-batch size and precision
-        models[key] = _model(ns.model, seq_len, cfg.train_micro_batch_size_per_gpu,
+        models[key] = model_spec(ns.model, seq_len, cfg.train_micro_batch_size_per_gpu,
                              cfg.precision)
     return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed,
                    options=options)
