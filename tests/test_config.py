@@ -150,6 +150,7 @@ def test_batch_rule_not_divisible():
 def test_batch_rule_neither_given():
     assert problems_of({}) == [
         "either train_batch_size or train_micro_batch_size_per_gpu must be set (or pass "
+        "a training_data DataLoader with a batch size to flowtrain.initialize, "
         "micro_batch_size=... to load_config)"]
 
 

@@ -67,6 +67,7 @@ def resolve_batch(tbs: int | None, micro: int | None, gas: int | None, world: in
         else:
             problems.append(
                 "either train_batch_size or train_micro_batch_size_per_gpu must be set (or pass "
+                "a training_data DataLoader with a batch size to flowtrain.initialize, "
                 "micro_batch_size=... to load_config)")
         return None, problems
     if tbs is None or micro is None or gas is None:
