@@ -187,30 +187,18 @@ def _finish(done: asyncio.Future[None], error: BaseException | None) -> None:
 
 # -- DeepSpeed's deepspeed.comm surface ----------------------------------------------------------
 #
-# Each collective below serves two callers under one name. From the training thread (no event
-# loop running on it) it runs like deepspeed.comm's: it blocks until done (waiting at most
-# ``timeout`` seconds) and returns None, or the torch work handle with ``async_op=True``. On an
-# event loop (an actor's handler) it returns an awaitable instead, which waits without
-# blocking the loop: ``await comm.all_reduce(t)``.
+# The collectives under DeepSpeed's names run as deepspeed.comm's do, from the training
+# thread: they block until done (waiting at most ``timeout`` seconds, then raising with what was
+# pending) and return None, or the torch work handle with ``async_op=True``. They never guess
+# from a running event loop that the caller meant to await them (a notebook runs one on the
+# caller's thread): an actor's handler awaits the ``*_async`` forms below instead, which wait
+# without blocking its loop.
 
 ReduceOp = dist.ReduceOp
 
 
-def _on_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _collective(op: str, launch: Callable[[], Any], tensors: Sequence[torch.Tensor],
                 group: Any, async_op: bool, timeout: float, result: Any) -> Any:
-    if _on_loop():
-        async def run() -> Any:
-            await wait(launch(), _describe(op, tensors, group), timeout)
-            return result
-        return run()
     work = launch()
     if async_op:
         return work
@@ -218,10 +206,16 @@ def _collective(op: str, launch: Callable[[], Any], tensors: Sequence[torch.Tens
     return None
 
 
+async def _awaited(op: str, launch: Callable[[], Any], tensors: Sequence[torch.Tensor],
+                   group: Any, timeout: float, result: Any) -> Any:
+    await wait(launch(), _describe(op, tensors, group), timeout)
+    return result
+
+
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                group: Any = None, async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
                **_: Any) -> Any:
-    """In-place all-reduce of ``tensor`` across the group (awaited on a loop: the tensor)."""
+    """In-place all-reduce of ``tensor`` across the group."""
     return _collective("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group,
                                                              async_op=True),
                        [tensor], group, async_op, timeout, tensor)
@@ -283,6 +277,43 @@ def barrier(group: Any = None, async_op: bool = False, timeout: float = DEFAULT_
     """A data-channel barrier."""
     return _collective("barrier", lambda: dist.barrier(group=group, async_op=True), [],
                        group, async_op, timeout, None)
+
+
+async def all_reduce_async(tensor: torch.Tensor,
+                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: Any = None,
+                           timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """``all_reduce`` awaited on an event loop; returns the tensor."""
+    return await _awaited("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group,
+                                                                async_op=True),
+                          [tensor], group, timeout, tensor)
+
+
+async def broadcast_async(tensor: torch.Tensor, src: int, group: Any = None,
+                          timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """``broadcast`` awaited on an event loop; returns the tensor."""
+    return await _awaited("broadcast", lambda: dist.broadcast(tensor, src=src, group=group,
+                                                              async_op=True),
+                          [tensor], group, timeout, tensor)
+
+
+async def all_gather_into_tensor_async(output: torch.Tensor, shard: torch.Tensor,
+                                       group: Any = None, timeout: float = DEFAULT_TIMEOUT
+                                       ) -> torch.Tensor:
+    """``all_gather_into_tensor`` awaited on an event loop; returns ``output``."""
+    return await _awaited("all_gather", lambda: all_gather_single(output, shard, group=group,
+                                                                  async_op=True),
+                          [output], group, timeout, output)
+
+
+async def reduce_scatter_tensor_async(output: torch.Tensor, tensor: torch.Tensor,
+                                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                                      group: Any = None, timeout: float = DEFAULT_TIMEOUT
+                                      ) -> torch.Tensor:
+    """``reduce_scatter_tensor`` awaited on an event loop; returns ``output``."""
+    return await _awaited("reduce_scatter",
+                          lambda: reduce_scatter_single(output, tensor, op=op, group=group,
+                                                        async_op=True),
+                          [tensor], group, timeout, output)
 
 
 def is_initialized() -> bool:
