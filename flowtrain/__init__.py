@@ -27,12 +27,19 @@ def init_distributed(*args: Any, **kwargs: Any) -> None:
     _init(*args, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
-    # DeepSpeed scripts use deepspeed.checkpointing.checkpoint(...) and deepspeed.comm; load on use.
-    if name in ("checkpointing", "comm", "actors"):
-        import importlib
+# What DeepSpeed scripts reach as attributes of the package (deepspeed.checkpointing,
+# deepspeed.comm, deepspeed.zero.Init, deepspeed.ops.adam, deepspeed.utils.zero_to_fp32,
+# deepspeed.pipe.PipelineModule): loaded on first use, so `import flowtrain` stays light.
+_SUBMODULES = ("checkpointing", "comm", "actors", "zero", "ops", "utils", "pipe")
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
         return importlib.import_module(f"flowtrain.{name}")
+    if name == "DeepSpeedEngine":
+        return importlib.import_module("flowtrain.engine.engine").FlowtrainEngine
     raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")
 
 

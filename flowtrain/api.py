@@ -65,10 +65,18 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Any = None,
                config: Any = None, mesh_param: Any = None, config_params: Any = None,
-               ) -> tuple[Any, Any, Any, Any]:
+               auto_values: Any = None) -> tuple[Any, Any, Any, Any]:
     """Builds the training engine; returns ``(engine, optimizer, training_dataloader,
-    lr_scheduler)`` as ``deepspeed.initialize`` does."""
+    lr_scheduler)`` as ``deepspeed.initialize`` does.
+
+    A config's "auto" values are filled as Hugging Face's Trainer fills them: from
+    ``auto_values`` (a dict of dotted keys such as ``{"optimizer.params.lr": 3e-4}``, or a
+    TrainingArguments-like object), the model (``config.hidden_size``, its dtype), a
+    ``training_data`` DataLoader's batch_size, the optimizer/scheduler passed in, the world
+    size, and otherwise TrainingArguments' defaults. What each became is logged once and
+    written to the run directory's ``auto_values.json``."""
     from flowtrain.config import load_config
+    from flowtrain.config.hf import auto_values_of
     from flowtrain.engine.engine import FlowtrainEngine
     from flowtrain.optimizers import build_optimizer
     from flowtrain.profiling import engine_hook
@@ -93,10 +101,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     if grid is not None:  # the batch rule counts data-parallel ranks only
         world_size = grid.shape.dp
     micro_batch = getattr(training_data, "batch_size", None) if training_data is not None else None
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool):
+        micro_batch = None  # a Dataset, or a DataLoader batched by its own batch_sampler
     cfg = load_config(config, world_size=world_size, model=model,
                       optimizer_given=optimizer is not None,
                       scheduler_given=lr_scheduler is not None,
-                      micro_batch_size=micro_batch)
+                      micro_batch_size=micro_batch, auto_values=auto_values_of(auto_values))
+    _report_auto(cfg.auto_resolved)
 
     if pipe_module is not None:
         # before the optimizer takes the parameters: interleaving re-cuts the module's layers
@@ -147,6 +158,35 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
     engine.flops_profiler = engine_hook(engine)  # the flops_profiler section (rank 0), or None
     return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+
+
+AUTO_VALUES_FILE = "auto_values.json"
+
+
+def _report_auto(resolved: dict[str, tuple[Any, str]]) -> None:
+    """Rank 0 logs what each "auto" became and writes it to the run directory (when the job
+    has one), so a run's hyper-parameters are on record even where the config says "auto"."""
+    if not resolved or dist.get_rank() != 0:
+        return
+    import json
+
+    from flowtrain.env import RUN_DIR
+    from flowtrain.log import get_logger
+
+    text = "; ".join(f"{k} = {v!r} ({source})" for k, (v, source) in resolved.items())
+    get_logger("flowtrain.config").info(f"config 'auto' values resolved: {text}", console=True)
+    run_dir = os.environ.get(RUN_DIR)
+    if not run_dir:
+        return
+    record = {k: {"value": v, "from": source} for k, (v, source) in resolved.items()}
+    path = os.path.join(run_dir, AUTO_VALUES_FILE)
+    try:
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1, default=str)
+        os.replace(f"{path}.tmp", path)
+    except OSError as exc:
+        get_logger("flowtrain.config").warning("cannot write the run's auto_values.json",
+                                               error=str(exc))
 
 
 def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> ProcessGrid | None:

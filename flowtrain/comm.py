@@ -33,12 +33,26 @@ def default_backend() -> str:
     return "gloo"
 
 
-def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                     init_method: str = "env://") -> str:
+def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int | None = None, verbose: bool = True,
+                     timeout: float | timedelta = DEFAULT_TIMEOUT,
+                     init_method: str | None = "env://", dist_init_required: bool | None = None,
+                     config: Any = None, rank: int = -1, world_size: int = -1) -> str:
     """Initialises the default process group from the launcher's environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); idempotent. Returns the backend in use."""
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); idempotent. Returns the backend in use. Takes
+    deepspeed.comm.init_distributed's arguments (a timedelta timeout, distributed_port, rank,
+    world_size; the MPI discovery flags mean nothing here)."""
     if dist.is_initialized():
         return str(dist.get_backend())
+    if distributed_port is not None:
+        os.environ.setdefault(envnames.MASTER_PORT, str(distributed_port))
+    if rank >= 0:
+        os.environ.setdefault(envnames.RANK, str(rank))
+    if world_size > 0:
+        os.environ.setdefault(envnames.WORLD_SIZE, str(world_size))
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    init_method = init_method or "env://"
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -171,20 +185,65 @@ def _finish(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_exception(error)
 
 
-async def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                     group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` across the group; returns the tensor."""
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    await wait(work, _describe("all_reduce", [tensor], group), timeout)
-    return tensor
+# -- DeepSpeed's deepspeed.comm surface ----------------------------------------------------------
+#
+# The collectives under DeepSpeed's names run as deepspeed.comm's do, from the training
+# thread: they block until done (waiting at most ``timeout`` seconds, then raising with what was
+# pending) and return None, or the torch work handle with ``async_op=True``. They never guess
+# from a running event loop that the caller meant to await them (a notebook runs one on the
+# caller's thread): an actor's handler awaits the ``*_async`` forms below instead, which wait
+# without blocking its loop.
+
+ReduceOp = dist.ReduceOp
 
 
-async def broadcast(tensor: torch.Tensor, src: int, group: Any = None,
-                    timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
-    """In-place broadcast of ``tensor`` from global rank ``src``; returns the tensor."""
-    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    await wait(work, _describe("broadcast", [tensor], group), timeout)
-    return tensor
+def _collective(op: str, launch: Callable[[], Any], tensors: Sequence[torch.Tensor],
+                group: Any, async_op: bool, timeout: float, result: Any) -> Any:
+    work = launch()
+    if async_op:
+        return work
+    wait_blocking(work, _describe(op, tensors, group), timeout)
+    return None
+
+
+async def _awaited(op: str, launch: Callable[[], Any], tensors: Sequence[torch.Tensor],
+                   group: Any, timeout: float, result: Any) -> Any:
+    await wait(launch(), _describe(op, tensors, group), timeout)
+    return result
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               group: Any = None, async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
+               **_: Any) -> Any:
+    """In-place all-reduce of ``tensor`` across the group."""
+    return _collective("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group,
+                                                             async_op=True),
+                       [tensor], group, async_op, timeout, tensor)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+              timeout: float = DEFAULT_TIMEOUT, **_: Any) -> Any:
+    """In-place broadcast of ``tensor`` from global rank ``src``."""
+    return _collective("broadcast", lambda: dist.broadcast(tensor, src=src, group=group,
+                                                           async_op=True),
+                       [tensor], group, async_op, timeout, tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+           group: Any = None, async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
+           **_: Any) -> Any:
+    """Reduces ``tensor`` into global rank ``dst``'s copy."""
+    return _collective("reduce", lambda: dist.reduce(tensor, dst=dst, op=op, group=group,
+                                                     async_op=True),
+                       [tensor], group, async_op, timeout, tensor)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False, timeout: float = DEFAULT_TIMEOUT, **_: Any) -> Any:
+    """Every rank's ``tensor`` into ``tensor_list`` (rank order)."""
+    return _collective("all_gather", lambda: dist.all_gather(tensor_list, tensor, group=group,
+                                                             async_op=True),
+                       tensor_list, group, async_op, timeout, tensor_list)
 
 
 # torch >= 2.13 names these all_gather_single / reduce_scatter_single and warns on the old
@@ -193,25 +252,104 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-async def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: Any = None,
-                                 timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: Any = None,
+                           async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                           **_: Any) -> Any:
     """Gathers every rank's equal-sized ``shard`` into ``output`` (rank order)."""
-    work = all_gather_single(output, shard, group=group, async_op=True)
-    await wait(work, _describe("all_gather", [output], group), timeout)
-    return output
+    return _collective("all_gather", lambda: all_gather_single(output, shard, group=group,
+                                                               async_op=True),
+                       [output], group, async_op, timeout, output)
 
 
-async def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor,
-                                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                                group: Any = None,
-                                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor,
+                          op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                          **_: Any) -> Any:
     """Reduces ``tensor`` across the group and leaves this rank's slice in ``output``."""
-    work = reduce_scatter_single(output, tensor, op=op, group=group, async_op=True)
-    await wait(work, _describe("reduce_scatter", [tensor], group), timeout)
-    return output
+    return _collective("reduce_scatter",
+                       lambda: reduce_scatter_single(output, tensor, op=op, group=group,
+                                                     async_op=True),
+                       [tensor], group, async_op, timeout, output)
 
 
-async def barrier(group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """A data-channel barrier awaited on the loop."""
-    work = dist.barrier(group=group, async_op=True)
-    await wait(work, "barrier", timeout)
+def barrier(group: Any = None, async_op: bool = False, timeout: float = DEFAULT_TIMEOUT,
+            **_: Any) -> Any:
+    """A data-channel barrier."""
+    return _collective("barrier", lambda: dist.barrier(group=group, async_op=True), [],
+                       group, async_op, timeout, None)
+
+
+async def all_reduce_async(tensor: torch.Tensor,
+                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: Any = None,
+                           timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """``all_reduce`` awaited on an event loop; returns the tensor."""
+    return await _awaited("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=group,
+                                                                async_op=True),
+                          [tensor], group, timeout, tensor)
+
+
+async def broadcast_async(tensor: torch.Tensor, src: int, group: Any = None,
+                          timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """``broadcast`` awaited on an event loop; returns the tensor."""
+    return await _awaited("broadcast", lambda: dist.broadcast(tensor, src=src, group=group,
+                                                              async_op=True),
+                          [tensor], group, timeout, tensor)
+
+
+async def all_gather_into_tensor_async(output: torch.Tensor, shard: torch.Tensor,
+                                       group: Any = None, timeout: float = DEFAULT_TIMEOUT
+                                       ) -> torch.Tensor:
+    """``all_gather_into_tensor`` awaited on an event loop; returns ``output``."""
+    return await _awaited("all_gather", lambda: all_gather_single(output, shard, group=group,
+                                                                  async_op=True),
+                          [output], group, timeout, output)
+
+
+async def reduce_scatter_tensor_async(output: torch.Tensor, tensor: torch.Tensor,
+                                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                                      group: Any = None, timeout: float = DEFAULT_TIMEOUT
+                                      ) -> torch.Tensor:
+    """``reduce_scatter_tensor`` awaited on an event loop; returns ``output``."""
+    return await _awaited("reduce_scatter",
+                          lambda: reduce_scatter_single(output, tensor, op=op, group=group,
+                                                        async_op=True),
+                          [tensor], group, timeout, output)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (the whole job by default); 0 before initialisation,
+    as deepspeed.comm answers on one process."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node, from the launcher's LOCAL_RANK."""
+    return int(os.environ.get(envnames.LOCAL_RANK, "0"))
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    return int(dist.get_global_rank(group, group_rank)) if group is not None else group_rank
+
+
+def get_backend(group: Any = None) -> str:
+    return str(dist.get_backend(group))
+
+
+def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
+    return dist.new_group(ranks=list(ranks) if ranks is not None else None, **kwargs)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    dist.destroy_process_group(group)

@@ -56,9 +56,10 @@ def _check_warmup(warmup_num_steps: Any, warmup_type: Any) -> None:
     if (
         isinstance(warmup_num_steps, bool)
         or not isinstance(warmup_num_steps, int)
-        or warmup_num_steps <= 0
+        or warmup_num_steps < 0
     ):
-        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+        # 0 is DeepSpeed's "no warmup", which its schedulers clamp to 2 steps as they do 1
+        raise ValueError(f"warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}")
     if warmup_type not in WARMUP_TYPES:
         raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
 

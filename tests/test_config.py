@@ -150,6 +150,7 @@ def test_batch_rule_not_divisible():
 def test_batch_rule_neither_given():
     assert problems_of({}) == [
         "either train_batch_size or train_micro_batch_size_per_gpu must be set (or pass "
+        "a training_data DataLoader with a batch size to flowtrain.initialize, "
         "micro_batch_size=... to load_config)"]
 
 
@@ -283,16 +284,65 @@ def test_auto_resolution_from_model_and_arguments():
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
             cfg.gradient_accumulation_steps) == (8, 4, 1)
     assert cfg.gradient_clipping == 1.0
+    # both half-precision sections "auto": TrainingArguments' fp16/bf16 defaults, off
     assert cfg.precision == "fp32"
-    assert cfg.optimizer.params == {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
-                                    "weight_decay": 0.01}  # torch.optim.AdamW's defaults
+    # HF TrainingArguments' defaults (learning_rate, adam_beta1/2, adam_epsilon, weight_decay)
+    assert cfg.optimizer.params == {"lr": 5e-05, "betas": [0.9, 0.999], "eps": 1e-08,
+                                    "weight_decay": 0.0}
     assert cfg.scheduler.params["warmup_min_lr"] == 0.0
-    assert cfg.scheduler.params["warmup_max_lr"] == 0.001
-    assert cfg.scheduler.params["warmup_num_steps"] == 0
+    assert cfg.scheduler.params["warmup_max_lr"] == 5e-05
+    assert cfg.scheduler.params["warmup_num_steps"] == 1  # HF's max(1, warmup_steps 0)
     assert cfg.scheduler.params["total_num_steps"] == 100
     z = cfg.zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size,
             z.stage3_param_persistence_threshold) == (256, 230, 160)
+    resolved = cfg.auto_resolved
+    assert resolved["optimizer.params.lr"] == (5e-05, "Hugging Face TrainingArguments default")
+    assert resolved["train_micro_batch_size_per_gpu"] == (
+        4, "the training_data DataLoader's batch_size")
+    assert resolved["train_batch_size"][0] == 8
+    assert resolved["zero_optimization.reduce_bucket_size"] == (
+        256, "h*h with the model's hidden size h=16")
+    assert set(resolved) == {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "gradient_clipping", "fp16.enabled", "bf16.enabled", "optimizer.params.lr",
+        "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+        "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps",
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold"}
+
+
+def test_auto_without_a_dataloader_takes_hf_batch_defaults():
+    cfg = load_config({**HF_AUTO, "zero_optimization": {"stage": 0}}, world_size=2,
+                      total_num_steps=10)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (16, 8, 1)  # per_device_train_batch_size 8
+    # a numeric train_batch_size: the "auto" rest is derived by DeepSpeed's batch rule
+    cfg = load_config({**HF_AUTO, "train_batch_size": 12, "zero_optimization": {"stage": 0}},
+                      world_size=2, total_num_steps=10)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (6, 1)
+
+
+@pytest.mark.parametrize("sections, model_dtype, expected", [
+    ({"bf16": {"enabled": "auto"}}, torch.float32, "bf16"),  # the only half section: on
+    ({"fp16": {"enabled": "auto"}}, torch.float32, "fp16"),
+    ({"fp16": {"enabled": False}, "bf16": {"enabled": "auto"}}, torch.float32, "bf16"),
+    ({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, torch.float32, "fp32"),
+    ({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, torch.bfloat16, "bf16"),
+    ({"fp16": {"enabled": "auto"}}, torch.bfloat16, "fp32"),
+])
+def test_auto_precision(sections, model_dtype, expected):
+    model = TinyModel(8).to(model_dtype)
+    cfg = load_config({"train_batch_size": 2, **sections}, model=model)
+    assert cfg.precision == expected
+    # a TrainingArguments-like object's flags win, as they do in HF's Trainer
+    args = type("Args", (), {"bf16": False, "fp16": False, "learning_rate": 1e-4})()
+    from flowtrain.config.hf import auto_values_of
+
+    cfg = load_config({"train_batch_size": 2, **sections}, model=model,
+                      auto_values=auto_values_of(args))
+    assert cfg.precision == "fp32"
 
 
 def test_auto_with_optimizer_and_scheduler_given_and_overrides():
@@ -307,14 +357,15 @@ def test_auto_with_optimizer_and_scheduler_given_and_overrides():
 def test_unresolvable_auto_says_what_is_needed():
     problems = problems_of(HF_AUTO, check_supported=False)
     assert problems == [
-        "scheduler.params.total_num_steps is 'auto': pass total_num_steps=<number of optimizer "
-        "steps> to load_config, or set it in the config",
+        "scheduler.params.total_num_steps is 'auto': pass auto_values="
+        "{'scheduler.params.total_num_steps': <number of optimizer steps>} (or a "
+        "TrainingArguments-like object with max_steps) to flowtrain.initialize, or "
+        "total_num_steps= to load_config, or set it in the config",
         "zero_optimization.reduce_bucket_size is 'auto', which is computed from the model's "
         "hidden size: pass a model whose .config has hidden_size, or set it in the config, or "
-        "pass auto_values={'zero_optimization.reduce_bucket_size': ...} to load_config",
+        "pass auto_values={'zero_optimization.reduce_bucket_size': ...} to "
+        "flowtrain.initialize (or load_config)",
         problems[2], problems[3],
-        "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with a "
-        "batch size (load_config(micro_batch_size=...)), or set it in the config",
     ]
     assert problems[2].startswith("zero_optimization.stage3_prefetch_bucket_size is 'auto'")
     assert "auto" not in load_config({"train_batch_size": 2, "fp16": {"enabled": "auto"}}
@@ -324,7 +375,8 @@ def test_unresolvable_auto_says_what_is_needed():
 def test_auto_where_no_rule_exists():
     assert problems_of({"train_batch_size": 2, "steps_per_print": "auto"}) == [
         "steps_per_print is 'auto' and flowtrain has no rule to work it out: set it in the "
-        "config, or pass auto_values={'steps_per_print': ...} to load_config"]
+        "config, or pass auto_values={'steps_per_print': ...} to flowtrain.initialize (or "
+        "load_config)"]
 
 
 # -- input handling ----------------------------------------------------------------------------

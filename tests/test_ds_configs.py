@@ -72,10 +72,11 @@ def case_hf_zero2():
             cfg.gradient_accumulation_steps) == (8, 4, 1)
     assert cfg.precision == "fp32" and cfg.gradient_clipping == 1.0
     assert cfg.optimizer.type == "AdamW"
-    assert cfg.optimizer.params == {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08,
-                                    "weight_decay": 0.01}
-    assert cfg.scheduler.params["warmup_max_lr"] == 0.001
-    assert cfg.scheduler.params["warmup_num_steps"] == 0
+    # HF TrainingArguments' defaults
+    assert cfg.optimizer.params == {"lr": 5e-05, "betas": [0.9, 0.999], "eps": 1e-08,
+                                    "weight_decay": 0.0}
+    assert cfg.scheduler.params["warmup_max_lr"] == 5e-05
+    assert cfg.scheduler.params["warmup_num_steps"] == 1
     assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
     assert unsupported_features(cfg) == CPU_OPT
     # As the HF Trainer uses it: it passes its optimizer/scheduler and says fp16.
@@ -84,10 +85,9 @@ def case_hf_zero2():
                check_supported=False)
     assert cfg.precision == "fp16" and cfg.train_batch_size == 8
     assert cfg.optimizer.params == {} and cfg.scheduler.params == {}
-    assert problems("hf_zero2.json") == [
-        "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with a "
-        "batch size (load_config(micro_batch_size=...)), or set it in the config",
-        *CPU_OPT]
+    # nothing passed: HF's per_device_train_batch_size default, 8
+    cfg = load("hf_zero2.json", world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (16, 8)
 
 
 def case_hf_zero3():
@@ -107,6 +107,9 @@ def case_hf_zero3_bf16():
                    total_num_steps=10, check_supported=False,
                    auto_values={"bf16.enabled": True})
     assert cfg.precision == "bf16" and cfg.communication_dtype == torch.bfloat16
+    # without being told: the alias's section is the config's only half-precision one
+    with pytest.warns(ConfigWarning):
+        assert load("hf_zero3_bf16.json", model=HFLikeModel(64)).precision == "bf16"
     z = cfg.zero_optimization
     assert z.stage3_gather_16bit_weights_on_model_save is True
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size,
@@ -196,10 +199,9 @@ def case_dse_cifar_onebitlamb():
 
 
 def case_dse_autotuning_fp16_z2():
-    found = problems("dse_autotuning_fp16_z2.json", check_supported=False)
-    assert found == [
-        "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with a "
-        "batch size (load_config(micro_batch_size=...)), or set it in the config"]
+    # no dataloader: HF's per_device_train_batch_size default, 8
+    cfg = load("dse_autotuning_fp16_z2.json", world_size=2, check_supported=False)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (16, 8)
     cfg = load("dse_autotuning_fp16_z2.json", micro_batch_size=8, world_size=4,
                check_supported=False)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,

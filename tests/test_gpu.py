@@ -26,7 +26,7 @@ def test_nccl_all_reduce_through_comm(tmp_path: Path) -> None:
         from flowtrain import comm
         assert comm.init_distributed() == "nccl"
         t = torch.arange(1024, device="cuda", dtype=torch.float32)
-        anyio.run(comm.all_reduce, t)
+        anyio.run(comm.all_reduce_async, t)
         assert torch.equal(t.cpu(), torch.arange(1024, dtype=torch.float32))
         print("NCCL OK")
     """))

@@ -395,11 +395,23 @@ def test_build_scheduler_errors():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(warmup_num_steps=0), dict(warmup_num_steps=2.5), dict(warmup_type="cosine")]
+    "bad", [dict(warmup_num_steps=-1), dict(warmup_num_steps=2.5), dict(warmup_type="cosine")]
 )
 def test_warmup_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         WarmupLR(make_opt(), **bad)
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_no_warmup_is_deepspeeds_two_steps(steps):
+    """warmup_num_steps 0 (what a config's "auto" can resolve to) is accepted and, like 1, runs
+    as DeepSpeed's shortest warmup of 2 steps: lr goes min, then log(2)/log(2) of the way."""
+    ref, opt = make_opt(), make_opt()
+    expected, got = WarmupLR(ref, 0.0, 0.1, warmup_num_steps=2), WarmupLR(opt, 0.0, 0.1, steps)
+    for _ in range(4):
+        assert got.get_lr() == expected.get_lr()
+        got.step()
+        expected.step()
 
 
 def test_wrapped_optimizer_and_tensor_lr():

@@ -11,10 +11,11 @@ import torch
 
 from flowtrain.checkpoint.atomic import ENGINE_FILE, LATEST, TENSOR_DIR, resolve
 
-__all__ = ["consolidate", "consolidate_to_file"]
+__all__ = ["checkpoint_path", "consolidate", "consolidate_to_file", "frozen_parameter_names"]
 
 
-def _checkpoint_path(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
+def checkpoint_path(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    """One checkpoint's directory: ``checkpoint_dir`` itself, or its ``tag`` (or ``latest``)."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
@@ -35,7 +36,7 @@ def consolidate(checkpoint_dir: str | os.PathLike[str],
     one checkpoint's directory. Needs no process group."""
     from flowtrain.checkpoint.load import full_state_dict
 
-    path = _checkpoint_path(checkpoint_dir, tag)
+    path = checkpoint_path(checkpoint_dir, tag)
     shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
     state = full_state_dict(path / TENSOR_DIR, shared["tensors"])
     # .float() of an fp32 tensor is the tensor itself: tied names keep sharing one tensor
@@ -58,3 +59,12 @@ def consolidate_to_file(checkpoint_dir: str | os.PathLike[str], out: str | os.Pa
     finally:
         tmp.unlink(missing_ok=True)
     return state
+
+
+def frozen_parameter_names(checkpoint_dir: str | os.PathLike[str],
+                           tag: str | None = None) -> set[str]:
+    """The names of the parameters the saving engine did not train (empty for checkpoints
+    written before the description recorded them)."""
+    path = checkpoint_path(checkpoint_dir, tag)
+    shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
+    return set(shared["tensors"].get("frozen", ()))

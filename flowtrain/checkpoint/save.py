@@ -226,6 +226,7 @@ def _describe(engine: CheckpointableEngine, held: Holdings, keys: dict[str, dict
                                            if sp is not None}},
         "aliases": tied, "module_keys": module_keys,
         "excluded_frozen": sorted(frozen) if exclude_frozen_parameters else [],
+        "frozen": sorted(frozen),  # so that a reader can drop them and keep the buffers
         "state_dict_keys": [k for k in module_state
                             if not (exclude_frozen_parameters and k in frozen)],
         "optimizer": {"class": type(optimizer).__name__, "groups": groups,
@@ -237,7 +238,7 @@ def _describe(engine: CheckpointableEngine, held: Holdings, keys: dict[str, dict
 def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Pipeline stages' descriptions as one (stage order: parameters, keys and groups)."""
     out = {**parts[0], "params": {}, "aliases": {}, "module_keys": [], "excluded_frozen": [],
-           "state_dict_keys": [],
+           "frozen": [], "state_dict_keys": [],
            "optimizer": {**parts[0]["optimizer"], "groups": [], "keys": {}, "other": {}}}
     if "tensor_parallel" in parts[0]:
         out["tensor_parallel"] = {**parts[0]["tensor_parallel"], "split_dims": {}}
@@ -246,8 +247,8 @@ def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if "tensor_parallel" in part:
             out["tensor_parallel"]["split_dims"].update(part["tensor_parallel"]["split_dims"])
         out["aliases"].update(part["aliases"])
-        for k in ("module_keys", "excluded_frozen", "state_dict_keys"):
-            out[k] += [x for x in part[k] if x not in out[k]]
+        for k in ("module_keys", "excluded_frozen", "frozen", "state_dict_keys"):
+            out[k] += [x for x in part.get(k, ()) if x not in out[k]]
         opt = part["optimizer"]
         out["optimizer"]["keys"].update(opt["keys"])
         out["optimizer"]["other"].update(opt["other"])

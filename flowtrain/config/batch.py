@@ -60,11 +60,14 @@ def resolve_batch(tbs: int | None, micro: int | None, gas: int | None, world: in
     else:
         if micro_was_auto:
             problems.append(
-                "train_micro_batch_size_per_gpu is 'auto': pass a training_data dataloader with "
-                "a batch size (load_config(micro_batch_size=...)), or set it in the config")
+                "train_micro_batch_size_per_gpu is 'auto': pass a training_data DataLoader "
+                "with a batch size or auto_values={'train_micro_batch_size_per_gpu': N} to "
+                "flowtrain.initialize (load_config(micro_batch_size=...)), or set it in the "
+                "config")
         else:
             problems.append(
                 "either train_batch_size or train_micro_batch_size_per_gpu must be set (or pass "
+                "a training_data DataLoader with a batch size to flowtrain.initialize, "
                 "micro_batch_size=... to load_config)")
         return None, problems
     if tbs is None or micro is None or gas is None:

@@ -90,13 +90,31 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
                     "train_batch_size": sizes.train_batch_size,
                     "train_micro_batch_size_per_gpu": sizes.micro_batch,
                     "gradient_accumulation_steps": sizes.grad_accum})
+                _record_batch(cfg, auto.batch_auto, auto.resolved, micro_batch_size, world_size)
         if check_supported:
             problems += unsupported_features(cfg)
     if problems:
         raise ConfigError(problems, source)
     assert cfg is not None
     cfg._dp_world_size = world_size
+    cfg._auto_resolved = dict(sorted(auto.resolved.items()))
     return cfg
+
+
+def _record_batch(cfg: FlowtrainConfig, batch_auto: set[str],
+                  resolved: dict[str, tuple[Any, str]], caller_micro: int | None,
+                  world_size: int) -> None:
+    """The final value of each batch key that was "auto", with where it came from."""
+    for key in batch_auto:
+        value = getattr(cfg, key)
+        if key in resolved:
+            continue
+        if key == "train_micro_batch_size_per_gpu" and caller_micro is not None:
+            resolved[key] = (value, "the training_data DataLoader's batch_size")
+        else:
+            resolved[key] = (value, f"the batch rule: train_batch_size = micro batch x "
+                                    f"gradient_accumulation_steps x data-parallel world size "
+                                    f"{world_size}")
 
 
 def _read(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -106,6 +106,19 @@ class FlowtrainConfig(Section):
     compile: Params | None = None
 
     _dp_world_size: int = PrivateAttr(default=1)
+    _auto_resolved: dict[str, tuple[Any, str]] = PrivateAttr(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        # What each "auto" resolved to records how the config was loaded; a config reloaded
+        # from its own to_dict() has no "auto" left and is still the same config.
+        if not isinstance(other, FlowtrainConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__ and self._dp_world_size == other._dp_world_size
+
+    @property
+    def auto_resolved(self) -> dict[str, tuple[Any, str]]:
+        """Each key that was "auto" in the config: (the value it took, where that came from)."""
+        return self._auto_resolved
 
     @property
     def dp_world_size(self) -> int:

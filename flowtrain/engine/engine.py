@@ -319,9 +319,6 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             log.warning("could not write the run's plan.json", error=str(exc))
         return out
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.grad_accum == 0
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block do not reduce gradients (DDP's no_sync)."""

@@ -170,6 +170,44 @@ class EngineSurface:
     def gradient_accumulation_steps(self) -> int:
         return self.config.grad_accum
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-batch ends the step: every gradient_accumulation_steps-th one,
+        unless ``set_gradient_accumulation_boundary`` said otherwise."""
+        told = getattr(self, "_boundary_told", None)
+        if told is not None:
+            return bool(told)
+        return (self.micro_steps + 1) % self.config.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual override (what accelerate calls): the next backward and step
+        treat this micro-batch as ending the step exactly when ``is_boundary`` is true. Set it
+        before each micro-batch's forward."""
+        self._boundary_told = bool(is_boundary)
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def fp16_enabled(self) -> bool:
+        return self.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision == "bf16"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's stage3_gather_16bit_weights_on_model_save (what HF's Trainer asks
+        before saving a ZeRO-3 model as one file)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False,
+                                             ) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict in its training dtype on rank 0, None on the others,
+        as DeepSpeed's; every rank must call it (it gathers under stage 3)."""
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state if self.global_rank == 0 else None
+
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale

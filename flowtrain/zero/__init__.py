@@ -5,7 +5,9 @@ Every gradient bucket's flat buffer is padded to a multiple of the data-parallel
 rank r owns the contiguous slice r of every bucket (see ``partition``); ``sharded`` holds the
 optimizer side (master shards, the global overflow/norm, the post-step all-gather)."""
 
+from flowtrain.zero.gathered import GatheredParameters, Init, is_zero3_param
 from flowtrain.zero.partition import Shard, flatten_params, padded_numel, shard_of
 from flowtrain.zero.sharded import ZeroOptimizer
 
-__all__ = ["Shard", "ZeroOptimizer", "flatten_params", "padded_numel", "shard_of"]
+__all__ = ["GatheredParameters", "Init", "Shard", "ZeroOptimizer", "flatten_params",
+           "is_zero3_param", "padded_numel", "shard_of"]

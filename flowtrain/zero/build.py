@@ -13,6 +13,7 @@ from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.parts import EngineParts
 from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
+from flowtrain.zero.gathered import register
 
 if TYPE_CHECKING:
     from flowtrain.zero.sharded import ZeroOptimizer
@@ -84,6 +85,8 @@ def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.
                          norm_over_world=parts.model_parallel, tp=parts.tp)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
+        if parts.zero_stage == 3:
+            register(zero, None)
         return zero, None
     from flowtrain.zero.stage3 import ParamFetcher, Stage3Params
 
@@ -97,6 +100,7 @@ def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.
                           max_live_numel=zcfg.stage3_max_live_parameters,
                           max_reuse_distance=zcfg.stage3_max_reuse_distance)
     stage3.fetcher_actor = actor
+    register(zero, stage3)
     return zero, stage3
 
 

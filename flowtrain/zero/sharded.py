@@ -171,6 +171,19 @@ class ZeroOptimizer:
             param = self.params[slot.index]
             param.data = self._placeholder(param)
 
+    def store_full(self, b: int, full: torch.Tensor) -> None:
+        """Bucket ``b``'s whole padded values ``full`` (the same on every rank) become the
+        model's: this rank's model shard takes its slice and the fp32 master shard follows, so
+        the next step starts from them."""
+        s = self.shards[b]
+        with torch.no_grad():
+            shard = self.model_shards[b]
+            piece = full.narrow(0, s.start, s.numel)
+            if shard.data_ptr() != piece.data_ptr():
+                shard.copy_(piece)
+            if not self.aliased:
+                self.master[b].copy_(shard)
+
     def partitioned_numel(self, b: int) -> int:
         return self.plan[b].numel
 

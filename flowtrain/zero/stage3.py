@@ -252,16 +252,25 @@ class Stage3Params:
     def gather_all(self) -> None:
         """Every partitioned bucket gathered (for saving or inspecting the whole model); every
         rank must call it."""
-        need = tuple(b for b, part in enumerate(self.zero.partitioned)
-                     if part and b not in self.live)
+        self.gather_buckets(range(len(self.zero.partitioned)))
+
+    def gather_buckets(self, buckets: Any) -> list[int]:
+        """The partitioned ones of ``buckets`` that are not gathered yet, gathered (every rank
+        must call it with the same buckets); returns them, for ``release_buckets``."""
+        need = tuple(b for b in buckets if self.zero.partitioned[b] and b not in self.live)
         if need:
             reply = self.fetcher.ask_from_thread(Gather(need), timeout=self.timeout)
             for b, full in zip(need, reply.buffers):
                 self.zero.attach(b, full)
                 self.live[b] = full
+        return list(need)
 
     def release_all(self) -> None:
         for b in list(self.live):
+            self._release(b)
+
+    def release_buckets(self, buckets: Any) -> None:
+        for b in buckets:
             self._release(b)
 
     def remove_hooks(self) -> None:

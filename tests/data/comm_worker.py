@@ -17,20 +17,20 @@ from flowtrain.runtime.system import Runtime
 async def checks(rank: int, world: int) -> dict:
     out: dict = {}
     t = torch.tensor([float(rank + 1)] * 3)
-    await comm.all_reduce(t)
+    await comm.all_reduce_async(t)
     out["all_reduce"] = t.tolist()
 
     b = torch.tensor([float(rank * 10 + 7)])
-    await comm.broadcast(b, src=1)
+    await comm.broadcast_async(b, src=1)
     out["broadcast"] = b.tolist()
 
     gathered = torch.empty(2 * world)
-    await comm.all_gather_into_tensor(gathered, torch.tensor([rank, rank + 0.5]))
+    await comm.all_gather_into_tensor_async(gathered, torch.tensor([rank, rank + 0.5]))
     out["all_gather"] = gathered.tolist()
 
     full = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
     shard = torch.empty(2)
-    await comm.reduce_scatter_tensor(shard, full)
+    await comm.reduce_scatter_tensor_async(shard, full)
     out["reduce_scatter"] = shard.tolist()
 
     # The loop stays free while a collective waits: rank 1 arrives late and a ticker runs.
@@ -53,7 +53,7 @@ async def checks(rank: int, world: int) -> dict:
 
     watcher = asyncio.ensure_future(watch())
     late = torch.ones(4)
-    await comm.all_reduce(late)
+    await comm.all_reduce_async(late)
     await watcher
     task.cancel()
     out["late"] = late.tolist()
@@ -63,7 +63,7 @@ async def checks(rank: int, world: int) -> dict:
     # A collective a peer never joins ends with CollectiveTimeout instead of hanging.
     if rank == 0:
         try:
-            await comm.all_reduce(torch.ones(1), timeout=0.5)
+            await comm.all_reduce_async(torch.ones(1), timeout=0.5)
             out["timeout"] = "no timeout"
         except comm.CollectiveTimeout as exc:
             out["timeout"] = str(exc)
