@@ -138,3 +138,10 @@ def build_demo_model() -> GPT:
     text = (Path(__file__).parent / "data" / "input.txt").read_text(encoding="utf-8")
     return GPT(GPTConfig(vocab_size=len(set(text)), block_size=64, n_layer=3, n_head=4,
                          n_embd=128))
+
+
+def build_wider_model() -> GPT:
+    """A larger GPT than the demo's (6 blocks of width 256, 8 heads, 128-token context, a
+    512-token vocabulary; 4.9 M parameters), for `flowtrain tune` and the benchmarks that want
+    a second shape: `--model gpt:build_wider_model --seq-len 128`."""
+    return GPT(GPTConfig(vocab_size=512, block_size=128, n_layer=6, n_head=8, n_embd=256))
