@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flowtrain.checkpoint import atomic as ckpt
+from flowtrain.checkpoint.manifest import MANIFEST, CheckpointError
 
 
 def _save(root: Path, tag: str, value: int) -> Path:
@@ -66,7 +67,7 @@ def test_failed_tensor_write_publishes_nothing(tmp_path: Path) -> None:
         (directory / "__0_0.distcp").write_bytes(b"half")
         raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="OSError: disk full"):
         ckpt.save(tmp_path, "b", rank=0, shared={"v": 2}, per_rank={"r": 2},
                   barrier=lambda name: None, write_tensors=fail)
     assert seen == [tmp_path / ".b.partial" / ckpt.TENSOR_DIR]
@@ -76,7 +77,44 @@ def test_failed_tensor_write_publishes_nothing(tmp_path: Path) -> None:
               barrier=lambda name: None, write_tensors=lambda d: d.mkdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latest"]
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == \
-        [ckpt.ENGINE_FILE, ckpt.rank_file(0), ckpt.TENSOR_DIR]
+        [ckpt.ENGINE_FILE, MANIFEST, ckpt.rank_file(0), ckpt.TENSOR_DIR]
+
+
+@pytest.mark.parametrize("how", ["enospc", "dcp_wrapped"])
+def test_disk_full_is_named_and_leaves_the_last_good_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """ENOSPC raised as such, or hidden by DCP's writer ("unexpected pos") on a disk with no
+    space left: one line naming the directory and the full disk; no partial directory stays."""
+    import errno
+    import shutil
+
+    _save(tmp_path, "a", 1)
+
+    def fail(directory: Path) -> None:
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"half")
+        if how == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+            10 << 30, 10 << 30, 0))  # type: ignore[attr-defined]
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 "
+                           "vs 598")
+
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.save(tmp_path, "b", rank=0, shared={"v": 2}, per_rank={"r": 2},
+                  barrier=lambda name: None, write_tensors=fail)
+    message = str(caught.value)
+    assert "no space left on device" in message and str(tmp_path) in message, message
+    assert "'a' is still the latest checkpoint" in message and "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]
+    assert ckpt.load(ckpt.resolve(tmp_path, None), 0)[0] == {"v": 1}
+
+
+def test_binary_latest_is_named(tmp_path: Path) -> None:
+    _save(tmp_path, "a", 1)
+    (tmp_path / "latest").write_bytes(b"\xff\x00\x80")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'} is damaged"):
+        ckpt.resolve(tmp_path, None)
 
 
 def test_checkpoint_of_the_old_layout_is_named(tmp_path: Path) -> None:
