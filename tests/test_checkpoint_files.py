@@ -4,6 +4,7 @@ layout named as such."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,23 @@ def test_checkpoint_barrier_spans_the_whole_job_not_the_data_parallel_group(
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     OneStage().job_barrier("ckpt-y-written")
     assert waited == ["ckpt-x-written"]
+
+
+def test_a_dead_saves_partial_directory_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    """A save killed mid-way left ``.x.partial`` (another tag than the next save's): the next
+    save removes it when its owner process is gone, and keeps one whose owner still runs."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    for name, pid in ((".x.partial", dead.stdout.strip()), (".y.partial", str(os.getpid()))):
+        (tmp_path / name / ckpt.TENSOR_DIR).mkdir(parents=True)
+        (tmp_path / name / ckpt.OWNER_FILE).write_text(f"{host} {pid}")
+    (tmp_path / ".z.partial").mkdir()  # no owner: not known to be ours, kept
+    _save(tmp_path, "a", 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".y.partial", ".z.partial", "a",
+                                                          "latest"]
+    assert not (tmp_path / "a" / ckpt.OWNER_FILE).exists()

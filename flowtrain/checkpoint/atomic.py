@@ -13,6 +13,7 @@ import errno
 import os
 import pickle
 import shutil
+import socket
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,9 @@ TENSOR_DIR = "tensors"
 LATEST = "latest"
 # What checkpoints before the DCP layout held instead of ENGINE_FILE and TENSOR_DIR.
 LEGACY_MODEL_FILE = "mp_rank_00_model_states.pt"
+# In a staging directory while it is written: "<host> <pid>" of the saving rank 0, so a later
+# save can tell a partial directory left by a dead process from one being written now.
+OWNER_FILE = ".owner"
 
 
 def rank_file(rank: int) -> str:
@@ -116,6 +120,26 @@ def _failure(exc: BaseException, root: Path, tag: str) -> CheckpointError:
                            f"and the partial directory was removed")
 
 
+def _remove_stale_partials(root: Path) -> None:
+    """Removes the staging directories of saves whose rank 0 died on this host (a crash or a
+    kill mid-save); leaves those of live processes, other hosts, and ones without an owner."""
+    host = socket.gethostname()
+    for staging in root.glob(".*.partial"):
+        try:
+            owner_host, pid = (staging / OWNER_FILE).read_text(encoding="utf-8").split()
+            if owner_host != host:
+                continue
+            os.kill(int(pid), 0)
+            continue  # still running: another job saving into the same directory
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):  # no owner file, someone else's process, garbage
+            continue
+        shutil.rmtree(staging, ignore_errors=True)
+        log.info("removed a partial checkpoint left by a save that did not finish",
+                 path=str(staging))
+
+
 def write_latest(save_dir: Path, tag: str) -> None:
     tmp = save_dir / f".{LATEST}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -147,7 +171,10 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():  # left by a run that crashed mid-save
             shutil.rmtree(staging)
+        _remove_stale_partials(root)
         staging.mkdir()
+        (staging / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}",
+                                          encoding="utf-8")
     barrier(f"ckpt-{tag}-staged")
     try:
         if write_tensors is not None:
@@ -158,6 +185,7 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
             save_file(shared, staging / ENGINE_FILE)
         barrier(f"ckpt-{tag}-written")
         if rank == 0:
+            (staging / OWNER_FILE).unlink()
             write_manifest(staging)
             _fsync_dir(staging)
     except Exception as exc:
