@@ -69,10 +69,58 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
                 raise RuntimeError("MASTER_PORT is not set; start the job with `flowtrain launch` "
                                    "or torchrun, or set MASTER_ADDR and MASTER_PORT")
             os.environ[envnames.MASTER_PORT] = str(_free_port())
-    dist.init_process_group(backend=backend, init_method=init_method,
-                            timeout=timedelta(seconds=timeout))
+    store = _loopback_store(timeout) if init_method == "env://" else None
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store,
+                                rank=int(os.environ[envnames.RANK]),
+                                world_size=int(os.environ[envnames.WORLD_SIZE]),
+                                timeout=timedelta(seconds=timeout))
+    else:
+        dist.init_process_group(backend=backend, init_method=init_method,
+                                timeout=timedelta(seconds=timeout))
     log.debug("process group ready", backend=backend, world_size=dist.get_world_size())
     return backend
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_store(timeout: float) -> Any:
+    """The process group's TCPStore when MASTER_ADDR is a loopback address (a single-node job),
+    rank 0's server listening on that address only: torch's env:// store listens on every
+    interface, which lets anyone on the network reach the job's rendezvous. Every rank makes
+    its store here (rank 0 the server, the others clients), so all see the same keys. None for
+    multi-node jobs, where env:// does what is needed."""
+    import socket
+
+    host = os.environ[envnames.MASTER_ADDR]
+    if not _is_loopback(host):
+        return None
+    port = int(os.environ[envnames.MASTER_PORT])
+    world = int(os.environ[envnames.WORLD_SIZE])
+    if os.environ[envnames.RANK] != "0":
+        return dist.TCPStore(host, port, world, False, timedelta(seconds=timeout))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("localhost" if host == "localhost" else host.strip("[]"), port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"rank 0 cannot listen on MASTER_ADDR:MASTER_PORT {host}:{port} for "
+                           f"the process group's store: {exc.strerror or exc}") from None
+    # The store owns the descriptor from here on (detach: Python must not close it).
+    return dist.TCPStore(host, port, world, True, timedelta(seconds=timeout),
+                         master_listen_fd=sock.detach(), use_libuv=True)
 
 
 def _free_port() -> int:

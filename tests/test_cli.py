@@ -86,3 +86,18 @@ def test_importing_cli_does_not_import_sims_or_tui() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("job_id", ["../../escape", "a/b", ".hidden", ""])
+def test_job_id_must_be_a_plain_name(tmp_path: Path, script: Path, job_id: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _launch(["--job-id", job_id, str(script)], work)
+    if job_id == "":  # empty: the generated id is used, the job runs
+        assert proc.returncode == 0, proc.stderr
+        return
+    line = one_error_line(proc)
+    assert "--job-id must be a plain name" in line and repr(job_id) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py", "work"]
+    assert not (work / "runs").exists()

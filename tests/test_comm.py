@@ -55,3 +55,42 @@ def test_default_backend_without_cuda_is_gloo() -> None:
 def test_bad_backend_is_named() -> None:
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
         comm.init_distributed("mpi")
+
+
+# Rank 0 lists the addresses its process listens on at MASTER_PORT (from /proc/net/tcp{,6}),
+# after a collective proves the store served both ranks.
+STORE_PROBE = r'''
+import json, os, sys
+import torch, torch.distributed as dist
+from flowtrain import comm
+comm.init_distributed("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+port = int(os.environ["MASTER_PORT"])
+found = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        fields = line.split()
+        address, hex_port = fields[1].rsplit(":", 1)
+        if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+            found.append(address)
+json.dump({"sum": t.item(), "listening": found}, open(sys.argv[1], "w"))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(90)
+def test_single_node_store_listens_on_loopback_only(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", STORE_PROBE, str(tmp_path / f"{r}.json")],
+                              env=rank_env(r, 2, port, OMP_NUM_THREADS="1")) for r in range(2)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=75) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    r0 = json.loads((tmp_path / "0.json").read_text())
+    assert r0["sum"] == 2.0
+    # 0100007F is 127.0.0.1 as /proc/net/tcp writes it; torch's own store gives 0.0.0.0 or ::
+    assert r0["listening"] == ["0100007F"], r0["listening"]

@@ -158,7 +158,7 @@ def test_batch_rule_neither_given():
                                  "gradient_accumulation_steps"])
 def test_batch_values_must_be_positive(key):
     assert problems_of({"train_batch_size": 4, key: 0}) == [
-        f"{key}: expected an integer > 0, got 0"]
+        f"{key}: expected an integer from 1 to 2147483647, got 0"]
 
 
 def test_caller_micro_batch_fills_and_conflicts():
@@ -217,7 +217,7 @@ def test_integral_floats_accepted_fractional_rejected():
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
     assert isinstance(cfg.zero_optimization.reduce_bucket_size, int)
     assert problems_of({"train_batch_size": 4.5}) == [
-        "train_batch_size: expected an integer > 0, got 4.5"]
+        "train_batch_size: expected an integer from 1 to 2147483647, got 4.5"]
 
 
 def test_all_problems_reported_at_once():
@@ -503,3 +503,26 @@ def test_what_flowtrain_runs_today():
 
     assert {"zero_stage_1", "zero_stage_2", "zero_stage_3", "cpu_offload_optimizer",
             "cpu_offload_param", "pipeline", "tensor_parallel", "flops_profiler"} <= today
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b'{"train_batch_size": 4, "x": "\xff\xfe"}', "not UTF-8 text: byte 0xff at offset"),
+    (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+    (b'{"train_batch_size": ' + b"9" * 5000 + b"}", "digits"),
+])
+def test_unreadable_config_files_are_config_errors(tmp_path, content, fragment):
+    path = tmp_path / "ds.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert fragment in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("config,fragment", [
+    ({"train_batch_size": 4, "fp16": {"enabled": True, "initial_scale_power": 1e9}},
+     "fp16.initial_scale_power: expected an integer from 0 to 127, got 1000000000"),
+    ({"train_micro_batch_size_per_gpu": 1e308},
+     "train_micro_batch_size_per_gpu: expected an integer from 1 to 2147483647, got 1e+308"),
+])
+def test_out_of_range_numbers_are_refused_at_load(config, fragment):
+    assert any(fragment in p for p in problems_of(config)), problems_of(config)

@@ -552,3 +552,28 @@ async def test_a_stopped_rank_process_is_declared_stuck() -> None:
         finally:
             process.kill()
             process.wait(timeout=10)
+
+
+async def test_an_oversized_frame_is_refused_by_the_transport_before_decoding() -> None:
+    """A frame over the limit never reaches the decoder (old: buffered whole, then counted as a
+    bad signature); the coordinator keeps serving and counts the next bad frame as usual."""
+    from flowtrain.control.protocol import MAX_FRAME_BYTES
+
+    async with coordinator_running(1) as (coordinator, events, tg):
+        context = zmq.asyncio.Context()
+        big, small = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        try:
+            big.connect(coordinator.endpoint)
+            await big.send_multipart([b"\0" * (MAX_FRAME_BYTES + 1), b"\0" * 32])
+            await anyio.sleep(1.0)  # the 16 MB part is read long before this over loopback
+            small.connect(coordinator.endpoint)
+            await small.send_multipart([b"\xde\xad"])
+            await wait_until(lambda: coordinator.rejected.total >= 1, 5, "the small frame")
+            await anyio.sleep(0.2)
+            assert {k: n for k, n in coordinator.rejected.counts.items() if n} == {"unsigned": 1}
+            client, _ = await start_client(tg, coordinator, 0, 1)
+            await client.barrier("after-the-big-frame", 5)
+        finally:
+            big.close(linger=0)
+            small.close(linger=0)
+            context.term()

@@ -285,3 +285,44 @@ def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
                 node1.kill()
                 node1.communicate(timeout=10)
             _kill_leftovers(tmp_path / "run")
+
+
+@pytest.mark.timeout(90)
+def test_run_dir_is_private_and_a_killed_launchers_job_is_marked_by_the_next(
+        tmp_path: Path, outdir: Path) -> None:
+    """The run directory is 0700 and what the launcher writes 0600 (endpoints, secret, logs,
+    telemetry); a SIGKILLed launcher's job.json said "running" and its telemetry.live.json
+    (the job secret) stayed: the next launch beside it marks it killed and removes the file."""
+    from flowtrain.telemetry.files import LIVE_FILE
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    killed_dir = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen([*LAUNCH, "--run-dir", str(killed_dir), "--nproc-per-node", "1",
+                             str(sleeper)], cwd=tmp_path, env=launcher_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (killed_dir / LIVE_FILE).exists():
+            assert time.monotonic() < deadline, "the launcher never wrote its live endpoint"
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_leftovers(killed_dir)
+    assert json.loads((killed_dir / "job.json").read_text())["status"] == "running"
+
+    run = launch(tmp_path / "runs", ["--nproc-per-node", "2", str(JOB), "ok", str(outdir)])
+    assert run.returncode == 0, run.text
+    marked = json.loads((killed_dir / "job.json").read_text())
+    assert marked["status"] == "killed" and "ended without finishing" in \
+        marked["root_cause"]["message"]
+    assert not (killed_dir / LIVE_FILE).exists()
+    assert (run.run_dir.stat().st_mode & 0o777) == 0o700
+    for name in ("job.json", "launcher.jsonl", "telemetry.msgpack"):
+        assert (run.run_dir / name).stat().st_mode & 0o077 == 0, name
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (outdir / "rank0.json").stat().st_mode & 0o777 == 0o666 & ~mask  # the user's umask

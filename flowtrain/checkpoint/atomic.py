@@ -3,19 +3,25 @@ it into place once all are done, and the ``latest`` pointer moves last. A crash 
 leaves the previous checkpoint, and ``latest`` pointing at it.
 
 A checkpoint directory holds ``engine_state.pt`` (rank 0: everything that is not a big tensor),
-``rank<R>_states.pt`` per rank (random generators) and ``tensors/``, the parameters and
-optimizer state as torch.distributed.checkpoint files (see ``save``)."""
+``rank<R>_states.pt`` per rank (random generators), ``tensors/``, the parameters and
+optimizer state as torch.distributed.checkpoint files (see ``save``), and ``manifest.json``,
+every other file's size and checksum (see ``manifest``)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import shutil
+import socket
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from flowtrain.checkpoint.manifest import CheckpointError, write_manifest
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
@@ -25,6 +31,9 @@ TENSOR_DIR = "tensors"
 LATEST = "latest"
 # What checkpoints before the DCP layout held instead of ENGINE_FILE and TENSOR_DIR.
 LEGACY_MODEL_FILE = "mp_rank_00_model_states.pt"
+# In a staging directory while it is written: "<host> <pid>" of the saving rank 0, so a later
+# save can tell a partial directory left by a dead process from one being written now.
+OWNER_FILE = ".owner"
 
 
 def rank_file(rank: int) -> str:
@@ -45,6 +54,90 @@ def save_file(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _numpy_globals() -> list[Any]:
+    """What a pickled numpy random generator state (``rank<R>_states.pt``) is made of."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_file(path: Path) -> Any:
+    """A checkpoint's ``.pt`` file, loaded without running code from it (weights_only, with the
+    numpy types a saved random generator state needs). A damaged or unreadable file is a
+    one-line CheckpointError naming it."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc).lower() or "unsupported global" in str(exc).lower():
+            raise CheckpointError(f"checkpoint file {path} holds objects that a weights-only "
+                                  f"load refuses (only tensors, numbers, strings and "
+                                  f"containers of them load): {first}") from None
+        raise CheckpointError(f"checkpoint file {path} is damaged or truncated: {first}") \
+            from None
+    except (OSError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint file {path} is damaged or truncated "
+                              f"({type(exc).__name__}: {first})") from None
+
+
+def _failure(exc: BaseException, root: Path, tag: str) -> CheckpointError:
+    """A failed save as one line: what went wrong, where, and that the last good checkpoint is
+    kept. DCP wraps a rank's error (the disk-full OSError becomes a torch writer's "unexpected
+    pos"), so a full disk is also recognised by the free space left."""
+    seen: list[BaseException] = []
+    todo: list[Any] = [exc]
+    while todo and len(seen) < 50:
+        e = todo.pop()
+        if isinstance(e, BaseException) and e not in seen:
+            seen.append(e)
+            todo += [e.__cause__, e.__context__]
+            todo += [getattr(f, "exc", f) for f in getattr(e, "failures", {}).values()]
+    full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in seen)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = full or (free is not None and free < 1 << 20)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    latest = root / LATEST
+    try:
+        kept = f"{latest.read_text(encoding='utf-8').strip()!r} is still the latest checkpoint"
+    except (OSError, UnicodeDecodeError):
+        kept = "no earlier checkpoint was touched"
+    cause = (f"no space left on device ({free} bytes free)" if full
+             else f"{type(exc).__name__}: {first}")
+    return CheckpointError(f"saving checkpoint {tag!r} into {root} failed: {cause}; {kept} "
+                           f"and the partial directory was removed")
+
+
+def _remove_stale_partials(root: Path) -> None:
+    """Removes the staging directories of saves whose rank 0 died on this host (a crash or a
+    kill mid-save); leaves those of live processes, other hosts, and ones without an owner."""
+    host = socket.gethostname()
+    for staging in root.glob(".*.partial"):
+        try:
+            owner_host, pid = (staging / OWNER_FILE).read_text(encoding="utf-8").split()
+            if owner_host != host:
+                continue
+            os.kill(int(pid), 0)
+            continue  # still running: another job saving into the same directory
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):  # no owner file, someone else's process, garbage
+            continue
+        shutil.rmtree(staging, ignore_errors=True)
+        log.info("removed a partial checkpoint left by a save that did not finish",
+                 path=str(staging))
 
 
 def write_latest(save_dir: Path, tag: str) -> None:
@@ -78,17 +171,29 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():  # left by a run that crashed mid-save
             shutil.rmtree(staging)
+        _remove_stale_partials(root)
         staging.mkdir()
+        (staging / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}",
+                                          encoding="utf-8")
     barrier(f"ckpt-{tag}-staged")
-    if write_tensors is not None:
-        write_tensors(staging / TENSOR_DIR)
-    save_file(per_rank, staging / rank_file(rank))
+    try:
+        if write_tensors is not None:
+            write_tensors(staging / TENSOR_DIR)
+        save_file(per_rank, staging / rank_file(rank))
+        if rank == 0:
+            assert shared is not None
+            save_file(shared, staging / ENGINE_FILE)
+        barrier(f"ckpt-{tag}-written")
+        if rank == 0:
+            (staging / OWNER_FILE).unlink()
+            write_manifest(staging)
+            _fsync_dir(staging)
+    except Exception as exc:
+        # A failed save must not leave a half-written directory on a (possibly full) disk.
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise _failure(exc, root, tag) from exc
     if rank == 0:
-        assert shared is not None
-        save_file(shared, staging / ENGINE_FILE)
-    barrier(f"ckpt-{tag}-written")
-    if rank == 0:
-        _fsync_dir(staging)
         old = root / f".{tag}.replaced"
         if final.exists():
             if old.exists():
@@ -112,7 +217,13 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
         latest = root / LATEST
         if not latest.is_file():
             return None
-        tag = latest.read_text(encoding="utf-8").strip()
+        try:
+            tag = latest.read_text(encoding="utf-8").strip()
+            tag = validate_tag(tag)
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"{latest} is damaged: it should hold one checkpoint "
+                                  f"directory name as text; pass the tag to load "
+                                  f"explicitly") from None
     path = root / validate_tag(tag)
     replaced = root / f".{tag}.replaced"
     if not path.exists() and (replaced / ENGINE_FILE).is_file():
@@ -131,7 +242,14 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
 def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The shared state and this rank's state (None when the checkpoint was written by fewer
     ranks than are loading it)."""
-    shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
+    shared = read_file(path / ENGINE_FILE)
+    if not isinstance(shared, dict):
+        raise CheckpointError(f"checkpoint file {path / ENGINE_FILE} is not an engine state "
+                              f"(got {type(shared).__name__})")
     mine = path / rank_file(rank)
-    per_rank = torch.load(mine, map_location="cpu", weights_only=False) if mine.is_file() else None
-    return shared, per_rank
+    if mine.is_file():
+        return shared, read_file(mine)
+    if rank < int(shared.get("world_size", 0)):  # this rank wrote one when it was saved
+        raise CheckpointError(f"checkpoint file {mine} is missing: the checkpoint was saved "
+                              f"by {shared['world_size']} ranks, each writing its own")
+    return shared, None

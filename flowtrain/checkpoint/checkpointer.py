@@ -5,9 +5,11 @@ and ZeRO stage."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.checkpoint.atomic import TENSOR_DIR, load, resolve, save
+from flowtrain.checkpoint.manifest import raise_problems, verify_part
 from flowtrain.engine.dataloader import rng_state, set_rng_state
 from flowtrain.log import get_logger
 
@@ -68,6 +70,7 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
     if path is None:
         log.warning("no checkpoint to load: no 'latest' file", load_dir=str(load_dir))
         return None, None
+    _verify(path)
     shared, per_rank = load(path, engine.global_rank)
     description = shared["tensors"]
     saved_layout = (shared["zero_stage"], shared["world_size"])
@@ -110,6 +113,21 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
                      f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
     engine.zero_grad()
     return str(path), shared.get("client_state", {})
+
+
+def _verify(path: Path) -> None:
+    """Every file of the checkpoint against its manifest, the work shared out among the ranks;
+    every rank raises the same error when any rank finds damage."""
+    from flowtrain.checkpoint.dcp_io import all_gather_objects, world_and_rank
+
+    world, rank = world_and_rank()
+    mine = verify_part(path, rank, world)
+    if mine is None:
+        if rank == 0:
+            log.info("checkpoint has no manifest (written before checksums existed); loading "
+                     "it unverified", path=str(path))
+        return
+    raise_problems(path, [p for problems in all_gather_objects(mine) for p in problems])
 
 
 def _load_loss_scaler(engine: CheckpointableEngine, shared: dict[str, Any]) -> None:

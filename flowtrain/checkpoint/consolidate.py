@@ -9,7 +9,11 @@ from pathlib import Path
 
 import torch
 
-from flowtrain.checkpoint.atomic import ENGINE_FILE, LATEST, TENSOR_DIR, resolve
+from flowtrain.checkpoint.atomic import ENGINE_FILE, LATEST, TENSOR_DIR, read_file, resolve
+from flowtrain.checkpoint.manifest import CheckpointError, raise_problems, verify_part
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.checkpoint")
 
 __all__ = ["checkpoint_path", "consolidate", "consolidate_to_file", "frozen_parameter_names"]
 
@@ -37,8 +41,23 @@ def consolidate(checkpoint_dir: str | os.PathLike[str],
     from flowtrain.checkpoint.load import full_state_dict
 
     path = checkpoint_path(checkpoint_dir, tag)
-    shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
-    state = full_state_dict(path / TENSOR_DIR, shared["tensors"])
+    problems = verify_part(path, 0, 1)
+    if problems is None:
+        log.info("checkpoint has no manifest (written before checksums existed); reading it "
+                 "unverified", path=str(path))
+    else:
+        raise_problems(path, problems)
+    shared = read_file(path / ENGINE_FILE)
+    if not isinstance(shared, dict) or not isinstance(shared.get("tensors"), dict):
+        raise CheckpointError(f"checkpoint file {path / ENGINE_FILE} is not an engine state")
+    try:
+        state = full_state_dict(path / TENSOR_DIR, shared["tensors"])
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DCP's own errors name no file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"reading the tensors of checkpoint {path} failed "
+                              f"({type(exc).__name__}: {first})") from None
     # .float() of an fp32 tensor is the tensor itself: tied names keep sharing one tensor
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
@@ -48,6 +67,9 @@ def consolidate_to_file(checkpoint_dir: str | os.PathLike[str], out: str | os.Pa
     """``consolidate`` written to ``out`` with torch.save (through a temporary file, so ``out``
     is either the old file or the whole new one); returns the state dict."""
     target = Path(out)
+    if target.is_dir():
+        raise CheckpointError(f"output {str(target)!r} is a directory; give a file path to "
+                              f"write, such as {str(target / 'model.pt')!r}")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"cannot write {str(target)!r}: directory "
                                 f"{str(target.parent)!r} does not exist")
@@ -56,6 +78,8 @@ def consolidate_to_file(checkpoint_dir: str | os.PathLike[str], out: str | os.Pa
     try:
         torch.save(state, tmp)
         os.replace(tmp, target)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return state
@@ -66,5 +90,7 @@ def frozen_parameter_names(checkpoint_dir: str | os.PathLike[str],
     """The names of the parameters the saving engine did not train (empty for checkpoints
     written before the description recorded them)."""
     path = checkpoint_path(checkpoint_dir, tag)
-    shared = torch.load(path / ENGINE_FILE, map_location="cpu", weights_only=False)
+    shared = read_file(path / ENGINE_FILE)
+    if not isinstance(shared, dict) or not isinstance(shared.get("tensors"), dict):
+        raise CheckpointError(f"checkpoint file {path / ENGINE_FILE} is not an engine state")
     return set(shared["tensors"].get("frozen", ()))

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from flowtrain.checkpoint.manifest import CheckpointError
+
 
 def world_and_rank() -> tuple[int, int]:
     """(the job's world size, this rank), (1, 0) without a process group."""
@@ -45,7 +47,14 @@ def quiet() -> Iterator[None]:
 
 def stored(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor key the DCP files hold, with its full shape and dtype."""
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {directory / '.metadata'} is missing") from None
+    except Exception as exc:  # DCP unpickles it: any error means damage
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"checkpoint file {directory / '.metadata'} is damaged or "
+                              f"truncated ({type(exc).__name__}: {first})") from None
     return {k: (tuple(v.size), v.properties.dtype)
             for k, v in metadata.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}

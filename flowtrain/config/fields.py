@@ -49,9 +49,13 @@ def _fail(expected: str, value: Any) -> NoReturn:
                               {"expected": expected, "got": got})
 
 
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # integers exactly, not as 2.14748e+09
+
+
 def _bounds(kind: str, ge: float | None, le: float | None, gt: float | None) -> str:
     if ge is not None and le is not None:
-        return f"{kind} from {ge:g} to {le:g}"
+        return f"{kind} from {_num(ge)} to {_num(le)}"
     if gt is not None:
         return f"{kind} > {gt:g}"
     if ge == 1 and kind == "an integer":
@@ -85,13 +89,14 @@ def Int(*, ge: int | None = None, le: int | None = None,
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(desc, value)
+        given = value  # shown as written: int(1e308) has 309 digits
         if isinstance(value, float):
             if not value.is_integer():
                 _fail(desc, value)
             value = int(value)
         if (ge is not None and value < ge) or (le is not None and value > le):
-            _fail(desc, value)
-        return value
+            _fail(desc, given)
+        return int(value)
 
     return _validator(desc, check, optional)
 

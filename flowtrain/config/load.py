@@ -125,15 +125,26 @@ def _read(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, dict
         path = Path(config)
         source = f"config file {path}"
         try:
-            text = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
         except OSError as exc:
             raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], source) from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"the file is not UTF-8 text: byte 0x{data[exc.start]:02x} at "
+                               f"offset {exc.start}; save it as UTF-8 JSON"], source) from None
         duplicates: list[str] = []
         try:
             raw = json.loads(text, object_pairs_hook=lambda pairs: _no_dupes(pairs, duplicates))
         except json.JSONDecodeError as exc:
             raise ConfigError([f"invalid JSON at line {exc.lineno} column {exc.colno}: "
                                f"{exc.msg}"], source) from None
+        except RecursionError:
+            raise ConfigError(["the JSON is nested too deeply to read (thousands of levels); "
+                               "a config is a few levels deep"], source) from None
+        except ValueError as exc:  # an integer literal past Python's digit limit
+            raise ConfigError([f"invalid JSON: {exc}; config numbers are at most a few "
+                               f"digits long"], source) from None
         if duplicates:
             raise ConfigError(duplicates, source)
     else:

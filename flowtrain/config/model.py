@@ -31,6 +31,7 @@ from flowtrain.config.sections import (
 )
 from flowtrain.config.zero import ZeroConfig
 
+MAX_COUNT = 2**31 - 1  # the largest batch size or step count a config may give
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # DeepSpeed sections flowtrain accepts without reading their contents; support.py reports them
@@ -48,9 +49,12 @@ class FlowtrainConfig(Section):
     """A validated config. Batch sizes are all set once ``load_config`` has applied the batch
     rule; ``dp_world_size`` is the data-parallel world size they were checked against."""
 
-    train_batch_size: Annotated[int | None, Int(ge=1, optional=True)] = None
-    train_micro_batch_size_per_gpu: Annotated[int | None, Int(ge=1, optional=True)] = None
-    gradient_accumulation_steps: Annotated[int | None, Int(ge=1, optional=True)] = None
+    # at most 2**31 - 1: samples and steps are counted and indexed as 32-bit integers
+    train_batch_size: Annotated[int | None, Int(ge=1, le=MAX_COUNT, optional=True)] = None
+    train_micro_batch_size_per_gpu: Annotated[int | None,
+                                              Int(ge=1, le=MAX_COUNT, optional=True)] = None
+    gradient_accumulation_steps: Annotated[int | None,
+                                           Int(ge=1, le=MAX_COUNT, optional=True)] = None
     # DeepSpeed's default became 1.0 in 2026 (PR #8068); it was 0.0 (off) before.
     gradient_clipping: Annotated[float, Float(ge=0)] = 1.0
     # DeepSpeed's code default is null since late 2024; its docs (and flowtrain's log line) say 10.

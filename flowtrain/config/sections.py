@@ -20,7 +20,8 @@ class FP16Config(Section):
     enabled: Bool = False
     auto_cast: Bool = False
     loss_scale: Annotated[float, Float(ge=0)] = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: Annotated[int, Int(ge=0)] = 16
+    # the scale 2**power is held as an fp32 number, finite up to 2**127
+    initial_scale_power: Annotated[int, Int(ge=0, le=127)] = 16
     loss_scale_window: Annotated[int, Int(ge=1)] = 1000
     hysteresis: Annotated[int, Int(ge=1)] = 2
     consecutive_hysteresis: Bool = False

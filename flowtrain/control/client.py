@@ -27,6 +27,7 @@ from flowtrain.control.protocol import (
     Kind,
     RejectCounter,
     check_heartbeat,
+    limit_frames,
 )
 from flowtrain.errors import RankAborted, RankFailure
 from flowtrain.log import get_logger
@@ -124,6 +125,7 @@ class ControlClient:
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, self.identity)
         dealer.setsockopt(zmq.LINGER, 0)
+        limit_frames(dealer)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_interval * 1000)))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.send_timeout * 1000)))
         routes_in, routes_out = anyio.create_memory_object_stream[tuple[int, dict]](

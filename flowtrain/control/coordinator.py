@@ -25,6 +25,7 @@ from flowtrain.control.protocol import (
     Kind,
     RejectCounter,
     check_heartbeat,
+    limit_frames,
 )
 from flowtrain.errors import RankFailure
 from flowtrain.log import get_logger
@@ -174,6 +175,8 @@ class Coordinator:
         try:
             router.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.LINGER, 0)
+            limit_frames(router)
+            limit_frames(pub)
             # Unroutable sends raise EHOSTUNREACH instead of vanishing silently.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Protocol heartbeats drop dead TCP connections; app-level beats decide who is stuck.

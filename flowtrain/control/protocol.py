@@ -20,12 +20,25 @@ SCHEMA_VERSION = 1
 # A frame bigger than this is refused before it is unpacked; control frames are small, and
 # the limit keeps a bug (or a hostile peer holding the secret) from exhausting memory.
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+# The transport's limit on one message part (ZMQ_MAXMSGSIZE), set on every control socket: a
+# bigger part makes libzmq drop the connection while reading its header, before any of it is
+# buffered, so an unauthenticated peer cannot grow the process by sending one. The payload is
+# the largest part of a legitimate frame (ZeroMQ identities, topics and the MAC are tiny).
+MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024
 # Caps the number of items one array or map header may announce.
 MAX_CONTAINER_ITEMS = 1_000_000
 MIN_SECRET_BYTES = 16
 MAC_BYTES = hashlib.sha256().digest_size
 
 REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version")
+
+
+def limit_frames(socket: Any) -> None:
+    """Refuses oversized frames on ``socket`` in the transport (see MAX_FRAME_BYTES); call
+    before it binds or connects."""
+    import zmq
+
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
 def _log() -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -127,6 +128,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="script", help="training script (or module with -m) to run")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="args",
                    help="arguments passed to the script untouched")
+
+
+# a job id names a directory under runs/: no separators, no "..", nothing hidden
+_JOB_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 def _int(value: str, flag: str, minimum: int) -> int:
@@ -286,6 +291,11 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         hosts = {}
 
     job_id = ns.job_id or os.environ.get(fenv.JOB_ID) or new_job_id()
+    if not _JOB_ID.fullmatch(job_id):
+        source = "--job-id" if ns.job_id else fenv.JOB_ID
+        raise LaunchInputError(f"{source} must be a plain name (letters, digits, '.', '_', "
+                               f"'-'; not starting with '.'), got {job_id!r}; it names the "
+                               f"run directory runs/<job id>")
     run_dir = Path(ns.run_dir) if ns.run_dir else Path.cwd() / "runs" / job_id
     world = nproc * nnodes
     if ns.world_size is not None:

@@ -20,7 +20,7 @@ from flowtrain.launch.args import LaunchConfig
 from flowtrain.launch.envfile import load_env_files, remote_exports
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback
 from flowtrain.launch.multinode import node_command, read_secret_from_stdin
-from flowtrain.launch.rundir import RunDir
+from flowtrain.launch.rundir import RunDir, mark_stale_jobs
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
 from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
 from flowtrain.log import configure_logging, get_logger
@@ -94,6 +94,16 @@ def _rank_argv(cfg: LaunchConfig) -> list[str]:
 
 def run_launch(cfg: LaunchConfig) -> int:
     """Runs the job described by ``cfg``; returns the launcher's exit code."""
+    # What the launcher writes (logs, job.json, telemetry) is its owner's only; the ranks get
+    # the user's own umask back (Child.umask), for their checkpoints and outputs.
+    user_umask = os.umask(0o077)
+    try:
+        return _run_launch(cfg, user_umask)
+    finally:
+        os.umask(user_umask)
+
+
+def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
     mode = cfg.mode
     joins_remote = mode == "node" or (mode == "multi" and cfg.node_rank > 0)
     if cfg.no_python and mode != "local":
@@ -108,6 +118,9 @@ def run_launch(cfg: LaunchConfig) -> int:
     console = "human" if sys.stderr.isatty() else "plain"
     configure_logging(json_path=rd.launcher_log, console=console, role="launcher",
                       node_rank=cfg.node_rank, job_id=cfg.job_id)
+    for stale in mark_stale_jobs(rd.path.parent, socket.gethostname()):
+        log.warning("a job whose launcher was killed still said 'running'; marked it killed "
+                    "and removed its live endpoint file", run_dir=str(stale))
     file_vars = load_env_files(Path.cwd(), os.environ.get("HOME"))
     base_env = dict(os.environ)
     base_env.update(file_vars)
@@ -178,7 +191,8 @@ def run_launch(cfg: LaunchConfig) -> int:
                 children.append(Child(label=f"node {node} ({host})",
                                       argv=[*cfg.ssh_command, host, command],
                                       env=dict(os.environ), out_path=rd.node_out(node), node=node,
-                                      host=host, stdin_data=(secret.hex() + "\n").encode()))
+                                      host=host, stdin_data=(secret.hex() + "\n").encode(),
+                                      umask=user_umask))
                 offset += len(slots)
             return children
         prefix = cfg.world_size > 1
@@ -186,7 +200,7 @@ def run_launch(cfg: LaunchConfig) -> int:
             Child(label=f"rank {cfg.rank_offset + lr}", argv=_rank_argv(cfg),
                   env=_rank_env(cfg, base_env, rd, lr, endpoint, secret, console),
                   out_path=rd.rank_out(cfg.rank_offset + lr), rank=cfg.rank_offset + lr,
-                  host=socket.gethostname(),
+                  host=socket.gethostname(), umask=user_umask,
                   prefix=f"[rank{cfg.rank_offset + lr}]: ".encode() if prefix else b"")
             for lr in range(cfg.nproc_per_node)
         ]
@@ -199,6 +213,8 @@ def run_launch(cfg: LaunchConfig) -> int:
         "hosts": {h: s for h, s in cfg.hosts.items()}, "master_addr": cfg.master_addr,
         "master_port": cfg.master_port, "run_dir": str(rd.path), "start_time": started,
         "end_time": None, "status": "running", "exit_code": None, "root_cause": None, "ranks": [],
+        # a later launch marks the job killed when this process is gone and the status stays
+        "launcher_pid": os.getpid(), "launcher_host": socket.gethostname(),
     }
     if cfg.core_shares is not None:
         record["cores"] = {str(cfg.rank_offset + lr): cores

@@ -42,6 +42,7 @@ class Child:
     host: str = ""
     prefix: bytes = b""
     stdin_data: bytes | None = None  # written to stdin, which then stays open (node launchers)
+    umask: int = -1  # the child's umask; -1: the launcher's
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     exit_code: int | None = None
@@ -170,7 +171,7 @@ class Supervisor:
                 stdin=subprocess.PIPE if child.stdin_data is not None else subprocess.DEVNULL,
                 # Own session: Ctrl-C reaches only the launcher, which tears down in order, and
                 # killpg also reaches whatever the rank started (data loader workers).
-                start_new_session=True,
+                start_new_session=True, umask=child.umask,
             )
         except OSError as exc:
             child.spawn_error = f"could not start {child.argv[0]!r}: {exc.strerror or exc}"

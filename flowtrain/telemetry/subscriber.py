@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from flowtrain.control.protocol import FrameCodec, FrameRejected, RejectCounter
+from flowtrain.control.protocol import FrameCodec, FrameRejected, RejectCounter, limit_frames
 from flowtrain.telemetry.schema import TOPIC_PREFIX, TOPICS, Record, TelemetryError, validate
 
 COORDINATOR_SENDER = "coordinator"  # who signs published frames (flowtrain.control.coordinator)
@@ -40,6 +40,7 @@ class Subscriber:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
+        limit_frames(self._socket)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
             self._socket.setsockopt(zmq.IPV6, 1)
