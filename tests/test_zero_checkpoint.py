@@ -208,7 +208,8 @@ def test_every_rank_writes_its_own_pieces(runs: dict[str, Any]) -> None:
         [f"optim/{n}/{k}" for n in rw.TRAINABLE for k in ("exp_avg", "exp_avg_sq")])
     ckpt = tensors.parent
     assert sorted(p.name for p in ckpt.iterdir()) == \
-        ["engine_state.pt"] + [f"rank{r:05d}_states.pt" for r in range(4)] + ["tensors"]
+        ["engine_state.pt", "manifest.json"] + [f"rank{r:05d}_states.pt" for r in range(4)] + \
+        ["tensors"]
 
 
 @pytest.mark.multiprocess
