@@ -4,7 +4,8 @@ For each model (the demo GPT and a wider one), the simulator searches the space 
 micro-batch with the accumulation that keeps the global batch, bucket and ZeRO-3 prefetch
 sizes: 50 or more configurations), ``verify`` runs the top 3 as real trials and picks by
 measurement, and the largest micro-batch is confirmed by a trial. Then every configuration of
-the short list (the top ``--short-list`` predicted) runs as a trial, alternating over
+the short list (the top ``--short-list`` predicted that the simulator tells apart) runs as a
+trial, alternating over
 ``--rounds`` rounds, and the pick's measured step is set against the best one's: the gap, and
 the trials each way. DeepSpeed's autotuner on the same space (its fast mode, the default) runs
 a model-info profile and then, for each of the 4 ZeRO stages, a search for the largest
@@ -50,7 +51,7 @@ def one_model(name: str, factory: str, seq_len: int, cluster: str, short_list: i
     tune_trials.verify(result, 3, seq_len=seq_len, steps=steps)
     largest = tune_trials.confirm_largest_micro_batch(result, seq_len=seq_len)
     pick = result.best
-    listed = result.ranked[:short_list]
+    listed = tune_trials.distinct(result.ranked, short_list)
     if pick not in listed:
         listed.append(pick)
     times: dict[int, list[float]] = {i: [] for i in range(len(listed))}

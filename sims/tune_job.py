@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+# a trial of short steps runs until it has timed --min-seconds, but no longer than this
+MAX_STEPS = 200
+
 
 def _peak_rss_bytes() -> int:
     """This process's peak resident memory since ``_reset_peak`` (Linux's VmHWM; ru_maxrss,
@@ -84,6 +87,11 @@ def _any_rank(flag: bool, device: Any) -> bool:
     return bool(t.item() > 0)
 
 
+def _all_ranks(flag: bool, device: Any) -> bool:
+    """Whether ``flag`` holds on every rank (so that all stop after the same step)."""
+    return not _any_rank(not flag, device)
+
+
 def _write(out: str, record: dict[str, Any]) -> None:
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -118,7 +126,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         accumulation = engine.gradient_accumulation_steps()
         device = engine.device
         limit = args.memory_limit
-        for _ in range(args.warmup + args.steps):
+        timed = 0.0
+        for step in range(args.warmup + MAX_STEPS):
+            if step >= args.warmup + args.steps and _all_ranks(timed >= args.min_seconds,
+                                                               device):
+                break
             started = time.perf_counter()
             for _ in range(accumulation):
                 tokens = torch.randint(0, vocab, (micro, args.seq_len + 1), device=device)
@@ -126,6 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 engine.backward(loss)
                 engine.step()
             record["step_s"].append(time.perf_counter() - started)
+            if step >= args.warmup:
+                timed += record["step_s"][-1]
             used = params + max(0, _peak_rss_bytes() - baseline)
             record["used_bytes"] = used
             if limit and _any_rank(used > limit, device):
@@ -148,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="pkg.mod:fn building the model")
     p.add_argument("--config", required=True, help="the trial's ds_config.json")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sample")
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps, at least")
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="time steps until their sum reaches this (short steps are noisy)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--memory-limit", type=int, default=0,
                    help="bytes a CPU rank may grow by while training (0: no limit)")

@@ -25,12 +25,18 @@ def _check_runnable(result: TuneResult) -> None:
                         f"without it, or tune for one node")
 
 
+# seconds of timed steps a trial gathers at least (steps of a few tens of ms vary by 10 % and
+# more from one to the next on a shared host; their median over 2 s does not)
+MIN_SECONDS = 2.0
+
+
 def run_trial(result: TuneResult, candidate: Candidate, *, seq_len: int, steps: int = 4,
-              warmup: int = 2, memory_limit: float = 0.0, timeout_s: float = 600.0
-              ) -> dict[str, Any]:
+              warmup: int = 2, memory_limit: float = 0.0, timeout_s: float = 600.0,
+              min_seconds: float = MIN_SECONDS) -> dict[str, Any]:
     """One launch of ``candidate`` on this host's ``result.devices_per_node`` ranks: the
-    median step it measured (rank 0's), whether any rank ran out of memory, and the error
-    line of a trial that failed otherwise."""
+    median step it measured (rank 0's; at least ``steps`` steps and ``min_seconds`` of them),
+    whether any rank ran out of memory, and the error line of a trial that failed
+    otherwise."""
     with tempfile.TemporaryDirectory(prefix="flowtrain-tune-") as tmp:
         cfg = Path(tmp) / "ds_config.json"
         cfg.write_text(json.dumps(candidate.ds_config(result.base_config)))
@@ -39,7 +45,8 @@ def run_trial(result: TuneResult, candidate: Candidate, *, seq_len: int, steps: 
                str(result.devices_per_node), "--run-dir", str(Path(tmp) / "run"), "-m",
                "sims.tune_job", "--model", result.model, "--config", str(cfg), "--seq-len",
                str(seq_len), "--steps", str(steps), "--warmup", str(warmup),
-               "--memory-limit", str(int(memory_limit)), "--out", str(out)]
+               "--min-seconds", str(min_seconds), "--memory-limit", str(int(memory_limit)),
+               "--out", str(out)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                                   check=False)
@@ -68,7 +75,8 @@ def verify(result: TuneResult, k: int = 3, *, seq_len: int, steps: int = 4, warm
     if k < 1:
         raise TuneError(f"--verify needs at least 1 trial, got {k}")
     ratios = []
-    for point in result.ranked[:k]:
+    tried = distinct(result.ranked, k)
+    for point in tried:
         trial = run_trial(result, point.candidate, seq_len=seq_len, steps=steps, warmup=warmup,
                           memory_limit=memory_limit, timeout_s=timeout_s)
         if trial.get("oom"):
@@ -79,7 +87,7 @@ def verify(result: TuneResult, k: int = 3, *, seq_len: int, steps: int = 4, warm
             point.measured_step_s = trial["step_s"]
             if point.predicted_step_s:
                 ratios.append(trial["step_s"] / point.predicted_step_s)
-    measured = [p for p in result.ranked[:k] if p.measured_step_s is not None]
+    measured = [p for p in tried if p.measured_step_s is not None]
     if ratios:
         result.scale = statistics.median(ratios)
     if measured:
@@ -87,6 +95,23 @@ def verify(result: TuneResult, k: int = 3, *, seq_len: int, steps: int = 4, warm
     else:
         result.notes.append("no trial ran to the end; the pick is the best predicted")
     return result
+
+
+def distinct(points: list[Point], k: int) -> list[Point]:
+    """The first ``k`` of ``points`` whose predictions differ: two configurations the
+    simulator predicts alike to the last bit (a bucket larger than the whole model, say) run
+    the same step, so a trial of one stands for both."""
+    out: list[Point] = []
+    seen: set[tuple[float, float]] = set()
+    for p in points:
+        key = (p.predicted_step_s or 0.0, p.memory_bytes or 0.0)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(p)
+        if len(out) == k:
+            break
+    return out
 
 
 def confirm_largest_micro_batch(result: TuneResult, *, seq_len: int, memory_limit: float = 0.0,
@@ -104,7 +129,7 @@ def confirm_largest_micro_batch(result: TuneResult, *, seq_len: int, memory_limi
         trial = Candidate(c.zero_stage, mb, max(1, c.pp), c.tp, c.pp, c.virtual_stages,
                           c.offload, c.recompute, c.bucket, c.prefetch)
         out = run_trial(result, trial, seq_len=seq_len, steps=1, warmup=1,
-                        memory_limit=memory_limit, timeout_s=timeout_s)
+                        memory_limit=memory_limit, timeout_s=timeout_s, min_seconds=0.0)
         if out.get("oom"):
             tried.append([mb, "out of memory"])
             mb //= 2
