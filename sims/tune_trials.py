@@ -67,10 +67,10 @@ def run_trial(result: TuneResult, candidate: Candidate, *, seq_len: int, steps: 
 
 def verify(result: TuneResult, k: int = 3, *, seq_len: int, steps: int = 4, warmup: int = 2,
            memory_limit: float = 0.0, timeout_s: float = 600.0) -> TuneResult:
-    """Runs the ``k`` best-predicted points as trials, records what each measured, sets
-    ``result.scale`` (the trials' median measured / predicted step: how far this host and run
-    are from the profile now, applied to every prediction when read) and ``result.chosen``
-    (the fastest measured; the best predicted when no trial ran to the end)."""
+    """Runs the ``k`` best-predicted points the simulator tells apart as trials, records what
+    each measured, sets ``result.scale`` (the trials' median measured / predicted step: how far
+    this host and run are from the profile now) and ``result.chosen``: the fastest by
+    ``estimate`` (the best predicted when no trial ran to the end)."""
     _check_runnable(result)
     if k < 1:
         raise TuneError(f"--verify needs at least 1 trial, got {k}")
@@ -91,10 +91,22 @@ def verify(result: TuneResult, k: int = 3, *, seq_len: int, steps: int = 4, warm
     if ratios:
         result.scale = statistics.median(ratios)
     if measured:
-        result.chosen = min(measured, key=lambda p: p.measured_step_s or 0.0)
+        result.chosen = min(measured, key=lambda p: estimate(p, result.scale))
     else:
         result.notes.append("no trial ran to the end; the pick is the best predicted")
     return result
+
+
+def estimate(point: Point, scale: float | None) -> float:
+    """A tried point's step: the geometric mean of what its trial measured and its prediction
+    refitted by the trials' scale. One short trial on a shared host is one sample, which can
+    stray by as much as the model's error between close candidates; the refitted model is what
+    every trial taught together, so each counts as much as the other."""
+    measured = point.measured_step_s or 0.0
+    predicted = point.predicted_step_s
+    if not scale or not predicted:
+        return measured
+    return (measured * predicted * scale) ** 0.5
 
 
 def distinct(points: list[Point], k: int) -> list[Point]:

@@ -106,7 +106,7 @@ def test_verify_measures_real_trials_and_picks_by_measurement(
     assert len(tried) == 2
     assert all(p.measured_step_s and p.measured_step_s > 0 for p in tried), \
         [p.trial_error for p in tried]
-    assert result.chosen is min(tried, key=lambda p: p.measured_step_s or 0.0)
+    assert result.chosen is min(tried, key=lambda p: tune_trials.estimate(p, result.scale))
     assert result.scale == pytest.approx(sorted(
         (p.measured_step_s or 0) / (p.predicted_step_s or 1) for p in tried)[0] / 2 + sorted(
         (p.measured_step_s or 0) / (p.predicted_step_s or 1) for p in tried)[1] / 2)
@@ -148,6 +148,25 @@ def test_largest_micro_batch_backs_off_while_trials_run_out_of_memory(
     assert found == {"predicted": 512, "confirmed": 64,
                      "trials": [[512, "out of memory"], [256, "out of memory"],
                                 [128, "out of memory"], [64, "fits"]]}
+
+
+def test_the_pick_weighs_a_trial_against_the_refitted_prediction() -> None:
+    from sims.tune import Point
+
+    class Predicted:
+        def __init__(self, step: float) -> None:
+            self.step_time_s, self.peak_memory_bytes = step, 1.0
+
+    a, b = (Point(Candidate(0, 16, 1)), Point(Candidate(1, 16, 1)))
+    a.prediction, b.prediction = Predicted(1.0), Predicted(1.2)  # type: ignore[assignment]
+    # a's trial strayed 4 % slow; b's prediction says it is 20 % slower: a stays the pick
+    a.measured_step_s, b.measured_step_s = 1.04, 1.0
+    assert tune_trials.estimate(a, 1.0) < tune_trials.estimate(b, 1.0)
+    # a measured difference larger than the model's keeps the measurement's order
+    b.measured_step_s = 0.8
+    assert tune_trials.estimate(b, 1.0) < tune_trials.estimate(a, 1.0)
+    # without a refit, the measurement alone
+    assert tune_trials.estimate(a, None) == 1.04
 
 
 def test_trials_go_to_configurations_the_simulator_tells_apart(
