@@ -116,6 +116,8 @@ class Candidate:
         else:
             cfg.pop("pipeline", None)
         if self.recompute == "full":
+            # the section configures DeepSpeed's activation checkpointing, which the model's
+            # own layers call (a HF model: gradient_checkpointing_enable())
             cfg.setdefault("activation_checkpointing", {})
         else:
             cfg.pop("activation_checkpointing", None)
@@ -208,6 +210,13 @@ class TuneResult:
 
     def chosen_config(self) -> dict[str, Any]:
         return self.best.candidate.ds_config(self.base_config)
+
+    def config_notes(self) -> list[str]:
+        """What the chosen configuration needs beyond its ds_config."""
+        if self.best.candidate.recompute == "selective":
+            return ["selective recompute is Megatron's (--recompute-granularity selective); a "
+                    "ds_config has no key for it, so the written config does not say it"]
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "cluster": self.cluster, "nodes": self.nodes,

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeRO stages to try (default: 0,1,2,3)")
     p.add_argument("--micro-batches", default=None, metavar="LIST",
                    help="micro-batch sizes to try (default: powers of two the batch allows)")
+    p.add_argument("--recompute", default=None, metavar="LIST",
+                   help="activation recompute to try on GPUs: none, full, selective "
+                        "(Megatron's, which a ds_config cannot say; default: none,full)")
     p.add_argument("--framework", default="flowtrain",
                    help="the framework the run trains with (sims.frameworks; default flowtrain)")
     p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
@@ -80,8 +83,15 @@ def run(ns: argparse.Namespace) -> int:
     stages = _ints("--zero-stages", ns.zero_stages) or []
     if any(s > 3 for s in stages):
         raise TuneError(f"--zero-stages: ZeRO stages are 0 to 3, got {ns.zero_stages!r}")
+    recompute = None
+    if ns.recompute is not None:
+        recompute = tuple(v.strip() for v in ns.recompute.split(",") if v.strip())
+        bad = [v for v in recompute if v not in ("none", "full", "selective")]
+        if bad or not recompute:
+            raise TuneError(f"--recompute takes none, full and selective separated by commas, "
+                            f"got {ns.recompute!r}")
     space = Space(zero_stages=tuple(stages),
-                  micro_batches=_ints("--micro-batches", ns.micro_batches))
+                  micro_batches=_ints("--micro-batches", ns.micro_batches), recompute=recompute)
     limit = ns.memory_limit * 2**30 if ns.memory_limit else None
     result = search(ns.model, read_config(ns.config), cluster=ns.cluster, nodes=ns.nodes,
                     devices_per_node=ns.devices_per_node, seq_len=ns.seq_len,
@@ -149,7 +159,7 @@ def report_lines(result: TuneResult, output: str) -> list[str]:
         tried = ", ".join(f"{m}: {what}" for m, what in mb["trials"])
         lines.append(f"largest micro-batch that fits: predicted {mb['predicted']}, confirmed "
                      f"{mb['confirmed']} by trial ({tried})")
-    lines += [f"  note: {n}" for n in result.notes]
+    lines += [f"  note: {n}" for n in result.notes + result.config_notes()]
     lines.append(f"chosen: {result.best.candidate.label()}; its config written to {output}")
     return lines
 
