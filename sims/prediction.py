@@ -154,8 +154,10 @@ def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str)
         return get_model(name, seq_len)
     except SimulateError:
         raise
-    except (ValueError, ImportError, AttributeError, RuntimeError) as exc:
-        raise SimulateError(f"--model: {exc}") from None
+    except (ValueError, ImportError, AttributeError, RuntimeError, TypeError) as exc:
+        # a factory that is not one (returns no module, wants arguments) is bad input too
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SimulateError(f"--model: {first}") from None
 
 
 # -- one prediction ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ the plain forward, and a short two-rank training run whose loss must fall."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -68,6 +69,29 @@ def test_generate_appends_greedy_tokens() -> None:
     assert out.shape == (1, 8)
     assert torch.equal(out[:, :5], idx)
     assert out[0, 5].item() == model(idx)[0][0, -1].argmax().item()
+
+
+def test_the_demo_config_runs_at_any_rank_count() -> None:
+    from flowtrain.config import load_config
+
+    raw = json.loads((EXAMPLES / "ds_config_gpt.json").read_text())
+    for world in (1, 2, 4, 8):  # the batch rule derives the global batch from the ranks
+        assert load_config(raw, world_size=world).global_batch == 16 * world
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_four_ranks_train_the_demo(tmp_path: Path) -> None:
+    env = launcher_env(OMP_NUM_THREADS="1")
+    command = [*LAUNCH, "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"),
+               str(EXAMPLES / "train_gpt.py"), "--steps", "2", "--seq-len", "16",
+               "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--print-every", "1",
+               "--sample-chars", "4"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"first loss ([\d.]+) -> last loss ([\d.]+)", result.stdout +
+                     result.stderr)
 
 
 @pytest.mark.multiprocess

@@ -114,6 +114,19 @@ def test_balanced_partition_uses_flops_not_counts() -> None:
     assert partition_balanced([1.0] * 5, 2) == [0, 3, 5]
 
 
+def test_a_grid_built_before_init_distributed_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from flowtrain.parallel.grid import build_grid
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this test process")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"not initialised.*1 rank of the 2 launched.*"
+                                         r"flowtrain.init_distributed\(\)"):
+        build_grid(pp=2)
+
+
 def test_impossible_grid_names_the_sizes() -> None:
     with pytest.raises(ValueError, match=r"cannot lay out 6 ranks as 4 pipeline stages x 1 "
                                          r"tensor-parallel.*one of \[1, 2, 3, 6\]"):

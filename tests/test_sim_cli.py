@@ -93,6 +93,13 @@ def test_pipeline_and_oom_are_reported(capsys: pytest.CaptureFixture[str], confi
     assert code == 0 and "OOM" in out  # 70B with ZeRO-1 on one node of 80 GB cards
 
 
+def test_a_callable_that_builds_no_model_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                      config: Path) -> None:
+    line = _one_error(capsys, "--model", "os:getcwd", "--seq-len", "8", "--config",
+                      str(config))
+    assert "returned str, not a torch.nn.Module" in line
+
+
 def test_traced_model_gets_the_configs_batch_and_dtype(
         capsys: pytest.CaptureFixture[str], config: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

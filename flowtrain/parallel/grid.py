@@ -103,6 +103,17 @@ def build_grid(pp: int = 1, tp: int = 1) -> ProcessGrid:
     in the same order: torch.distributed.new_group is collective) and returns this rank's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if world == 1 and pp * tp > 1 and not dist.is_initialized():
+        import os
+
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > 1:
+            # launched on several ranks but built before the process group: say that, not
+            # "1 rank", which points at the launcher instead of the script
+            raise ValueError(f"torch.distributed is not initialised, so this process sees 1 "
+                             f"rank of the {launched} launched: call "
+                             f"flowtrain.init_distributed() before building a model of {pp} "
+                             f"pipeline stages x {tp} tensor-parallel ranks")
     shape = check_shape(world, pp, tp)
     pp_rank, dp_rank, tp_rank = shape.coords(rank)
     grid = ProcessGrid(shape, rank, pp_ranks=shape.pp_ranks(dp_rank, tp_rank),
