@@ -283,3 +283,31 @@ async def test_live_monitor_shows_the_job_end_the_launcher_publishes(tmp_path: P
             await pilot.pause()
             assert row(app, 0)["status"] == row(app, 1)["status"] == "ended"
         tasks.cancel_scope.cancel()
+
+
+async def test_a_diverged_run_replays_with_its_nan_and_inf_losses(tmp_path: Path) -> None:
+    records = synthetic_records()
+    for r in records:  # steps 8 and after diverge: NaN, then inf
+        if r["kind"] == "step" and r["step"] >= 8:
+            r["loss"] = math.nan if r["step"] < 10 else math.inf
+    path = tmp_path / "telemetry.msgpack"
+    write_recording(path, records)
+    app = MonitorApp(replay(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app)
+        text = screen_text(app)
+        assert "loss inf" in text and "not finite" in text, text
+        # the plot shows the finite steps; the monitor keeps working
+        await pilot.press("t")
+        await pilot.press("t")
+        assert app.state.current_step() == LAST_STEP
+
+
+def test_series_label_counts_what_is_not_finite() -> None:
+    from tui.plots import plottable, series_label
+
+    values = [3.0, 2.5, math.nan, math.inf]
+    assert series_label("loss", values, lambda v: f"{v:.1f}") == \
+        "loss inf  (min 2.5, max 3.0, 4 steps, 2 not finite)"
+    assert plottable(values) == [3.0, 2.5]
+    assert series_label("loss", [math.nan], str) == "loss nan  (1 steps, 1 not finite)"

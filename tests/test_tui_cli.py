@@ -68,7 +68,25 @@ def test_monitor_endpoint_needs_the_secret(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(MonitorInputError, match="hex digits"):
         resolve_source("tcp://127.0.0.1:5555")
     monkeypatch.setenv(SECRET_ENV, "ab" * 32)
-    assert isinstance(resolve_source("tcp://127.0.0.1:5555"), LiveSource)
+    with socket.socket() as listener:  # something must answer for the monitor to subscribe
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        assert isinstance(resolve_source(endpoint), LiveSource)
+
+
+def test_monitor_refuses_an_endpoint_nothing_answers_at(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import time
+
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    started = time.monotonic()
+    with pytest.raises(MonitorInputError, match="nothing answers at tcp://127.0.0.1:1"):
+        resolve_source("tcp://127.0.0.1:1")
+    assert time.monotonic() - started < 5
+    for bad in ("tcp://", "tcp://127.0.0.1", "tcp://host:99999", "udp://h:1"):
+        with pytest.raises(MonitorInputError, match="tcp://"):
+            resolve_source(bad)
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -123,3 +123,22 @@ def test_timeline_lanes_follow_task_names_and_overlaps_count_once() -> None:
     columns = lane_columns(spans, 1.0, 4)
     assert columns[1] == [True, True, True, False]
     assert columns[0] == [True, True, True, True]
+
+
+def test_a_job_record_with_an_absurd_world_size_is_refused_with_a_message() -> None:
+    import tracemalloc
+
+    from tui.state import MAX_WORLD_SIZE
+
+    state = RunState()
+    tracemalloc.start()
+    state.apply({"v": 1, "kind": "job", "rank": -1, "t": 1.0, "job_id": "x",
+                 "world_size": 10**7})
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 10 * 2**20  # no row per announced rank
+    assert state.job.world_size is None and not state.ranks
+    assert any(e.event == "bad_job_record" and "10000000" in e.message and
+               f"{MAX_WORLD_SIZE:,}" in e.message for e in state.events)
+    state.apply({"v": 1, "kind": "job", "rank": -1, "t": 2.0, "job_id": "y", "world_size": 4})
+    assert state.job.world_size == 4 and sorted(state.ranks) == [0, 1, 2, 3]

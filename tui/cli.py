@@ -15,6 +15,8 @@ from tui.source import SPEED_NAMES, LiveSource, ReplaySource, Source, parse_spee
 
 SECRET_ENV = "FLOWTRAIN_JOB_SECRET"  # the same variable the ranks read (flowtrain.env)
 PROBE_TIMEOUT_S = 0.5
+# an endpoint named on the command line gets longer to answer than a run directory's probe
+CONNECT_TIMEOUT_S = 3.0
 TELEMETRY_FILE = "telemetry.msgpack"
 
 
@@ -46,7 +48,14 @@ def resolve_source(target: str | None, speed: float = 1.0) -> Source:
     """Live when the target is an endpoint, or a run whose job.json says running and whose
     coordinator answers; otherwise a replay of the run's recording."""
     if target is not None and "://" in target:
-        return LiveSource(target, _secret_from_env(target))
+        check_endpoint(target)
+        secret = _secret_from_env(target)
+        if not endpoint_answers(target, CONNECT_TIMEOUT_S):
+            raise MonitorInputError(
+                f"nothing answers at {target} (tried for {CONNECT_TIMEOUT_S:g} s): is the job "
+                "running, and is this its coordinator's PUB endpoint? A finished run replays "
+                "from its run directory")
+        return LiveSource(target, secret)
     run_dir = _find_run(target)
     live = _live_endpoint(run_dir)
     if live is not None and _job_status(run_dir) == "running" and endpoint_answers(live[0]):
@@ -97,6 +106,24 @@ def _secret_from_env(endpoint: str) -> bytes:
     except ValueError:
         raise MonitorInputError(
             f"${SECRET_ENV} must be hex digits, got {len(text)} characters that are not") from None
+
+
+def check_endpoint(endpoint: str) -> None:
+    """A ``tcp://host:port`` or ``ipc://path`` endpoint, or a MonitorInputError saying what
+    is missing."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "ipc":
+        if not address:
+            raise MonitorInputError(f"{endpoint!r} names no socket path; give ipc://PATH")
+        return
+    if scheme != "tcp":
+        raise MonitorInputError(f"{endpoint!r}: the monitor subscribes over tcp:// or ipc://, "
+                                f"got {scheme}://")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MonitorInputError(f"{endpoint!r} is not tcp://HOST:PORT with a port from 1 to "
+                                f"65535 (the coordinator's PUB endpoint, as telemetry.live."
+                                f"json records it)")
 
 
 def endpoint_answers(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> bool:

@@ -18,11 +18,24 @@ PLOT_EVERY_S = 1.0
 
 
 def series_label(name: str, values: Sequence[float], show: Callable[[float], str]) -> str:
-    """``loss 2.3012 (min 1.9, max 4.1, 120 steps)``; what a sparkline alone cannot say."""
+    """``loss 2.3012 (min 1.9, max 4.1, 120 steps)``; what a sparkline alone cannot say. A
+    diverged run's NaN or inf values are counted, not ranked: min and max are the finite
+    values'."""
     if not values:
         return f"{name}: no complete step yet"
-    return (f"{name} {show(values[-1])}  (min {show(min(values))}, max {show(max(values))}, "
-            f"{len(values)} steps)")
+    finite = [v for v in values if math.isfinite(v)]
+    last = values[-1]
+    current = show(last) if math.isfinite(last) else str(last)
+    spread = f"min {show(min(finite))}, max {show(max(finite))}, " if finite else ""
+    bad = len(values) - len(finite)
+    return (f"{name} {current}  ({spread}{len(values)} steps"
+            + (f", {bad} not finite" if bad else "") + ")")
+
+
+def plottable(values: Sequence[float]) -> list[float]:
+    """The finite values (a sparkline scales to its data's range, which NaN or inf would
+    break)."""
+    return [v for v in values if math.isfinite(v)]
 
 
 class HistoryPlots(Vertical):
@@ -67,6 +80,6 @@ class HistoryPlots(Vertical):
             return
         self._shown = (losses, rates)
         self.query_one("#loss-label", Label).update(series_label("loss", losses, fmt.loss))
-        self.query_one("#loss-plot", Sparkline).data = list(losses)
+        self.query_one("#loss-plot", Sparkline).data = plottable(losses)
         self.query_one("#rate-label", Label).update(series_label("samples/s", rates, fmt.rate))
-        self.query_one("#rate-plot", Sparkline).data = list(rates)
+        self.query_one("#rate-plot", Sparkline).data = plottable(rates)

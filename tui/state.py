@@ -22,6 +22,9 @@ DEFAULT_INTERVAL_S = 5.0
 # nothing about how often the rank reports and would make every rank look stale at once.
 BURST_GAP_S = 1e-3
 HISTORY_STEPS = 600
+# the most ranks a job record may announce: the monitor keeps a row per rank, and a damaged or
+# hostile record's 10**7 would take the machine's memory before the first frame
+MAX_WORLD_SIZE = 1 << 20
 EVENT_LIMIT = 5000
 
 
@@ -190,9 +193,18 @@ class RunState:
 
     def _on_job(self, record: dict[str, Any]) -> None:
         summary = record.get("config_summary")
+        world = record.get("world_size")
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int)
+                                  or not 0 < world <= MAX_WORLD_SIZE):
+            self.events.append(EventEntry(
+                float(record.get("t", self.now)), -1, "bad_job_record",
+                f"the job record's world_size {world!r} is not a rank count from 1 to "
+                f"{MAX_WORLD_SIZE:,}; ignored: ranks appear as they report", {}))
+            self.events_total += 1
+            world = None
         self.job = JobInfo(
             job_id=str(record.get("job_id", "?")),
-            world_size=record.get("world_size"),
+            world_size=world,
             run_dir=record.get("run_dir"),
             started=record.get("started"),
             total_steps=record.get("total_steps"),
