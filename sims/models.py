@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,7 +390,12 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
 
 
 def resolve(target: str, what: str) -> Callable[..., Any]:
-    """Imports "pkg.mod:fn" and returns ``fn``."""
+    """Imports "pkg.mod:fn" and returns ``fn``, looking in the working directory first as
+    ``python -m`` does (a console script's path holds only its own directory, so a user's
+    ``my_pkg`` beside them would not be found)."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     module_name, sep, attr = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not sep or not module_name or not attr or ":" in attr or not all(
             part.isidentifier() for part in module_name.split(".") + attr.split(".")):
