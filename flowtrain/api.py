@@ -97,6 +97,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
     pipe_module = _pipeline_module(model)
+    names_before = {id(p): n for n, p in model.named_parameters()}
     grid = pipe_module.grid if pipe_module is not None else _tensor_parallel_grid(config, model)
     if grid is not None:  # the batch rule counts data-parallel ranks only
         world_size = grid.shape.dp
@@ -112,6 +113,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     if pipe_module is not None:
         # before the optimizer takes the parameters: interleaving re-cuts the module's layers
         _check_pipeline_config(cfg, pipe_module)
+    else:
+        check_plain_module_config(cfg)
     params = list(model_parameters) if model_parameters is not None else \
         [p for p in model.parameters() if p.requires_grad]
     if grid is not None and grid.shape.tp > 1 and pipe_module is None:
@@ -125,6 +128,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         optim = build_optimizer(cfg.optimizer.type, params, dict(cfg.optimizer.params))
     elif isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
         optim = optimizer
+        if grid is not None and grid.shape.tp > 1 and pipe_module is None:
+            _follow_the_split(optim, model, names_before)
     else:
         optim = optimizer(params)
 
@@ -204,6 +209,49 @@ def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> ProcessGrid | 
             dist.broadcast(tensor.data, src=0)
     parallelize(model, grid.tp_group)
     return grid
+
+
+def _follow_the_split(optim: torch.optim.Optimizer, model: torch.nn.Module,
+                      names_before: dict[int, str]) -> None:
+    """A client optimizer built before ``initialize`` split the model holds the whole
+    parameters the split replaced: point each of its groups at the split ones, by name (its
+    hyper-parameters stay as the client set them). An optimizer that has already stepped
+    holds state for the whole tensors, which no split parameter can take."""
+    if any(optim.state.values()):
+        raise ValueError("the optimizer passed to initialize has state already (it has "
+                         "stepped), but tensor_parallel.tp_size splits the model's parameters: "
+                         "build the optimizer before any step, or pass the optimizer's class "
+                         "(optimizer=torch.optim.AdamW) so initialize builds it on the split "
+                         "parameters")
+    now = dict(model.named_parameters())
+    current = {id(p) for p in now.values()}
+    for group in optim.param_groups:
+        moved = []
+        for p in group["params"]:
+            if id(p) in current:
+                moved.append(p)
+                continue
+            name = names_before.get(id(p))
+            if name is None or name not in now:
+                raise ValueError(
+                    f"the optimizer holds a parameter ({name or 'not in the model'}) that "
+                    f"tensor_parallel.tp_size's split left without a counterpart; pass the "
+                    f"optimizer's class (optimizer=torch.optim.AdamW) or a callable taking the "
+                    f"parameters, and initialize builds it on the split model")
+            moved.append(now[name])
+        group["params"] = moved
+    optim.state.clear()
+
+
+def check_plain_module_config(cfg: Any) -> None:
+    """A pipeline section that asks for stages on a model that is not a PipelineModule."""
+    stages = cfg.pipeline.stages
+    if "pipeline" in cfg.model_fields_set and isinstance(stages, int) and stages > 1 and \
+            cfg.pipeline.enabled:
+        raise ValueError(f"pipeline.stages is {stages}, but the model is a plain nn.Module: "
+                         f"pipeline parallelism needs the model written as "
+                         f"flowtrain.pipe.PipelineModule(layers, num_stages={stages}) (as "
+                         f"DeepSpeed's PipelineModule), or drop the pipeline section")
 
 
 def _raw_tp_size(config: Any) -> int:

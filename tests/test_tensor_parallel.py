@@ -26,7 +26,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["tied", "untied"])
+@pytest.mark.parametrize("case", ["tied", "untied", "client"])
 def test_split_gpt_matches_the_unsplit_model(tp_run: list[dict[str, Any]], case: str) -> None:
     for data in tp_run:
         got = data[case]
@@ -59,6 +59,20 @@ def test_layers_in_one_process_equal_torch_linear() -> None:
     for layer in (ColumnParallelLinear.from_linear(lin, None),
                   RowParallelLinear.from_linear(lin, None)):
         assert torch.allclose(layer(x), lin(x), atol=1e-6)
+
+
+def test_a_pipeline_section_on_a_plain_model_asks_for_a_pipeline_module() -> None:
+    from flowtrain.api import check_plain_module_config
+    from flowtrain.config import load_config
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}},
+                      world_size=1)
+    with pytest.raises(ValueError, match=r"pipeline.stages is 2, but the model is a plain "
+                                         r"nn.Module.*PipelineModule\(layers, num_stages=2\)"):
+        check_plain_module_config(cfg)
+    check_plain_module_config(load_config({"train_micro_batch_size_per_gpu": 1,
+                                            "pipeline": {"activation_checkpoint_interval": 1}},
+                                           world_size=1))
 
 
 def test_indivisible_sizes_are_refused() -> None:

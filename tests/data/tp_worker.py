@@ -29,15 +29,22 @@ def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def run(tp: int, tied: bool) -> dict[str, Any]:
+def run(tp: int, tied: bool, client: bool = False) -> dict[str, Any]:
     torch.manual_seed(5)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, tie_weights=tied))
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0,
-           "steps_per_print": 1000, "tensor_parallel": {"tp_size": tp},
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
-    engine, _, _, _ = flowtrain.initialize(model=model, config=cfg)
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0,
+                           "steps_per_print": 1000, "tensor_parallel": {"tp_size": tp}}
+    if client:
+        # a plain model, a client AdamW built before initialize splits it, and a pipeline
+        # section that names no stage count (DeepSpeed ignores it on a plain module)
+        cfg["pipeline"] = {"activation_checkpoint_interval": 0}
+        client_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        engine, _, _, _ = flowtrain.initialize(model=model, optimizer=client_opt, config=cfg)
+    else:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+        engine, _, _, _ = flowtrain.initialize(model=model, config=cfg)
     kinds = {type(m).__name__ for m in model.modules()}
     x, _ = batch(99, 0)
     with torch.no_grad():
@@ -79,9 +86,10 @@ def main() -> None:
     out, tp = sys.argv[1], int(sys.argv[2])
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
-    for name, tied in (("tied", True), ("untied", False)):
+    for name, tied, client in (("tied", True, False), ("untied", False, False),
+                               ("client", True, True)):
         try:
-            result[name] = run(tp, tied)
+            result[name] = run(tp, tied, client)
         except Exception:
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
