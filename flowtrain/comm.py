@@ -44,6 +44,9 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
     world_size; the MPI discovery flags mean nothing here)."""
     if dist.is_initialized():
         return str(dist.get_backend())
+    from flowtrain.slurm import apply as slurm_environment
+
+    slurm_environment()  # a task of `srun python train.py`: its rank from SLURM, not rank 0 of 1
     if distributed_port is not None:
         os.environ.setdefault(envnames.MASTER_PORT, str(distributed_port))
     if rank >= 0:
