@@ -14,6 +14,7 @@ from pathlib import Path
 from flowtrain import env as fenv
 from flowtrain.launch.affinity import parse_core_list, split
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback, apply_filters, read_hostfile
+from flowtrain.launch.peer_flags import add_peer_arguments, apply_peer_flags, declares_local_rank
 from flowtrain.launch.rundir import new_job_id
 
 DEFAULT_MASTER_PORT = 29500
@@ -52,6 +53,8 @@ class LaunchConfig:
     bind_cores: bool = False  # --bind-cores-to-rank (or --bind-core-list)
     bind_core_list: str | None = None  # as typed; checked on the node whose ranks it binds
     core_shares: list[list[int]] | None = None  # each local rank's cores, when bound here
+    local_rank_arg: bool = False  # append --local_rank=N (a DeepSpeed script declares it)
+    save_pid: bool = False  # DeepSpeed's --save_pid: <run dir>/launcher.pid
 
     @property
     def mode(self) -> str:
@@ -125,6 +128,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-offset", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-id", default=None, help=argparse.SUPPRESS)
     p.add_argument("--from-parent", action="store_true", help=argparse.SUPPRESS)
+    add_peer_arguments(p)
     p.add_argument("target", metavar="script", help="training script (or module with -m) to run")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="args",
                    help="arguments passed to the script untouched")
@@ -221,6 +225,7 @@ def _auto_nproc() -> int:
 
 def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
     """Checks the flags and fills in defaults; raises LaunchInputError naming the bad value."""
+    apply_peer_flags(ns)
     target = ns.target
     if ns.module and ns.no_python:
         raise LaunchInputError("-m/--module and --no-python cannot be used together")
@@ -328,4 +333,6 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         control_endpoint=ns.control_endpoint, world_size=world, rank_offset=offset,
         from_parent=ns.from_parent, argv=list(argv), total_steps=total_steps, trace=ns.trace,
         bind_cores=bind, bind_core_list=ns.bind_core_list, core_shares=shares,
+        local_rank_arg=not ns.no_local_rank and not ns.no_python and
+        declares_local_rank(target, ns.module), save_pid=ns.save_pid,
     )

@@ -82,14 +82,17 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
     return env
 
 
-def _rank_argv(cfg: LaunchConfig) -> list[str]:
+def _rank_argv(cfg: LaunchConfig, local_rank: int = 0) -> list[str]:
     if cfg.no_python:
         target = str(Path(cfg.target).absolute()) if Path(cfg.target).is_file() else cfg.target
         if cfg.core_shares is not None:  # pins itself, then execs the target
             return [sys.executable, "-m", "flowtrain.launch.affinity", target, *cfg.target_args]
         return [target, *cfg.target_args]
     head = [sys.executable, "-m", "flowtrain.launch.bootstrap"]
-    return head + (["-m"] if cfg.is_module else []) + [cfg.target, *cfg.target_args]
+    # a DeepSpeed script declares --local_rank for its launcher to fill (after the script's
+    # own arguments, where DeepSpeed's launcher puts it)
+    extra = [f"--local_rank={local_rank}"] if cfg.local_rank_arg else []
+    return head + (["-m"] if cfg.is_module else []) + [cfg.target, *cfg.target_args, *extra]
 
 
 def run_launch(cfg: LaunchConfig) -> int:
@@ -115,6 +118,8 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
         rd.create()
     except OSError as exc:
         raise LaunchInputError(str(exc)) from None
+    if cfg.save_pid:  # DeepSpeed's --save_pid, in the run directory rather than /tmp
+        (rd.path / "launcher.pid").write_text(f"{os.getpid()}\n")
     console = "human" if sys.stderr.isatty() else "plain"
     configure_logging(json_path=rd.launcher_log, console=console, role="launcher",
                       node_rank=cfg.node_rank, job_id=cfg.job_id)
@@ -197,7 +202,7 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
             return children
         prefix = cfg.world_size > 1
         return [
-            Child(label=f"rank {cfg.rank_offset + lr}", argv=_rank_argv(cfg),
+            Child(label=f"rank {cfg.rank_offset + lr}", argv=_rank_argv(cfg, lr),
                   env=_rank_env(cfg, base_env, rd, lr, endpoint, secret, console),
                   out_path=rd.rank_out(cfg.rank_offset + lr), rank=cfg.rank_offset + lr,
                   host=socket.gethostname(), umask=user_umask,
