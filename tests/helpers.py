@@ -59,9 +59,11 @@ def launcher_env(**extra: str) -> dict[str, str]:
 
 
 def launch(nproc: int, script: Path, *args: str, run_dir: Path | None = None,
-           timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``flowtrain launch`` on this machine; fails the test with the output when it fails."""
-    cmd = [*LAUNCH, "--nproc-per-node", str(nproc)]
+           timeout: float = 120, extra: list[str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """``flowtrain launch`` on this machine (``extra``: more launcher flags); fails the test
+    with the output when it fails."""
+    cmd = [*LAUNCH, "--nproc-per-node", str(nproc), *(extra or [])]
     if run_dir is not None:
         cmd += ["--run-dir", str(run_dir)]
     cmd += [str(script), *args]

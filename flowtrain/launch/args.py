@@ -55,6 +55,7 @@ class LaunchConfig:
     core_shares: list[list[int]] | None = None  # each local rank's cores, when bound here
     local_rank_arg: bool = False  # append --local_rank=N (a DeepSpeed script declares it)
     save_pid: bool = False  # DeepSpeed's --save_pid: <run dir>/launcher.pid
+    max_restarts: int = 0  # torchrun's --max-restarts (one node)
 
     @property
     def mode(self) -> str:
@@ -324,6 +325,12 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
     if offset + nproc > world:
         raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of "
                                f"{world}")
+    restarts = 0 if ns.max_restarts is None else _int(ns.max_restarts, "--max-restarts", 0)
+    if restarts and (hosts or nnodes > 1 or ns.control_endpoint or ns.no_python):
+        raise LaunchInputError(f"--max-restarts {restarts} restarts jobs of one node for now: "
+                               f"a failed multi-node job ends, naming the rank, with the last "
+                               f"complete checkpoint intact; relaunch it and the script's "
+                               f"load_checkpoint resumes from it")
     return LaunchConfig(
         target=target, target_args=list(ns.target_args), is_module=ns.module,
         no_python=ns.no_python, nproc_per_node=nproc, nnodes=len(hosts) if hosts else nnodes,
@@ -334,5 +341,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         from_parent=ns.from_parent, argv=list(argv), total_steps=total_steps, trace=ns.trace,
         bind_cores=bind, bind_core_list=ns.bind_core_list, core_shares=shares,
         local_rank_arg=not ns.no_local_rank and not ns.no_python and
-        declares_local_rank(target, ns.module), save_pid=ns.save_pid,
+        declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,
     )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from flowtrain import env as fenv
 from flowtrain.control.coordinator import tcp_endpoint
 from flowtrain.launch.affinity import CORES_ENV, format_cores
-from flowtrain.launch.args import LaunchConfig
+from flowtrain.launch.args import LaunchConfig, free_port
 from flowtrain.launch.envfile import load_env_files, remote_exports
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback
 from flowtrain.launch.multinode import node_command, read_secret_from_stdin
@@ -96,14 +96,74 @@ def _rank_argv(cfg: LaunchConfig, local_rank: int = 0) -> list[str]:
 
 
 def run_launch(cfg: LaunchConfig) -> int:
-    """Runs the job described by ``cfg``; returns the launcher's exit code."""
+    """Runs the job described by ``cfg`` (again after a failure, up to ``cfg.max_restarts``
+    times); returns the launcher's exit code."""
     # What the launcher writes (logs, job.json, telemetry) is its owner's only; the ranks get
     # the user's own umask back (Child.umask), for their checkpoints and outputs.
     user_umask = os.umask(0o077)
     try:
-        return _run_launch(cfg, user_umask)
+        if cfg.max_restarts == 0:
+            return _run_launch(cfg, user_umask)
+        return _with_restarts(cfg, user_umask)
     finally:
         os.umask(user_umask)
+
+
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # waits before restart 1, 2, ...
+RESTART_COUNT_ENVS = ("FLOWTRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _with_restarts(cfg: LaunchConfig, user_umask: int) -> int:
+    """torchrun's --max-restarts on one node: after a failed attempt the whole job starts
+    again (a fresh rendezvous port and control plane; the script's own load_checkpoint, or
+    its config's checkpoint, resumes it from the last complete checkpoint), after a backoff;
+    each attempt's logs move to <run dir>/attempt<k>/ and restarts.json records them all. A
+    launcher stopped by a signal (Ctrl-C) ends at once."""
+    from dataclasses import replace
+
+    rd = RunDir(cfg.run_dir)
+    attempts: list[dict[str, Any]] = []
+    code = 1
+    for attempt in range(cfg.max_restarts + 1):
+        for name in RESTART_COUNT_ENVS:
+            os.environ[name] = str(attempt)
+        this = cfg if attempt == 0 else replace(cfg, master_port=free_port())
+        started = time.time()
+        code = _run_launch(this, user_umask)
+        job = _read_job(rd)
+        attempts.append({"attempt": attempt, "start_time": started, "end_time": time.time(),
+                         "exit_code": code, "status": job.get("status"),
+                         "root_cause": job.get("root_cause")})
+        rd.create()
+        (rd.path / "restarts.json").write_text(json.dumps(attempts, indent=2, default=str))
+        if code == 0 or code in (130, 143) or attempt == cfg.max_restarts:
+            break
+        _keep_attempt_files(rd, attempt)
+        wait = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+        cause = (job.get("root_cause") or {}).get("message") or f"exit {code}"
+        log.warning(f"attempt {attempt} failed; restarting the job in {wait:g} s "
+                    f"(restart {attempt + 1} of {cfg.max_restarts})", console=True,
+                    cause=str(cause)[:200])
+        time.sleep(wait)
+    return code
+
+
+def _read_job(rd: RunDir) -> dict[str, Any]:
+    try:
+        found = json.loads(rd.job_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _keep_attempt_files(rd: RunDir, attempt: int) -> None:
+    """A failed attempt's rank output, logs and error files, moved out of the way of the next
+    attempt's (which would overwrite them, or be mistaken for its own root cause)."""
+    keep = rd.path / f"attempt{attempt}"
+    keep.mkdir(mode=0o700, exist_ok=True)
+    for pattern in ("rank*.out", "rank*.error.json", "rank*.jsonl", "job.json"):
+        for path in rd.path.glob(pattern):
+            path.replace(keep / path.name)
 
 
 def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:

@@ -5,12 +5,12 @@ instead (never a bare "unrecognized arguments").
 - Taken: DeepSpeed's ``--num_gpus`` (ranks per node), ``--num_nodes``, ``--no_ssh`` (each node
   started by hand, as ``--nnodes``/``--node_rank`` launches are), ``--ssh_port``,
   ``--save_pid``, ``--no_local_rank``, ``--launcher pdsh`` (flowtrain's own ssh fan-out);
-  torchrun's ``--standalone``, ``--nproc-per-node gpu|cpu``, ``--max-restarts 0``,
+  torchrun's ``--standalone``, ``--nproc-per-node gpu|cpu``, ``--max-restarts`` (one node),
   ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST:PORT`` (the rendezvous address),
   ``--rdzv-id`` (the job id), ``--log-dir`` (the run directory).
 - Refused with the flowtrain equivalent: ``--launcher openmpi|mvapich|slurm`` (and
   ``--launcher_args``), ``--force_multi``, ``--venv_script``, ``--nnodes MIN:MAX``,
-  ``--max-restarts N > 0``, ``--rdzv-conf``, ``--redirects``, ``--tee``,
+  ``--max-restarts`` across nodes, ``--rdzv-conf``, ``--redirects``, ``--tee``,
   ``--local-ranks-filter``, ``--log_level``.
 """
 
@@ -58,7 +58,8 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
     peers.add_argument("--standalone", action="store_true",
                        help="torchrun: one node, rendezvous on this host (the default)")
     peers.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", default=None,
-                       metavar="N", help="torchrun: 0 accepted; restarts are refused for now")
+                       metavar="N", help="torchrun: restart the job after a failure up to N "
+                       "times (one node), resuming from the last checkpoint the script loads")
     peers.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
                        metavar="NAME", help="torchrun: static or c10d (a TCP store)")
     peers.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
@@ -125,10 +126,6 @@ def apply_peer_flags(ns: argparse.Namespace) -> None:
             raise _refuse(f"--nnodes {ns.nnodes}", "elastic node counts are not supported yet; "
                           "give one number of nodes")
         ns.nnodes = low
-    if ns.max_restarts is not None and str(ns.max_restarts) != "0":
-        raise _refuse(f"--max-restarts {ns.max_restarts}", "a failed rank ends the job, naming "
-                      "it, with the last complete checkpoint intact; rerun and the script's "
-                      "load_checkpoint resumes from it")
     if ns.rdzv_backend is not None and ns.rdzv_backend not in ("static", "c10d"):
         raise _refuse(f"--rdzv-backend {ns.rdzv_backend}", "flowtrain meets at rank 0's TCP "
                       "store (static or c10d)")
