@@ -23,6 +23,7 @@ ERROR_FILE = "FLOWTRAIN_ERROR_FILE"  # where this rank writes its failure as JSO
 HEARTBEAT_INTERVAL = "FLOWTRAIN_HEARTBEAT_INTERVAL"  # seconds between beats, both ways
 HEARTBEAT_MISSES = "FLOWTRAIN_HEARTBEAT_MISSES"  # beats missed before a peer is declared lost
 CONSOLE = "FLOWTRAIN_CONSOLE"  # "human" on a terminal, "plain" otherwise, "off" for none
+LOG_LEVEL = "FLOWTRAIN_LOG_LEVEL"  # the lowest level logged: debug, info, warning, error
 LAUNCHED = "FLOWTRAIN_LAUNCHED"  # "1" when flowtrain launch started this process
 
 DEFAULT_HEARTBEAT_INTERVAL = 1.0

@@ -45,6 +45,7 @@ class _Tee:
         # The file gets everything; the console gets warnings and errors, plus the lines a
         # caller marked console=True (the job's progress), so a run's terminal stays readable.
         show = bool(event.pop("console", False))
+        short = event.pop("console_fields", None)
         with self._write_lock:
             if self._json_file is not None:
                 # str: JSONRenderer's default serializer is json.dumps (bytes need another one)
@@ -53,9 +54,27 @@ class _Tee:
                 self._json_file.flush()
             if self._console != "off" and _level_no(method) >= (logging.INFO if show else
                                                                 _console_level()):
-                line = self._human(logger, method, dict(event))
+                if self._console == "json":  # JSON lines on request (FLOWTRAIN_CONSOLE=json)
+                    line = cast(str, self._json(logger, method, dict(event)))
+                else:
+                    line = self._human(logger, method, _shortened(event, short))
                 print(line, file=sys.stderr, flush=True)
         raise structlog.DropEvent
+
+
+def _shortened(event: EventDict, fields: Any) -> dict[str, Any]:
+    """The event with only ``fields`` (when given) and numbers to 4 significant digits: what a
+    person reads on the console; the file keeps every field at full precision."""
+    if not fields:
+        return dict(event)
+    out = {k: event[k] for k in ("event", "timestamp", "level") if k in event}
+    for k in fields:
+        value = event.get(k)
+        if isinstance(value, float):
+            value = float(f"{value:.4g}")
+        if value is not None:
+            out[k] = value
+    return out
 
 
 def _console_level() -> int:
@@ -69,6 +88,20 @@ def _level_no(method: str) -> int:
     return logging.getLevelName(method.upper()) if method != "exception" else logging.ERROR
 
 
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+def log_level(name: str | None, default: int = logging.INFO) -> int:
+    """A level by its name (any case; None: ``default``), or a ValueError naming the choices."""
+    if name is None or name == "":
+        return default
+    found = LEVELS.get(name.strip().lower())
+    if found is None:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {name!r}")
+    return found
+
+
 def configure_logging(
     *,
     json_path: str | os.PathLike[str] | None = None,
@@ -80,13 +113,14 @@ def configure_logging(
 
     Args:
         json_path: file that receives one JSON object per line; None for no file.
-        console: "human" (colours when stderr is a terminal), "plain", or "off".
+        console: "human" (colours when stderr is a terminal), "plain", "json" (the file's
+            JSON lines on the console too), or "off".
         level: the lowest level written.
         context: fields bound into every line (rank, local_rank, world_size, ...).
     """
     global _configured, _json_file
-    if console not in ("human", "plain", "off"):
-        raise ValueError(f"console must be 'human', 'plain' or 'off', got {console!r}")
+    if console not in ("human", "plain", "off", "json"):
+        raise ValueError(f"console must be 'human', 'plain', 'json' or 'off', got {console!r}")
     with _lock:
         if _json_file is not None:
             _json_file.close()

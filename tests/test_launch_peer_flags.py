@@ -48,6 +48,11 @@ def config(*flags: str, script: Path) -> LaunchConfig:
     (["--no_ssh"], "nnodes", 1),
     (["--save_pid"], "save_pid", True),
     (["--launcher", "pdsh"], "nnodes", 1),
+    (["--log-level", "warning"], "log_level", "warning"),
+    (["-q"], "quiet", True),
+    (["--local-ranks-filter", "0,2"], "echo_ranks", frozenset({0, 2})),
+    (["--redirects", "3"], "echo_ranks", frozenset()),
+    (["--redirects", "3", "--tee", "3"], "echo_ranks", None),
 ])
 def test_peer_flags_mean_what_they_mean_there(flags: list[str], field: str, value: object,
                                               script: Path) -> None:
@@ -68,15 +73,14 @@ def test_log_dir_and_ssh_port(script: Path, tmp_path: Path) -> None:
     (["--launcher_args", "-x FOO"], "--ssh-command"),
     (["--force_multi"], "--hostfile"),
     (["--venv_script", "/x/activate"], "--ssh-command"),
-    (["--log_level", "info"], "rank<N>.log"),
+    (["--log_level", "loud"], "one of debug"),
     (["--nnodes", "1:2"], "give one number"),
     (["--max-restarts", "3", "--nnodes", "2", "--master-port", "29900"], "one node"),
     (["--max-restarts", "-1"], "at least 0"),
     (["--rdzv-backend", "etcd"], "static or c10d"),
-    (["--rdzv-conf", "timeout=9"], "rank<N>.log"),
-    (["--redirects", "3"], "rank<N>.log"),
-    (["--tee", "3"], "rank<N>.log"),
-    (["--local-ranks-filter", "0"], "rank<N>.log"),
+    (["--rdzv-conf", "timeout=9"], "--join-timeout"),
+    (["--redirects", "7"], "0, 1, 2 or 3"),
+    (["--local-ranks-filter", "a"], "local ranks"),
 ])
 def test_refused_flags_name_the_flowtrain_way(flags: list[str], named: str,
                                               script: Path) -> None:
@@ -134,3 +138,43 @@ def test_save_pid_writes_the_launchers_pid(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     pid = int((tmp_path / "run" / "launcher.pid").read_text())
     assert pid > 0 and pid != os.getpid()
+
+
+CHATTY = """
+import os, sys
+import flowtrain, torch.distributed as dist
+flowtrain.init_distributed()
+print(f"hello from local rank {os.environ['LOCAL_RANK']}", flush=True)
+print("launched by torchelastic:", dist.is_torchelastic_launched(), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_console_filters_and_quiet(tmp_path: Path) -> None:
+    import subprocess
+
+    from helpers import LAUNCH, REPO, child_env
+
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+
+    def run(*flags: str) -> tuple[str, Path]:
+        run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        proc = subprocess.run([*LAUNCH, "--nproc-per-node", "2", *flags, "--run-dir",
+                               str(run_dir), str(script)], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout + proc.stderr, run_dir
+
+    out, run_dir = run("--local-ranks-filter", "1")
+    assert "hello from local rank 1" in out and "hello from local rank 0" not in out
+    # every rank's output stays in its file
+    assert "hello from local rank 0" in (run_dir / "rank0.out").read_text()
+    assert "launched by torchelastic: True" in out
+    out, _ = run("--redirects", "3")
+    assert "hello from local rank" not in out
+    out, _ = run("-q")
+    assert "job starting" not in out and "hello from local rank 0" in out
+    loud, _ = run()
+    assert "job starting" in loud

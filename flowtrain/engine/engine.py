@@ -545,7 +545,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                          if breakdown.get("step_s") else None)
         memory = self.memory_breakdown()
         health = self.health.figures(breakdown.get("step_s"), breakdown.get("comm_s"))
-        log.info("step", console=True, step=self.global_steps, loss=loss, lr=lr,
+        # the console shows the few figures a person follows; the rank's file keeps them all
+        log.info("step", console=True,
+                 console_fields=("step", "loss", "lr", "samples_per_s", "step_s"),
+                 step=self.global_steps, loss=loss, lr=lr,
                  loss_scale=self.loss_scaler.loss_scale, skipped=self.skipped_steps,
                  grad_norm=self._global_grad_norm, samples_per_s=samples_per_s,
                  model_state_mib=round(memory["total"] / 2**20, 1),

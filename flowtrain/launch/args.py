@@ -56,6 +56,9 @@ class LaunchConfig:
     local_rank_arg: bool = False  # append --local_rank=N (a DeepSpeed script declares it)
     save_pid: bool = False  # DeepSpeed's --save_pid: <run dir>/launcher.pid
     max_restarts: int = 0  # torchrun's --max-restarts (one node)
+    log_level: str | None = None  # --log-level: the launcher's and the ranks' lowest level
+    quiet: bool = False  # -q: the launcher's warnings and errors only, no progress line
+    echo_ranks: frozenset[int] | None = None  # local ranks shown on the console (None: all)
 
     @property
     def mode(self) -> str:
@@ -342,4 +345,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         bind_cores=bind, bind_core_list=ns.bind_core_list, core_shares=shares,
         local_rank_arg=not ns.no_local_rank and not ns.no_python and
         declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,
+        log_level=ns.log_level, quiet=ns.quiet, echo_ranks=ns.echo_ranks,
     )

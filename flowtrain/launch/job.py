@@ -4,6 +4,7 @@ and the root-cause report at the end."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -23,7 +24,7 @@ from flowtrain.launch.multinode import node_command, read_secret_from_stdin
 from flowtrain.launch.rundir import RunDir, mark_stale_jobs
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
 from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
-from flowtrain.log import configure_logging, get_logger
+from flowtrain.log import configure_logging, get_logger, log_level
 
 if TYPE_CHECKING:
     from flowtrain.telemetry.launcher import JobTelemetry
@@ -65,6 +66,10 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
         fenv.RUN_DIR: str(rd.path), fenv.ERROR_FILE: str(rd.rank_error(rank)),
         fenv.HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval),
         fenv.HEARTBEAT_MISSES: str(cfg.heartbeat_misses), fenv.CONSOLE: console,
+        **({fenv.LOG_LEVEL: cfg.log_level} if cfg.log_level else {}),
+        # torchrun's: torch.distributed.is_torchelastic_launched() reads the run id
+        "TORCHELASTIC_RUN_ID": cfg.job_id, "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
         fenv.LAUNCHED: "1", "PYTHONUNBUFFERED": "1",
     })
     if cfg.core_shares is not None:
@@ -181,8 +186,11 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
     if cfg.save_pid:  # DeepSpeed's --save_pid, in the run directory rather than /tmp
         (rd.path / "launcher.pid").write_text(f"{os.getpid()}\n")
     console = "human" if sys.stderr.isatty() else "plain"
+    level = log_level(cfg.log_level, logging.WARNING if cfg.quiet else logging.INFO)
     configure_logging(json_path=rd.launcher_log, console=console, role="launcher",
-                      node_rank=cfg.node_rank, job_id=cfg.job_id)
+                      node_rank=cfg.node_rank, job_id=cfg.job_id, level=level)
+    # the ranks' own console: as the user set FLOWTRAIN_CONSOLE, off when quiet, else ours
+    rank_console = os.environ.get(fenv.CONSOLE) or ("off" if cfg.quiet else console)
     for stale in mark_stale_jobs(rd.path.parent, socket.gethostname()):
         log.warning("a job whose launcher was killed still said 'running'; marked it killed "
                     "and removed its live endpoint file", run_dir=str(stale))
@@ -263,10 +271,11 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
         prefix = cfg.world_size > 1
         return [
             Child(label=f"rank {cfg.rank_offset + lr}", argv=_rank_argv(cfg, lr),
-                  env=_rank_env(cfg, base_env, rd, lr, endpoint, secret, console),
+                  env=_rank_env(cfg, base_env, rd, lr, endpoint, secret, rank_console),
                   out_path=rd.rank_out(cfg.rank_offset + lr), rank=cfg.rank_offset + lr,
                   host=socket.gethostname(), umask=user_umask,
-                  prefix=f"[rank{cfg.rank_offset + lr}]: ".encode() if prefix else b"")
+                  prefix=f"[rank{cfg.rank_offset + lr}]: ".encode() if prefix else b"",
+                  echo=cfg.echo_ranks is None or lr in cfg.echo_ranks)
             for lr in range(cfg.nproc_per_node)
         ]
 
@@ -341,7 +350,8 @@ def _job_telemetry(cfg: LaunchConfig, rd: RunDir, started: float) -> JobTelemetr
                "nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
                "hosts": list(cfg.hosts), "heartbeat_interval": cfg.heartbeat_interval,
                "heartbeat_misses": cfg.heartbeat_misses}
-    progress = None if cfg.from_parent else ProgressLine(sys.stdout, cfg.total_steps)
+    progress = None if cfg.from_parent or cfg.quiet else ProgressLine(sys.stdout,
+                                                                      cfg.total_steps)
     return JobTelemetry(rd.path, job_id=cfg.job_id, world_size=cfg.world_size,
                         total_steps=cfg.total_steps, config_summary=summary, started=started,
                         progress=progress)

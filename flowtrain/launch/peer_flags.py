@@ -8,10 +8,11 @@ instead (never a bare "unrecognized arguments").
   torchrun's ``--standalone``, ``--nproc-per-node gpu|cpu``, ``--max-restarts`` (one node),
   ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST:PORT`` (the rendezvous address),
   ``--rdzv-id`` (the job id), ``--log-dir`` (the run directory).
+  The console: ``--log_level``, ``-q/--quiet``, torchrun's ``--redirects``, ``--tee`` and
+  ``--local-ranks-filter``.
 - Refused with the flowtrain equivalent: ``--launcher openmpi|mvapich|slurm`` (and
   ``--launcher_args``), ``--force_multi``, ``--venv_script``, ``--nnodes MIN:MAX``,
-  ``--max-restarts`` across nodes, ``--rdzv-conf``, ``--redirects``, ``--tee``,
-  ``--local-ranks-filter``, ``--log_level``.
+  ``--max-restarts`` across nodes, ``--rdzv-conf``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
                        action="store_true",
                        help="DeepSpeed: do not pass --local_rank=N to a script that declares it")
     peers.add_argument("--log_level", "--log-level", dest="log_level", default=None,
-                       metavar="LEVEL", help="refused for now: the console prints warnings and "
-                       "errors of the launcher, the ranks' output as they write it")
+                       metavar="LEVEL", help="the lowest level the launcher and the ranks log: "
+                       "debug, info (default), warning, error")
+    peers.add_argument("-q", "--quiet", action="store_true",
+                       help="the launcher says only warnings, errors and the final report, and "
+                       "the ranks' log lines stay in their files (their prints still show)")
     peers.add_argument("--standalone", action="store_true",
                        help="torchrun: one node, rendezvous on this host (the default)")
     peers.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", default=None,
@@ -69,13 +73,18 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
                        help="torchrun: the job id (names the run directory)")
     peers.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None,
                        metavar="K=V", help="torchrun: refused")
-    peers.add_argument("--redirects", default=None, metavar="SPEC", help="torchrun: refused")
-    peers.add_argument("--tee", default=None, metavar="SPEC", help="torchrun: refused")
+    peers.add_argument("--redirects", default=None, metavar="SPEC",
+                       help="torchrun: 1, 2 or 3 keeps the ranks' output in <run dir>/rank<N>"
+                       ".out only (off the console); 0 the default")
+    peers.add_argument("--tee", default=None, metavar="SPEC",
+                       help="torchrun: output both to the files and the console (flowtrain's "
+                       "default)")
     peers.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
                        help="torchrun: where the ranks' logs go (as --run-dir)")
     peers.add_argument("--local-ranks-filter", "--local_ranks_filter",
                        dest="local_ranks_filter", default=None, metavar="RANKS",
-                       help="torchrun: refused")
+                       help="torchrun: only these local ranks' output on the console, e.g. 0 "
+                       "or 0,2 (every rank's stays in its file)")
 
 
 def _refuse(flag: str, instead: str) -> LaunchInputError:
@@ -107,13 +116,32 @@ def apply_peer_flags(ns: argparse.Namespace) -> None:
         raise _refuse("--venv_script", "put the activation in --ssh-command, e.g. --ssh-command "
                       "\"ssh -o BatchMode=yes\" with the venv's python first on each host's PATH")
     if ns.log_level is not None:
-        raise _refuse("--log_level", "the launcher prints its warnings and errors; each rank's "
-                      "full log is in <run dir>/rank<N>.log")
-    for flag, value in (("--rdzv-conf", ns.rdzv_conf), ("--redirects", ns.redirects),
-                        ("--tee", ns.tee), ("--local-ranks-filter", ns.local_ranks_filter)):
-        if value is not None:
-            raise _refuse(flag, "each rank's output goes to the console and to "
-                          "<run dir>/rank<N>.log")
+        from flowtrain.log import log_level
+
+        try:
+            log_level(ns.log_level)
+        except ValueError as exc:
+            raise LaunchInputError(f"--log-level: {exc}") from None
+    if ns.rdzv_conf is not None:
+        raise _refuse("--rdzv-conf", "the rendezvous is rank 0's TCP store; its timeout is "
+                      "--join-timeout")
+    for flag, value in (("--redirects", ns.redirects), ("--tee", ns.tee)):
+        if value is not None and value not in ("0", "1", "2", "3"):
+            raise LaunchInputError(f"{flag} takes 0, 1, 2 or 3 (torchrun's: none, stdout, "
+                                   f"stderr, both), got {value!r}")
+    ns.echo_ranks = None  # local ranks whose output the console shows (None: all)
+    if ns.redirects not in (None, "0") and ns.tee in (None, "0"):
+        ns.echo_ranks = frozenset()
+    if ns.local_ranks_filter is not None:
+        try:
+            ranks = frozenset(int(r) for r in str(ns.local_ranks_filter).split(",") if r.strip())
+        except ValueError:
+            raise LaunchInputError(f"--local-ranks-filter takes local ranks separated by commas, "
+                                   f"got {ns.local_ranks_filter!r}") from None
+        if not ranks or min(ranks) < 0:
+            raise LaunchInputError(f"--local-ranks-filter takes local ranks >= 0, got "
+                                   f"{ns.local_ranks_filter!r}")
+        ns.echo_ranks = ranks
     if ns.num_gpus is not None:
         ns.nproc_per_node = ns.num_gpus
     if ns.num_nodes is not None:

@@ -41,6 +41,7 @@ class Child:
     node: int | None = None
     host: str = ""
     prefix: bytes = b""
+    echo: bool = True  # its output on the console too (always in its file)
     stdin_data: bytes | None = None  # written to stdin, which then stays open (node launchers)
     umask: int = -1  # the child's umask; -1: the launcher's
     proc: subprocess.Popen[bytes] | None = None
@@ -216,7 +217,7 @@ class Supervisor:
                             out_file.flush()
                     except (OSError, ValueError):
                         file_ok = False  # disk full or closed: keep draining the pipe
-                if sink_ok:
+                if sink_ok and child.echo:
                     data = child.prefix + line if child.prefix else line
                     try:
                         with self._out_lock, self._holding_progress():

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 
 from flowtrain import comm
-from flowtrain.env import RankEnv, read_rank_env
+from flowtrain.env import LOG_LEVEL, RankEnv, read_rank_env
 from flowtrain.errors import RankAborted, RankFailure, write_error_file
-from flowtrain.log import configure_logging, get_logger
+from flowtrain.log import configure_logging, get_logger, log_level
 from flowtrain.runtime.actor import DEFAULT_ASK_TIMEOUT, ActorFailed
 from flowtrain.runtime.system import Failure, Runtime
 from flowtrain.runtime.wire import decode, encode
@@ -291,6 +291,7 @@ def start_rank(env: RankEnv | None = None) -> Rank:
         env = env or read_rank_env()
         json_path = Path(env.run_dir) / f"rank{env.rank}.jsonl" if env.run_dir else None
         configure_logging(json_path=json_path, console=env.console, rank=env.rank,
+                          level=log_level(os.environ.get(LOG_LEVEL)),
                           local_rank=env.local_rank, world_size=env.world_size,
                           node_rank=env.node_rank, host=socket.gethostname())
         install_abort_handler()
