@@ -91,7 +91,7 @@ def test_monitor_refuses_an_endpoint_nothing_answers_at(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("args, expected", [
     (["monitor", "{tmp}/missing"], "run directory {tmp}/missing does not exist"),
-    (["monitor", "{tmp}/runs/20300101-000000-none"], "has no telemetry.msgpack to replay"),
+    (["monitor", "{tmp}/runs/20300101-000000-none"], "has no telemetry.msgpack to"),
     (["monitor", "--speed", "3", "{tmp}"], "invalid choice: '3'"),
 ])
 def test_monitor_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str,
@@ -105,8 +105,11 @@ def test_monitor_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str
 
 
 def test_monitor_command_replays_the_run_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
     started: list[MonitorApp] = []
     monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # a terminal to draw on
     assert cli_main(["monitor", str(RECORDED.parent), "--speed", "max"]) == 0
     (app,) = started
     assert isinstance(app.source, ReplaySource)
@@ -135,3 +138,82 @@ async def test_live_source_shows_the_recording_first_and_each_record_once(tmp_pa
     assert state.records == len(records)
     assert state.job.total_steps == TOTAL_STEPS  # the job record only the recording had
     assert all(totals.ranks == 2 for totals in state.steps.values())
+
+
+
+def _summary_run(tmp_path: Path, records: list[dict[str, Any]], job: dict[str, Any]) -> Path:
+    from tui_helpers import write_recording
+
+    run = tmp_path / "runs" / "20300101-000000-sum"
+    run.mkdir(parents=True)
+    write_recording(run / "telemetry.msgpack", records)
+    (run / "job.json").write_text(json.dumps(job))
+    return run
+
+
+def _steps(world: int, slow: int, stuck: int | None = None) -> list[dict[str, Any]]:
+    from tui_helpers import T0, make_record, step_record
+
+    records = [make_record("job", -1, T0, job_id="20300101-000000-sum", world_size=world,
+                           run_dir="x", started=T0, total_steps=10, config_summary={})]
+    for step in range(1, 6):
+        for rank in range(world):
+            record = step_record(rank % 2, step, T0 + step)
+            record.update(rank=rank, step_s=0.4 * (1.5 if rank == slow else 1.0) *
+                          (1 + 0.01 * rank))
+            records.append(record)
+    if stuck is not None:
+        records.append(make_record("event", -1, T0 + 7, event="rank_stuck",
+                                   message=f"rank {stuck} sent no heartbeat for 9 s",
+                                   data={"rank": stuck}))
+    records.append(make_record("event", -1, T0 + 9, event="job_ended", message="job failed",
+                               data={}))
+    return records
+
+
+def test_summary_names_the_root_cause_the_outliers_and_exits_with_the_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = {"job_id": "20300101-000000-sum", "status": "failed", "exit_code": 1,
+           "root_cause": {"rank": 5, "message": "killed by SIGKILL"}}
+    run = _summary_run(tmp_path, _steps(8, slow=3, stuck=5), job)
+    assert cli_main(["monitor", str(run), "--summary"]) == 1
+    out = capsys.readouterr().out
+    assert "failed, exit 1" in out
+    assert "root cause: rank 5: killed by SIGKILL" in out
+    assert "rank 5: stuck" in out and "rank 3: slow (1.4" in out
+    assert "rank 2:" not in out  # the others are within the noise
+    assert cli_main(["monitor", str(run), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [(o["rank"], o["status"]) for o in report["outliers"]] == [(5, "stuck"), (3, "slow")]
+    assert report["events"]["job_ended"] == 1
+
+
+def test_without_a_terminal_the_monitor_prints_the_summary(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _summary_run(tmp_path, _steps(2, slow=-1), {"status": "succeeded", "exit_code": 0})
+    # pytest's stdout is no terminal: no screen, no escape codes, and it returns
+    assert cli_main(["monitor", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "succeeded, exit 0, 5 steps on 2 ranks" in out and "\x1b[" not in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_summary_of_a_real_failed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    from helpers import LAUNCH, REPO, child_env
+
+    script = tmp_path / "fails.py"
+    script.write_text("import os, flowtrain\nflowtrain.init_distributed()\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    raise RuntimeError('rank one gives up')\n")
+    run = tmp_path / "run"
+    proc = subprocess.run([*LAUNCH, "--nproc-per-node", "2", "--run-dir", str(run),
+                           str(script)], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode != 0
+    code = cli_main(["monitor", str(run), "--summary"])
+    out = capsys.readouterr().out
+    assert code != 0, out
+    assert "root cause: rank 1" in out and "rank one gives up" in out, out

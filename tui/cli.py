@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speed", default="1", choices=SPEED_NAMES,
         help="replay speed of a finished run: 1, 2, 10 times real time or max (default 1)")
+    parser.add_argument(
+        "--summary", action="store_true",
+        help="print a plain-text report of the run (how it ended and why, outliers, health, "
+             "events) and exit with the job's status; the default when stdout is not a "
+             "terminal")
+    parser.add_argument("--json", action="store_true", help="the --summary report as JSON")
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Resolves the target, then runs the app until the user quits."""
+    """Resolves the target, then runs the app until the user quits; or, with --summary, --json
+    or no terminal to draw on, prints the run's report and returns the job's exit status."""
+    if ns.summary or ns.json or not sys.stdout.isatty():
+        return print_summary(ns.target, as_json=ns.json)
     source = resolve_source(ns.target, parse_speed(ns.speed))
     from tui.app import MonitorApp
 
     MonitorApp(source).run()
     return 0
+
+
+def print_summary(target: str | None, *, as_json: bool = False) -> int:
+    """The --summary report of a run directory or recording (``tui.summary``)."""
+    from tui.summary import summary, summary_lines
+
+    if target is not None and "://" in target:
+        raise MonitorInputError(f"--summary reads a run's recording; {target} is a live "
+                                f"endpoint: pass the run directory instead")
+    run_dir = _find_run(target)
+    recording = run_dir / TELEMETRY_FILE
+    if target is not None and Path(target).is_file() and Path(target).name != "job.json":
+        recording = Path(target)
+    if not recording.is_file():
+        raise MonitorInputError(f"{run_dir} has no {TELEMETRY_FILE} to summarize; pass a run "
+                                f"recorded with telemetry")
+    report = summary(run_dir, recording)
+    print(json.dumps(report, indent=1, default=str) if as_json
+          else "\n".join(summary_lines(report)))
+    return int(report["exit_code"])
 
 
 def resolve_source(target: str | None, speed: float = 1.0) -> Source:
