@@ -80,7 +80,9 @@ async def test_replay_of_a_recorded_run_shows_ranks_stuck_rank_events_and_health
         header = app.query_one(JobHeader).text.plain
         job = records[0]
         assert f"step {last_step(records, 0)['step']}/{job['total_steps']}" in header
-        assert "job ended" in header and "ETA -" in header
+        # the recorded job failed (a rank stuck, the job torn down): the header says so
+        ended = next(r for r in records if r.get("event") == "job_ended")
+        assert f"job failed (exit {ended['data']['exit_code']})" in header and "ETA -" in header
         # No mfu in this run (CPU): n/a; exposed communication is a few percent: under 20%.
         comm = statistics.mean(last_step(records, r)["comm_share"] for r in (0, 1))
         assert "FLOPs util n/a (>60%)" in header

@@ -142,3 +142,18 @@ def test_a_job_record_with_an_absurd_world_size_is_refused_with_a_message() -> N
                f"{MAX_WORLD_SIZE:,}" in e.message for e in state.events)
     state.apply({"v": 1, "kind": "job", "rank": -1, "t": 2.0, "job_id": "y", "world_size": 4})
     assert state.job.world_size == 4 and sorted(state.ranks) == [0, 1, 2, 3]
+
+
+def test_a_failed_job_says_so_in_the_header() -> None:
+    from tui.header import header_text
+
+    state = RunState()
+    state.apply({"v": 1, "kind": "job", "rank": -1, "t": 1.0, "job_id": "x", "world_size": 2})
+    state.apply({"v": 1, "kind": "event", "rank": -1, "t": 2.0, "event": "job_ended",
+                 "message": "job failed (exit code 1)",
+                 "data": {"status": "failed", "exit_code": 1, "root_cause": "boom"}})
+    assert "job failed (exit 1)" in header_text(state, "replay").plain
+    ok = RunState()
+    ok.apply({"v": 1, "kind": "event", "rank": -1, "t": 2.0, "event": "job_ended",
+              "message": "job succeeded", "data": {"status": "succeeded", "exit_code": 0}})
+    assert "job ended" in header_text(ok, "replay").plain

@@ -34,7 +34,13 @@ def header_text(state: RunState, source: str) -> Text:
     text.append(f"  elapsed {fmt.seconds(state.elapsed())}")
     text.append(f"  ETA {fmt.seconds(state.eta())}")
     if state.ended:
-        text.append("  job ended", style="bold")
+        code = state.end_status.get("exit_code")
+        if isinstance(code, int) and code != 0:
+            # a failed job says so, not just that it ended
+            status = state.end_status.get("status") or "failed"
+            text.append(f"  job {status} (exit {code})", style="bold red")
+        else:
+            text.append("  job ended", style="bold")
     text.append("\n")
     for index, figure in enumerate(state.health()):
         if index:

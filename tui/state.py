@@ -143,6 +143,8 @@ class RunState:
         self.now: float = 0.0
         self.first_t: float | None = None
         self.ended = False
+        # what the job_ended record says: status ("succeeded", "failed", ...) and exit code
+        self.end_status: dict[str, Any] = {}
         self.damage: DamageNotice | None = None
         self.records = 0
         self.rejected = 0
@@ -259,6 +261,8 @@ class RunState:
                 target.exited = True
         if name == "job_ended":
             self.ended = True
+            self.end_status = {k: data[k] for k in ("status", "exit_code", "root_cause")
+                               if k in data}
 
     # ---------------------------------------------------------------- derived
     def current_step(self) -> int | None:
