@@ -240,7 +240,6 @@ def _follow_the_split(optim: torch.optim.Optimizer, model: torch.nn.Module,
                     f"parameters, and initialize builds it on the split model")
             moved.append(now[name])
         group["params"] = moved
-    optim.state.clear()
 
 
 def check_plain_module_config(cfg: Any) -> None:

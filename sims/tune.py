@@ -23,7 +23,7 @@ import copy
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sims.prediction import (
@@ -77,6 +77,19 @@ class Candidate:
         if self.prefetch is not None:
             parts.append(f"prefetch {_count(self.prefetch)}")
         return ", ".join(parts)
+
+    def alone(self, micro_batch: int) -> Candidate:
+        """This point at ``micro_batch`` with as few micro-batches as its pipeline holds in
+        flight (one without stages): what the largest micro-batch search predicts and tries."""
+        return replace(self, micro_batch=micro_batch, accumulation=max(1, self.pp))
+
+    def options(self, model: Any, framework: str) -> Any:
+        """The simulator's options for this point: its recompute where the model's layers are
+        known (a traced module recomputes only what its own code checkpoints)."""
+        from sims.layer_ops import SimOptions
+
+        known = getattr(model, "arch", None) is not None
+        return SimOptions(recompute=self.recompute if known else None, framework=framework)
 
     def ds_config(self, base: dict[str, Any]) -> dict[str, Any]:
         """``base`` (the user's ds_config) with this point's values; the batch keys are this
@@ -317,8 +330,6 @@ def search(model: str, config: dict[str, Any], *, cluster: str = "this-host", no
     ``config`` (a ds_config dict: its optimizer, precision and batch) on ``nodes`` nodes of
     ``cluster``; drops what cannot run or does not fit ``memory_limit_bytes`` (default: the
     device's memory), ranks the rest by predicted throughput, best first."""
-    from sims.layer_ops import SimOptions
-
     hw = load_profile(cluster)
     per_node = devices_per_node or hw.devices_per_node
     if nodes < 1 or per_node < 1:
@@ -351,10 +362,8 @@ def search(model: str, config: dict[str, Any], *, cluster: str = "this-host", no
         try:
             layout = make_layout(nodes, per_node, c.tp, c.pp)
             cfg = validated_config(c.ds_config(config), layout.dp, c.label())
-            options = SimOptions(recompute=c.recompute if getattr(first, "arch", None)
-                                 is not None else None, framework=framework)
             point.prediction = predict(model_for(c.micro_batch), cfg, layout, hw,
-                                       cluster=cluster, options=options)
+                                       cluster=cluster, options=c.options(first, framework))
         except (SimulateError, ValueError) as exc:
             point.dropped = str(exc).splitlines()[0]
             dropped.append(point)
@@ -384,20 +393,16 @@ def largest_micro_batch(result: TuneResult, *, seq_len: int | None = None,
                         framework: str = "flowtrain") -> int:
     """The largest power-of-two micro-batch (accumulation 1) of the best point's configuration
     the simulator predicts to fit the memory limit."""
-    from sims.layer_ops import SimOptions
-
     hw = load_profile(result.cluster)
     c = result.best.candidate
     layout = make_layout(result.nodes, result.devices_per_node, c.tp, c.pp)
     fits = 0
     for mb in _powers_of_two(MAX_MICRO_BATCH):
-        trial = Candidate(c.zero_stage, mb, max(1, c.pp), c.tp, c.pp, c.virtual_stages,
-                          c.offload, c.recompute, c.bucket, c.prefetch)
+        trial = c.alone(mb)
         cfg = validated_config(trial.ds_config(result.base_config), layout.dp, trial.label())
         model = model_spec(result.model, seq_len, mb, cfg.precision)
-        options = SimOptions(recompute=c.recompute if getattr(model, "arch", None)
-                             is not None else None, framework=framework)
-        p = predict(model, cfg, layout, hw, cluster=result.cluster, options=options)
+        p = predict(model, cfg, layout, hw, cluster=result.cluster,
+                    options=trial.options(model, framework))
         if p.peak_memory_bytes is not None and p.peak_memory_bytes > result.memory_limit_bytes:
             break
         fits = mb

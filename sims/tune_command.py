@@ -101,12 +101,11 @@ def run(ns: argparse.Namespace) -> int:
         from sims.tune_trials import confirm_largest_micro_batch, verify
 
         seq = _seq_len(ns, result)
-        trial_limit = limit or 0.0
-        verify(result, ns.verify, seq_len=seq, steps=ns.trial_steps,
-               memory_limit=trial_limit if _cpu(ns.cluster) else 0.0,
+        # a CPU rank is held to the limit by the trial itself; a GPU has its own memory
+        trial_limit = (limit or 0.0) if _cpu(ns.cluster) else 0.0
+        verify(result, ns.verify, seq_len=seq, steps=ns.trial_steps, memory_limit=trial_limit,
                timeout_s=ns.trial_timeout)
-        confirm_largest_micro_batch(result, seq_len=seq,
-                                    memory_limit=trial_limit if _cpu(ns.cluster) else 0.0,
+        confirm_largest_micro_batch(result, seq_len=seq, memory_limit=trial_limit,
                                     timeout_s=ns.trial_timeout, framework=ns.framework)
     Path(ns.output).write_text(json.dumps(result.chosen_config(), indent=2) + "\n")
     if ns.json:

@@ -138,9 +138,7 @@ def confirm_largest_micro_batch(result: TuneResult, *, seq_len: int, memory_limi
     tried: list[list[Any]] = []
     mb, confirmed = predicted, 0
     while mb >= 1:
-        trial = Candidate(c.zero_stage, mb, max(1, c.pp), c.tp, c.pp, c.virtual_stages,
-                          c.offload, c.recompute, c.bucket, c.prefetch)
-        out = run_trial(result, trial, seq_len=seq_len, steps=1, warmup=1,
+        out = run_trial(result, c.alone(mb), seq_len=seq_len, steps=1, warmup=1,
                         memory_limit=memory_limit, timeout_s=timeout_s, min_seconds=0.0)
         if out.get("oom"):
             tried.append([mb, "out of memory"])
@@ -155,7 +153,3 @@ def confirm_largest_micro_batch(result: TuneResult, *, seq_len: int, memory_limi
     found = {"predicted": predicted, "confirmed": confirmed, "trials": tried}
     result.largest_micro_batch = found
     return found
-
-
-def measured_points(result: TuneResult) -> list[Point]:
-    return [p for p in result.ranked if p.measured_step_s is not None]

@@ -128,11 +128,11 @@ def case_hf_configs() -> dict[str, Any]:
     return out
 
 
-def case_gathered_parameters() -> dict[str, Any]:
-    rank = dist.get_rank()
+def two_steps(zero: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A fresh model, its engine after two steps at ``zero``'s ZeRO settings, and the rest of
+    its batches."""
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
     model = gpt2()
     engine, *_ = deepspeed.initialize(model=model, config=cfg, training_data=Tokens())
     batches = iter(engine.training_dataloader)
@@ -140,6 +140,12 @@ def case_gathered_parameters() -> dict[str, Any]:
         ids = next(batches)["input_ids"]
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
+    return model, engine, batches
+
+
+def case_gathered_parameters() -> dict[str, Any]:
+    rank = dist.get_rank()
+    model, engine, batches = two_steps({"stage": 3, "stage3_param_persistence_threshold": 0})
     before = engine.module_state_dict()
     weight = model.transformer.h[0].mlp.c_fc.weight
     partitioned_before = weight.numel()
@@ -184,16 +190,7 @@ def case_zero_to_fp32(tmp: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for stage in (2, 3):
-        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "zero_optimization": {"stage": stage}}
-        model = gpt2()
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, training_data=Tokens())
-        batches = iter(engine.training_dataloader)
-        for _ in range(2):
-            ids = next(batches)["input_ids"]
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
+        model, engine, _ = two_steps({"stage": stage})
         whole = engine.module_state_dict()
         sixteen = engine._zero3_consolidated_16bit_state_dict()
         ckpt = tmp / f"ckpt{stage}"
