@@ -50,6 +50,9 @@ def test_the_pipeline_example_runs_on_two_ranks(tmp_path: Path) -> None:
         for _ in range(5):
             last = float(engine.train_batch(data_iter))
         print("README pipeline example: loss", first, "->", last, flush=True)
+        # torn down as the project's other pipeline workers are: a pipeline job left to the
+        # interpreter's exit sometimes aborts there (reliability finding 5, still open)
+        engine.destroy()
         """))
     proc = launch(2, script, run_dir=tmp_path / "run", timeout=150)
     losses = re.findall(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout + proc.stderr)
