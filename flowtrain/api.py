@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.zero import construct
 
 if TYPE_CHECKING:
     from flowtrain.engine.engine import FlowtrainEngine
@@ -97,6 +98,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     init_distributed(distributed_port=distributed_port)
     world_size = dist.get_world_size()
     pipe_module = _pipeline_module(model)
+    if pipe_module is not None or _raw_tp_size(config) > 1:
+        # stages and tensor-parallel splits cut whole weights: zero.Init's partitions go
+        construct.restore(model.parameters())
     names_before = {id(p): n for n, p in model.named_parameters()}
     grid = pipe_module.grid if pipe_module is not None else _tensor_parallel_grid(config, model)
     if grid is not None:  # the batch rule counts data-parallel ranks only
@@ -109,6 +113,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                       scheduler_given=lr_scheduler is not None,
                       micro_batch_size=micro_batch, auto_values=auto_values_of(auto_values))
     _report_auto(cfg.auto_resolved)
+    if cfg.zero_optimization.stage != 3 or world_size == 1 or grid is not None:
+        # only stage 3 on several data-parallel ranks takes zero.Init's partitions as they are
+        construct.restore(model.parameters())
 
     if pipe_module is not None:
         # before the optimizer takes the parameters: interleaving re-cuts the module's layers

@@ -36,6 +36,7 @@ from flowtrain.plan import StepPlan, build_step_plan, names
 from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.precision import build_loss_scaler, has_inf_or_nan
 from flowtrain.runtime.actor import Actor, ActorRef
+from flowtrain.zero import construct
 
 log = get_logger("flowtrain.engine")
 
@@ -81,6 +82,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
         model_dtype = _DTYPES[self.precision]
         if model_dtype != torch.float32:
+            # zero.Init's partitions are cast as they are (the model never whole)
+            construct.cast(model.parameters(), model_dtype)
             model.to(model_dtype)
         self._broadcast_model()
         self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -196,6 +199,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         src = self.grid.dp_ranks[0] if self.grid is not None else 0
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                if construct.is_partitioned(tensor):
+                    continue  # zero.Init took rank 0's values when it partitioned it
                 dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _open_channel(self, choice: str | None) -> Any:

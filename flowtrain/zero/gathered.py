@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.zero import construct
 
 if TYPE_CHECKING:
     from flowtrain.zero.sharded import ZeroOptimizer
@@ -49,8 +50,10 @@ class GatheredParameters:
     exit, when ``modifier_rank`` is set, the values rank ``r`` (a rank of the data-parallel
     group) holds then are broadcast to every rank and become the model's: each rank's shard
     and its fp32 master copy take them, so the next forward and the optimizer see them. Then
-    the parameters are partitioned again. Every rank must enter the block. Parameters not
-    under stage 3 are left alone, as DeepSpeed leaves them; ``fwd_module`` is accepted."""
+    the parameters are partitioned again. Every rank must enter the block. Parameters that
+    ``zero.Init`` partitioned before any engine took them are gathered and published the same
+    way. Parameters not under stage 3 are left alone, as DeepSpeed leaves them;
+    ``fwd_module`` is accepted."""
 
     def __init__(self, params: torch.Tensor | Iterable[torch.Tensor] | None,
                  modifier_rank: int | None = None, fwd_module: Any = None,
@@ -60,6 +63,9 @@ class GatheredParameters:
         elif isinstance(params, torch.Tensor):
             params = [params]
         self.modifier_rank = modifier_rank
+        params = list(params)
+        # parameters partitioned by zero.Init that no engine has taken over yet
+        self._loose = [p for p in params if construct.is_partitioned(p)]
         # the buckets to gather, per owning ZeroOptimizer, in bucket order
         self._groups: dict[int, tuple[_Place, list[int]]] = {}
         for p in params:
@@ -74,6 +80,8 @@ class GatheredParameters:
         self._gathered: dict[int, list[int]] = {}
 
     def __enter__(self) -> None:
+        for p in self._loose:
+            construct.gather(p)
         for key, (place, buckets) in self._groups.items():
             if place.stage3 is not None:
                 self._gathered[key] = place.stage3.gather_buckets(buckets)
@@ -83,21 +91,32 @@ class GatheredParameters:
         try:
             # a block that raised may have raised on this rank alone: no collective then
             if self.modifier_rank is not None and exc_type is None:
+                if self._loose:
+                    src = self._source_rank(comm.get_world_size() if comm.is_initialized()
+                                            else 1, None)
+                    for p in self._loose:
+                        construct.publish(p, src)
                 for place, buckets in self._groups.values():
                     self._publish(place, buckets)
         finally:
+            for p in self._loose:
+                construct.drop(p)
             for key, (place, _) in self._groups.items():
                 if place.stage3 is not None:
                     place.stage3.release_buckets(self._gathered.pop(key, []))
 
-    def _publish(self, place: _Place, buckets: list[int]) -> None:
-        zero = place.zero
+    def _source_rank(self, world_size: int, group: Any) -> int:
+        """The global rank of ``modifier_rank`` in a data-parallel group of ``world_size``."""
         rank = self.modifier_rank
         assert rank is not None
-        if not 0 <= rank < zero.world_size:
+        if not 0 <= rank < world_size:
             raise ValueError(f"GatheredParameters: modifier_rank {rank} is not a rank of the "
-                             f"data-parallel group (0..{zero.world_size - 1})")
-        src = dist.get_global_rank(zero.group, rank) if zero.group is not None else rank
+                             f"data-parallel group (0..{world_size - 1})")
+        return dist.get_global_rank(group, rank) if group is not None else rank
+
+    def _publish(self, place: _Place, buckets: list[int]) -> None:
+        zero = place.zero
+        src = self._source_rank(zero.world_size, zero.group)
         for b in buckets:
             full = zero.flat_params[b]
             if full is None:
@@ -110,12 +129,14 @@ class GatheredParameters:
 
 class Init:
     """``with zero.Init(...):`` around a model's construction, DeepSpeed's way of building a
-    ZeRO-3 model. flowtrain records the model instead of partitioning at construction: the
-    parameters are built whole, and ``flowtrain.initialize`` (under stage 3) copies each
-    rank's shard out of them and frees the whole tensors, so the full weights exist once per
-    rank, until initialize, never twice. ``module=`` (an already built model) is recorded the
-    same way. DeepSpeed's other arguments (process group, remote device, pinning, config,
-    dtype) are accepted; the engine takes those from the config given to initialize."""
+    ZeRO-3 model: on several ranks each module's parameters are partitioned as soon as the
+    module is built (``flowtrain.zero.construct``), so the whole model never exists on one
+    rank. A config given (``config_dict_or_path``/``config``) whose ``zero_optimization.stage``
+    is not 3 leaves the parameters whole, as does one process. ``dtype`` casts the partitions;
+    ``module=`` (an already built model) partitions that model's parameters. DeepSpeed's other
+    arguments (process group, remote device, pinning, mpu) are accepted; the engine takes
+    those from the config given to initialize. Module classes defined inside the block are not
+    partitioned at construction (initialize shards them as any model)."""
 
     recorded: list[torch.nn.Module] = []
 
@@ -124,16 +145,45 @@ class Init:
                  pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
                  **_: Any) -> None:
-        self.enabled = enabled
         self.config = config_dict_or_path if config_dict_or_path is not None else config
+        self.dtype = dtype
+        self.enabled = enabled and _stage_three(self.config) and comm.is_initialized() and \
+            comm.get_world_size() > 1
+        self._entered = False
         if module is not None and enabled:
             Init.recorded.append(module)
+            if self.enabled:
+                for p in module.parameters():
+                    if getattr(p, "ds_tensor", None) is None and not is_zero3_param(p):
+                        construct.partition(p, dtype)
 
     def __enter__(self) -> Init:
+        if self.enabled:
+            construct.enter(self.dtype)
+            self._entered = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._entered:
+            self._entered = False
+            construct.leave()
         return None
+
+
+def _stage_three(config: Any) -> bool:
+    """Whether ``config`` (a dict, a path to a JSON file, or None) leaves stage 3 on."""
+    if config is None:
+        return True
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        import json
+        from pathlib import Path
+
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, dict):
+        return True
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return stage == 3 or stage == "auto"
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:

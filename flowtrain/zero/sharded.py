@@ -15,6 +15,7 @@ import torch.distributed as dist
 from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.mixed import point_optimizer_at
+from flowtrain.zero import construct
 from flowtrain.zero.offload import Offloader
 from flowtrain.zero.partition import Shard, flatten_params, padded_numel, shard_of
 
@@ -116,6 +117,9 @@ class ZeroOptimizer:
     def _lay_out_params(self, param_device: torch.device,
                         ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
         whole = [b for b, part in zip(self.plan, self.partitioned) if not part]
+        # parameters zero.Init partitioned: whole again where a bucket keeps them whole, and
+        # otherwise gathered one at a time below, so the model is never whole on a rank
+        construct.restore(self.params[slot.index] for b in whole for slot in b.slots)
         flats_whole = iter(flatten_params(self.params, whole, self.world_size))
         flats: list[torch.Tensor | None] = []
         shards: list[torch.Tensor] = []
@@ -132,13 +136,17 @@ class ZeroOptimizer:
                 first = self.params[bucket.slots[0].index]
                 shard = torch.zeros(s.numel, dtype=first.dtype, device=param_device)
                 for slot in bucket.slots:
+                    param = self.params[slot.index]
                     lo, hi = max(slot.offset, s.start), min(slot.offset + slot.numel,
                                                            s.start + s.numel)
+                    # every rank gathers a partitioned parameter, whether it keeps a piece
+                    values = construct.full_flat(param) if construct.is_partitioned(param) \
+                        else param.data.reshape(-1)
                     if lo < hi:
-                        src = self.params[slot.index].data.reshape(-1)[lo - slot.offset:
-                                                                       hi - slot.offset]
-                        shard[lo - s.start:hi - s.start].copy_(src)
-                    self.params[slot.index].data = self._placeholder(first)
+                        shard[lo - s.start:hi - s.start].copy_(
+                            values[lo - slot.offset:hi - slot.offset])
+                    construct.forget(param)
+                    param.data = self._placeholder(first)
                 flats.append(None)
                 shards.append(shard.pin_memory() if _pin(param_device, self.device) else shard)
         return flats, shards
