@@ -4,10 +4,12 @@ collectives launched with ``async_op=True`` that the event loop awaits without b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -138,6 +140,7 @@ def _free_port() -> int:
 
 _ids = itertools.count(1)
 _pending: dict[int, str] = {}
+_pending_since: dict[int, float] = {}  # time.monotonic() each pending wait began
 _pending_lock = threading.Lock()
 
 
@@ -145,6 +148,29 @@ def pending() -> list[str]:
     """Collectives launched and not finished yet, oldest first (for heartbeats and reports)."""
     with _pending_lock:
         return [desc for _, desc in sorted(_pending.items())]
+
+
+@contextlib.contextmanager
+def waiting(description: str) -> Iterator[None]:
+    """Lists ``description`` in ``pending()`` while the block waits on a transfer that does not
+    go through ``wait`` (the shared-memory channel's reduces)."""
+    key = next(_ids)
+    with _pending_lock:
+        _pending[key] = f"#{key} {description}"
+        _pending_since[key] = time.monotonic()
+    try:
+        yield
+    finally:
+        with _pending_lock:
+            _pending.pop(key, None)
+            _pending_since.pop(key, None)
+
+
+def waiting_s() -> float:
+    """Seconds the oldest pending collective has been waited on (0 when none is)."""
+    with _pending_lock:
+        oldest = min(_pending_since.values(), default=None)
+    return 0.0 if oldest is None else time.monotonic() - oldest
 
 
 def _describe(op: str, tensors: Sequence[torch.Tensor], group: Any) -> str:
@@ -166,11 +192,7 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
     callback runs on the backend's thread and only hands the result over to the loop."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    key = next(_ids)
-    with _pending_lock:
-        _pending[key] = f"#{key} {description}"
-
-    try:
+    with waiting(description):
         try:
             work.get_future().add_done_callback(lambda fut: _hand_over(fut.wait, loop, done))
         except RuntimeError:
@@ -183,9 +205,6 @@ async def wait(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEO
         except TimeoutError:
             raise CollectiveTimeout(f"{description} did not finish within {timeout:g} s; "
                                     f"a peer rank may be stuck or dead") from None
-    finally:
-        with _pending_lock:
-            _pending.pop(key, None)
 
 
 def wait_blocking(work: dist.Work, description: str, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -195,10 +214,7 @@ def wait_blocking(work: dist.Work, description: str, timeout: float = DEFAULT_TI
     future). Listed in ``pending()`` while it waits; raises ``CollectiveTimeout`` naming
     ``description`` after ``timeout`` seconds (gloo closes the connection to the peer then), and
     lets the backend's own error through otherwise (a peer that died: the connection closed)."""
-    key = next(_ids)
-    with _pending_lock:
-        _pending[key] = f"#{key} {description}"
-    try:
+    with waiting(description):
         try:
             finished = work.wait(timedelta(seconds=max(timeout, 0.001)))
         except RuntimeError as exc:
@@ -208,9 +224,6 @@ def wait_blocking(work: dist.Work, description: str, timeout: float = DEFAULT_TI
         if finished is False:
             raise CollectiveTimeout(f"{description} did not finish within {timeout:g} s; a peer "
                                     f"rank may be stuck or dead")
-    finally:
-        with _pending_lock:
-            _pending.pop(key, None)
 
 
 def _hand_over(wait: Callable[[], Any], loop: asyncio.AbstractEventLoop,

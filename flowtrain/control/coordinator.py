@@ -492,6 +492,8 @@ class Coordinator:
                 silence = now - state.last_seen
                 if judge and silence > silence_limit and not state.failed:
                     self._declare_stuck(state, silence)
+            if judge:
+                self._check_stalls(silence_limit)
             if not self._join_reported and now - started > self.join_timeout:
                 missing = [s.rank for s in self._states.values() if not s.joined]
                 if missing:
@@ -506,13 +508,38 @@ class Coordinator:
                         f"{self.join_timeout:g} s", data={"missing": missing}))
                     self._emit(JoinTimeout(missing=missing))
 
-    def _declare_stuck(self, state: RankState, silence: float) -> None:
+    def _check_stalls(self, limit: float) -> None:
+        """Names a rank whose main thread has stood still in its own code for longer than
+        ``limit`` while a peer has waited that long in a collective: the rank that has not
+        reached it (its heartbeats, sent from another thread, still arrive). A barrier is not
+        such a wait: scripts park the other ranks in one while a rank works alone."""
+        live = [s for s in self._states.values() if s.joined and not s.finished and not s.failed]
+        waiters = [s for s in live if float(s.status.get("waiting_s") or 0) > limit and
+                   "barrier" not in str((s.status.get("pending") or [""])[0])]
+        if not waiters:
+            return
+        waiter = max(waiters, key=lambda s: float(s.status.get("waiting_s") or 0))
+        waited = float(waiter.status.get("waiting_s") or 0)
+        what = (waiter.status.get("pending") or ["a collective"])[0]
+        for state in live:
+            st = state.status
+            if state is waiter or st.get("pending") or st.get("main_code") != "user" or \
+                    float(st.get("main_still_s") or 0) <= limit:
+                continue
+            message = (f"has not reached the collective rank {waiter.rank} has waited in for "
+                       f"{waited:.1f} s ({what}): its main thread has not moved from "
+                       f"{st.get('main_where')} for {float(st['main_still_s']):.1f} s")
+            self._declare_stuck(state, 0.0, message)
+
+    def _declare_stuck(self, state: RankState, silence: float, message: str | None = None
+                       ) -> None:
         state.failed = state.stuck = True
         missed = int(silence / self.heartbeat_interval)
-        message = (
-            f"no heartbeat for {silence:.1f} s ({missed} missed beats); "
-            f"last status: {format_status(state.status)}"
-        )
+        if message is None:
+            message = (
+                f"no heartbeat for {silence:.1f} s ({missed} missed beats); "
+                f"last status: {format_status(state.status)}"
+            )
         _log().error("rank is stuck", rank=state.rank, message=message)
         self._rank_telemetry(event_record(
             "rank_stuck", f"rank {state.rank}: {message}", rank=state.rank,

@@ -127,7 +127,8 @@ class BucketReducer(Actor):
         what = f"{self._op} of gradient bucket {index} ({buffer.numel()} x {buffer.dtype})"
         if self.channel is not None:
             try:
-                await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
+                with comm.waiting(what):
+                    await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
             except TimeoutError:
                 raise comm.CollectiveTimeout(f"{what} did not finish within "
                                              f"{self.timeout:g} s") from None

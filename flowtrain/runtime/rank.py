@@ -22,6 +22,7 @@ from flowtrain.errors import RankAborted, RankFailure, write_error_file
 from flowtrain.log import configure_logging, get_logger, log_level
 from flowtrain.runtime.actor import DEFAULT_ASK_TIMEOUT, ActorFailed
 from flowtrain.runtime.system import Failure, Runtime
+from flowtrain.runtime.watch import MainThreadWatch
 from flowtrain.runtime.wire import decode, encode
 
 log = get_logger("flowtrain.rank")
@@ -43,6 +44,7 @@ class Rank:
         self._ask_ids = itertools.count(1)
         self._all_finished = threading.Event()
         self._closed = False
+        self._main = MainThreadWatch()
 
     # -- start ------------------------------------------------------------------------------
 
@@ -101,6 +103,8 @@ class Rank:
         return {
             "busy": ", ".join(f"actor {a} handling {m}" for a, m in busy.items()) or "idle",
             "pending": comm.pending(),
+            "waiting_s": round(comm.waiting_s(), 1),
+            **self._main.sample(),
             "actors": self.runtime.actor_names(),
         }
 
