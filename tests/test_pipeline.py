@@ -173,6 +173,7 @@ def test_pipeline_matches_single_process(pipe_run: Any, world: int, case: str) -
             assert torch.allclose(torch.tensor(values), torch.tensor(ref["params"][name]),
                                   rtol=1e-5, atol=1e-6), (r, name)
         assert got["parts"] == [0, 4, 7]
+        assert got["threads_left"] == [], r
         assert got["ckpt_interval"] == (2 if case == "1f1b_ckpt" else 0)
     stages = sorted({d[case]["stage"] for d in ranks})
     assert stages == [0, 1]

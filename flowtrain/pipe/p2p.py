@@ -120,6 +120,13 @@ class Receiver:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def join(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the thread to end after ``close``; whether it did.
+        A thread still inside a torch wait when the interpreter finalizes is ended mid C++
+        frame, which aborts the process (``terminate called without an active exception``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             run, key, what, future = job
@@ -225,6 +232,13 @@ class Sender:
 
     def close(self) -> None:
         self._posts.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """As ``Receiver.join``, for the posting and the waiting thread."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def _post(self) -> None:
         while (job := self._posts.get()) is not None:

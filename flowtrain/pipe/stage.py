@@ -19,6 +19,7 @@ import torch
 
 from flowtrain import comm
 from flowtrain.engine.parts import StageCompute
+from flowtrain.log import get_logger
 from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.pipe.p2p import (
     TAG_ACT,
@@ -33,6 +34,9 @@ from flowtrain.pipe.p2p import (
 from flowtrain.pipe.schedule import Op
 from flowtrain.plan.schedule import handover
 from flowtrain.runtime.actor import Actor, handler
+
+log = get_logger("flowtrain.pipe")
+CHANNEL_JOIN_S = 5.0  # how long stopping a stage waits for each channel's threads
 
 
 @dataclass(frozen=True)
@@ -78,10 +82,18 @@ class PipeStage(Actor):
         self._failed: str | None = None
 
     async def on_stop(self) -> None:
-        for receiver in self._receivers.values():
-            receiver.close()
+        channels: list[Receiver | Sender] = list(self._receivers.values())
         if self._sender is not None:
-            self._sender.close()
+            channels.append(self._sender)
+        for channel in channels:
+            channel.close()
+        # the threads end before the interpreter does (see Receiver.join); off the loop, as
+        # a last send may still be waiting for its peer, and bounded: a dead peer's send
+        # never completes
+        left = await anyio.to_thread.run_sync(
+            lambda: [c for c in channels if not c.join(min(CHANNEL_JOIN_S, self.timeout))])
+        if left:
+            log.warning("pipeline channel threads still running at stop", count=len(left))
 
     def _receiver(self, src: int, tags: tuple[int, int]) -> Receiver:
         # one stream per peer and direction: with interleaving on two stages, activations and

@@ -8,6 +8,7 @@ argv: OUT PP  — runs 1F1B and GPipe (fp32), and 1F1B with ZeRO stage 1, for ST
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -75,6 +76,10 @@ def run(pp: int, schedule: str, zero: int, ckpt: int = 0) -> dict[str, Any]:
            "ckpt_interval": module.activation_checkpoint_interval,
            "span_names": sorted({n for n, _, _ in engine.timer.last_step[1]})}
     engine.destroy()
+    # the channels' threads are gone once the engine is (finding 5: a thread inside a torch
+    # wait at interpreter exit aborts the process)
+    out["threads_left"] = [t.name for t in threading.enumerate()
+                           if t.name.startswith("flowtrain-pipe")]
     return out
 
 
