@@ -26,6 +26,9 @@ CONSOLE = "FLOWTRAIN_CONSOLE"  # "human" on a terminal, "plain" otherwise, "off"
 LOG_LEVEL = "FLOWTRAIN_LOG_LEVEL"  # the lowest level logged: debug, info, warning, error
 LAUNCHED = "FLOWTRAIN_LAUNCHED"  # "1" when flowtrain launch started this process
 
+# the world size of a restarted job's first attempt (flowtrain launch --max-restarts): after an
+# elastic shrink the config loader keeps that attempt's global batch
+FIRST_WORLD_SIZE = "FLOWTRAIN_FIRST_WORLD_SIZE"
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_MISSES = 5
 

@@ -30,6 +30,7 @@ from flowtrain.config.params import (
 )
 from flowtrain.config.support import unsupported_features
 from flowtrain.config.zero import check_zero, legacy_offload_conflicts
+from flowtrain.env import FIRST_WORLD_SIZE
 
 _PRUNE_ROUNDS = 4
 
@@ -80,9 +81,22 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
     if cfg is not None:
         batch_broken = any(loc and loc[0] in BATCH_KEYS for loc in bad_locs)
         if not batch_broken:
+            tbs, gas = cfg.train_batch_size, cfg.gradient_accumulation_steps
+            first = _first_attempt_world(world_size)
+            if first is not None:
+                # an elastic restart on fewer ranks: the first attempt's global batch, with
+                # the accumulation derived again for this world
+                before, _ = resolve_batch(tbs, cfg.train_micro_batch_size_per_gpu, gas, first,
+                                          caller_micro=micro_batch_size)
+                if before is not None:
+                    tbs, gas = before.train_batch_size, None
+                    warnings.warn(f"elastic restart: the data-parallel world is {world_size} "
+                                  f"(the job started with {first}); train_batch_size {tbs} "
+                                  f"is kept, gradient_accumulation_steps derived again",
+                                  ConfigWarning, stacklevel=2)
             sizes, batch_problems = resolve_batch(
-                cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                cfg.gradient_accumulation_steps, world_size, caller_micro=micro_batch_size,
+                tbs, cfg.train_micro_batch_size_per_gpu, gas, world_size,
+                caller_micro=micro_batch_size,
                 micro_was_auto="train_micro_batch_size_per_gpu" in auto.batch_auto)
             problems += batch_problems
             if sizes is not None:
@@ -99,6 +113,19 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
     cfg._dp_world_size = world_size
     cfg._auto_resolved = dict(sorted(auto.resolved.items()))
     return cfg
+
+
+def _first_attempt_world(dp_world: int) -> int | None:
+    """The data-parallel world size of a restarted job's first attempt, when the launcher says
+    it differed from this one's (FLOWTRAIN_FIRST_WORLD_SIZE beside WORLD_SIZE)."""
+    try:
+        first = int(os.environ.get(FIRST_WORLD_SIZE, ""))
+        total = int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    if first == total or total <= 0 or first <= 0 or (dp_world * first) % total:
+        return None
+    return dp_world * first // total
 
 
 def _record_batch(cfg: FlowtrainConfig, batch_auto: set[str],

@@ -59,6 +59,8 @@ class LaunchConfig:
     log_level: str | None = None  # --log-level: the launcher's and the ranks' lowest level
     quiet: bool = False  # -q: the launcher's warnings and errors only, no progress line
     echo_ranks: frozenset[int] | None = None  # local ranks shown on the console (None: all)
+    # --nnodes MIN:MAX with a hostfile: a restart goes on without lost hosts while MIN remain
+    min_nodes: int | None = None
 
     @property
     def mode(self) -> str:
@@ -267,12 +269,22 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         raise LaunchInputError("--ssh-command is empty; expected e.g. 'ssh -o BatchMode=yes'")
 
     hosts: dict[str, list[int]] = {}
+    min_nodes = None if getattr(ns, "min_nodes", None) is None else \
+        _int(ns.min_nodes, "--nnodes MIN:MAX's MIN", 1)
     if ns.hostfile and not ns.control_endpoint:
         hosts = apply_filters(read_hostfile(ns.hostfile), ns.include, ns.exclude)
-        if nnodes != 1 and nnodes != len(hosts):
+        if min_nodes is not None and not min_nodes <= len(hosts) <= nnodes:
+            raise LaunchInputError(
+                f"--nnodes {min_nodes}:{nnodes} does not admit the {len(hosts)} hosts chosen "
+                f"from {ns.hostfile}; MIN must be at most and MAX at least that many")
+        if min_nodes is None and nnodes != 1 and nnodes != len(hosts):
             raise LaunchInputError(
                 f"--nnodes={nnodes} does not match the {len(hosts)} hosts chosen from {ns.hostfile}"
             )
+    elif min_nodes is not None:
+        raise LaunchInputError(
+            f"--nnodes {min_nodes}:{nnodes} (elastic) needs --hostfile: the launcher restarts "
+            f"the job on the hosts that survive; give one number of nodes otherwise")
     elif ns.include or ns.exclude:
         raise LaunchInputError("--include/--exclude need --hostfile")
 
@@ -329,11 +341,15 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         raise LaunchInputError(f"ranks {offset}..{offset + nproc - 1} do not fit in a world of "
                                f"{world}")
     restarts = 0 if ns.max_restarts is None else _int(ns.max_restarts, "--max-restarts", 0)
-    if restarts and (hosts or nnodes > 1 or ns.control_endpoint or ns.no_python):
-        raise LaunchInputError(f"--max-restarts {restarts} restarts jobs of one node for now: "
-                               f"a failed multi-node job ends, naming the rank, with the last "
-                               f"complete checkpoint intact; relaunch it and the script's "
-                               f"load_checkpoint resumes from it")
+    if restarts and not hosts and (nnodes > 1 or ns.control_endpoint or ns.no_python):
+        raise LaunchInputError(f"--max-restarts {restarts} restarts jobs this launcher starts "
+                               f"whole (one node, or --hostfile); a job of launchers started "
+                               f"by hand on each node (--nnodes/--node-rank) ends, naming the "
+                               f"rank, with the last complete checkpoint intact; relaunch it "
+                               f"and the script's load_checkpoint resumes from it")
+    if min_nodes is not None and not restarts:
+        raise LaunchInputError("--nnodes MIN:MAX shrinks the job only when it restarts: add "
+                               "--max-restarts N (each shrink is a restart)")
     return LaunchConfig(
         target=target, target_args=list(ns.target_args), is_module=ns.module,
         no_python=ns.no_python, nproc_per_node=nproc, nnodes=len(hosts) if hosts else nnodes,
@@ -346,4 +362,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         local_rank_arg=not ns.no_local_rank and not ns.no_python and
         declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,
         log_level=ns.log_level, quiet=ns.quiet, echo_ranks=ns.echo_ranks,
+        min_nodes=min_nodes if hosts else None,
     )

@@ -119,30 +119,49 @@ RESTART_COUNT_ENVS = ("FLOWTRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 
 
 def _with_restarts(cfg: LaunchConfig, user_umask: int) -> int:
-    """torchrun's --max-restarts on one node: after a failed attempt the whole job starts
-    again (a fresh rendezvous port and control plane; the script's own load_checkpoint, or
-    its config's checkpoint, resumes it from the last complete checkpoint), after a backoff;
-    each attempt's logs move to <run dir>/attempt<k>/ and restarts.json records them all. A
-    launcher stopped by a signal (Ctrl-C) ends at once."""
+    """torchrun's --max-restarts, on one node or a hostfile's: after a failed attempt the
+    whole job starts again (a fresh rendezvous port and control plane; the script's own
+    load_checkpoint, or its config's checkpoint, resumes it from the last complete
+    checkpoint), after a backoff; each attempt's logs move to <run dir>/attempt<k>/ and
+    restarts.json records them all. With --nnodes MIN:MAX, hosts whose node launcher died
+    are left out of the next attempt while MIN remain (torchrun's elastic shrink); the ranks
+    learn the first attempt's world size (FLOWTRAIN_FIRST_WORLD_SIZE) so the config loader
+    keeps its global batch. A launcher stopped by a signal (Ctrl-C) ends at once."""
     from dataclasses import replace
 
     rd = RunDir(cfg.run_dir)
     attempts: list[dict[str, Any]] = []
     code = 1
+    this = cfg
+    os.environ[fenv.FIRST_WORLD_SIZE] = str(cfg.world_size)
     for attempt in range(cfg.max_restarts + 1):
         for name in RESTART_COUNT_ENVS:
             os.environ[name] = str(attempt)
-        this = cfg if attempt == 0 else replace(cfg, master_port=free_port())
+        if attempt:
+            this = replace(this, master_port=free_port())
         started = time.time()
         code = _run_launch(this, user_umask)
         job = _read_job(rd)
         attempts.append({"attempt": attempt, "start_time": started, "end_time": time.time(),
                          "exit_code": code, "status": job.get("status"),
-                         "root_cause": job.get("root_cause")})
+                         "root_cause": job.get("root_cause"), "hosts": list(this.hosts),
+                         "world_size": this.world_size})
         rd.create()
         (rd.path / "restarts.json").write_text(json.dumps(attempts, indent=2, default=str))
         if code == 0 or code in (130, 143) or attempt == cfg.max_restarts:
             break
+        if this.min_nodes is not None and job.get("lost_hosts"):
+            survivors = {h: s for h, s in this.hosts.items() if h not in job["lost_hosts"]}
+            if len(survivors) < this.min_nodes:
+                log.error(f"lost hosts {', '.join(job['lost_hosts'])}: {len(survivors)} left, "
+                          f"fewer than --nnodes' minimum {this.min_nodes}; the job ends",
+                          console=True)
+                break
+            this = replace(this, hosts=survivors, nnodes=len(survivors),
+                           world_size=sum(len(s) for s in survivors.values()))
+            log.warning(f"lost hosts {', '.join(job['lost_hosts'])}; going on with "
+                        f"{len(survivors)} hosts, {this.world_size} ranks (the global batch "
+                        f"kept: each rank accumulates more micro-batches)", console=True)
         _keep_attempt_files(rd, attempt)
         wait = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
         cause = (job.get("root_cause") or {}).get("message") or f"exit {code}"
@@ -166,7 +185,8 @@ def _keep_attempt_files(rd: RunDir, attempt: int) -> None:
     attempt's (which would overwrite them, or be mistaken for its own root cause)."""
     keep = rd.path / f"attempt{attempt}"
     keep.mkdir(mode=0o700, exist_ok=True)
-    for pattern in ("rank*.out", "rank*.error.json", "rank*.jsonl", "job.json"):
+    for pattern in ("rank*.out", "rank*.error.json", "rank*.jsonl", "job.json", "node*.out",
+                    "job.node*.json"):
         for path in rd.path.glob(pattern):
             path.replace(keep / path.name)
 
@@ -323,9 +343,13 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
                                "pick another --master-port")
     outcome = ended[0] if ended else collect_outcome(supervisor, rd, started=started,
                                                      join_timeout=cfg.join_timeout)
+    # hosts whose node launcher died without reporting back: the host, not a rank, was lost
+    lost = [c.host for c in supervisor.children
+            if c.node is not None and supervisor.is_failure(c) and not c.node_result]
     record.update(end_time=time.time(), status=outcome.status, exit_code=outcome.exit_code,
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
-                  ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records])
+                  ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records],
+                  lost_hosts=lost)
     rd.write_job(record)
     if telemetry is not None:
         _close_telemetry(telemetry, outcome)  # unless end_telemetry did

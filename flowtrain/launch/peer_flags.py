@@ -148,12 +148,14 @@ def apply_peer_flags(ns: argparse.Namespace) -> None:
         ns.nnodes = ns.num_nodes
     if str(ns.nproc_per_node).lower() in ("gpu", "cpu"):
         ns.nproc_per_node = _devices(str(ns.nproc_per_node).lower())
+    ns.min_nodes = None
     if ":" in str(ns.nnodes):
+        # torchrun's elastic MIN:MAX: with a hostfile, a job that loses hosts goes on with
+        # the survivors while MIN still hold (args.py checks the numbers)
         low, _, high = str(ns.nnodes).partition(":")
         if low != high:
-            raise _refuse(f"--nnodes {ns.nnodes}", "elastic node counts are not supported yet; "
-                          "give one number of nodes")
-        ns.nnodes = low
+            ns.min_nodes = low
+        ns.nnodes = high
     if ns.rdzv_backend is not None and ns.rdzv_backend not in ("static", "c10d"):
         raise _refuse(f"--rdzv-backend {ns.rdzv_backend}", "flowtrain meets at rank 0's TCP "
                       "store (static or c10d)")
