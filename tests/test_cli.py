@@ -69,10 +69,13 @@ def test_in_process_errors(capsys: pytest.CaptureFixture[str], script: Path) -> 
             assert needle in err[0], (argv, err)
 
 
-def test_multinode_without_secret_says_how_to_set_it(
+def test_multinode_without_secret_or_job_key_says_how_to_set_it(
         capsys: pytest.CaptureFixture[str], script: Path, monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
     monkeypatch.delenv("FLOWTRAIN_JOB_SECRET", raising=False)
+    # no ~/.flowtrain/job-key can be made under a home that is a file
+    (tmp_path / "home").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     code = main(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                  "--run-dir", str(tmp_path / "run"), str(script)])
     assert code == 2

@@ -254,10 +254,16 @@ def test_the_rendezvous_port_is_outside_the_kernels_ephemeral_range(
 
 
 @pytest.mark.timeout(60)
-def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
+@pytest.mark.parametrize("secret", ["exported", "derived"])
+def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path, secret: str) -> None:
     from flowtrain.launch.args import free_port
 
-    env = launcher_env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
+    if secret == "exported":
+        env = launcher_env(FLOWTRAIN_JOB_SECRET=secrets.token_hex(32))
+    else:
+        # no export: both nodes derive it from the shared home's ~/.flowtrain/job-key
+        env = launcher_env(HOME=str(tmp_path / "home"))
+        env.pop("FLOWTRAIN_JOB_SECRET", None)
     for attempt in range(3):
         # a free port can be taken again before node 0 binds it (the launcher then says so
         # and exits): try another, as a user would
@@ -279,6 +285,10 @@ def test_torchrun_style_two_nodes(tmp_path: Path, outdir: Path) -> None:
             assert node1.returncode == 0, run.text + out1
             assert "[rank1]: rank 1 all-reduced 3.0" in out1
             assert json.loads((outdir / "rank1.json").read_text())["env"]["GROUP_RANK"] == "1"
+            if secret == "derived":
+                key = tmp_path / "home" / ".flowtrain" / "job-key"
+                assert key.stat().st_mode & 0o777 == 0o600
+                assert "job secret derived from" in run.err and "job secret derived" in out1
             return
         finally:
             if node1.poll() is None:
@@ -326,3 +336,19 @@ def test_run_dir_is_private_and_a_killed_launchers_job_is_marked_by_the_next(
     mask = os.umask(0)
     os.umask(mask)
     assert (outdir / "rank0.json").stat().st_mode & 0o777 == 0o666 & ~mask  # the user's umask
+
+
+def test_a_job_key_other_users_can_read_is_refused(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowtrain.launch.hostfile import LaunchInputError
+    from flowtrain.launch.multinode import derived_secret
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    first = derived_secret("10.0.0.1", 29500)
+    assert derived_secret("10.0.0.1", 29500) == first != derived_secret("10.0.0.1", 29501)
+    key = home / ".flowtrain" / "job-key"
+    key.chmod(0o644)
+    with pytest.raises(LaunchInputError, match="readable by other users"):
+        derived_secret("10.0.0.1", 29500)

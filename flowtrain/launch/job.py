@@ -20,7 +20,7 @@ from flowtrain.launch.affinity import CORES_ENV, format_cores
 from flowtrain.launch.args import LaunchConfig, free_port
 from flowtrain.launch.envfile import load_env_files, remote_exports
 from flowtrain.launch.hostfile import LaunchInputError, all_loopback
-from flowtrain.launch.multinode import node_command, read_secret_from_stdin
+from flowtrain.launch.multinode import derived_secret, node_command, read_secret_from_stdin
 from flowtrain.launch.rundir import RunDir, mark_stale_jobs
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
 from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
@@ -45,8 +45,7 @@ def _job_secret(cfg: LaunchConfig, hosting_alone: bool) -> bytes:
     hint = ("export FLOWTRAIN_JOB_SECRET=$(python -c 'import secrets; "
             "print(secrets.token_hex(32))') once and pass the same value to every node")
     if not raw:
-        raise LaunchInputError(f"--nnodes={cfg.nnodes} without --hostfile needs the same "
-                               f"{fenv.JOB_SECRET} on every node, and it is not set: {hint}")
+        return derived_secret(cfg.master_addr, cfg.master_port)
     try:
         return bytes.fromhex(raw)
     except ValueError:
