@@ -67,7 +67,7 @@ def test_log_dir_and_ssh_port(script: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--launcher", "openmpi"], "--hostfile"),
-    (["--launcher", "mvapich"], "--hostfile"),
+    (["--launcher", "mvapich"], "not on PATH"),
     (["--launcher", "slurm"], "srun"),
     (["--launcher", "lsf"], "one of pdsh"),
     (["--launcher_args", "-x FOO"], "--ssh-command"),

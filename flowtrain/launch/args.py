@@ -61,11 +61,16 @@ class LaunchConfig:
     echo_ranks: frozenset[int] | None = None  # local ranks shown on the console (None: all)
     # --nnodes MIN:MAX with a hostfile: a restart goes on without lost hosts while MIN remain
     min_nodes: int | None = None
+    # --launcher slurm|openmpi|...: the ranks are the tasks of one command (launch/tasks.py)
+    task_launcher: str | None = None
+    task_launcher_args: list[str] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
         """"local" (one node), "hostfile" (ssh fan-out), "node" (joins a coordinator elsewhere),
         or "multi" (torchrun-style node 0, which hosts the coordinator)."""
+        if self.task_launcher:
+            return "tasks"
         if self.control_endpoint:
             return "node"
         if self.hosts:
@@ -350,6 +355,29 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
     if min_nodes is not None and not restarts:
         raise LaunchInputError("--nnodes MIN:MAX shrinks the job only when it restarts: add "
                                "--max-restarts N (each shrink is a restart)")
+    task_launcher = getattr(ns, "task_launcher", None)
+    task_args: list[str] = []
+    if task_launcher is not None:
+        from flowtrain.launch.tasks import find_command
+
+        find_command(task_launcher)
+        if ns.no_python or ns.control_endpoint or node_rank or restarts or min_nodes:
+            raise LaunchInputError(f"--launcher {task_launcher} starts every rank as a task of "
+                                   f"one command: it does not combine with --no-python, "
+                                   f"--node-rank, --max-restarts or --nnodes MIN:MAX")
+        try:
+            task_args = shlex.split(ns.launcher_args or "")
+        except ValueError as exc:
+            raise LaunchInputError(f"--launcher_args {ns.launcher_args!r} is not a valid "
+                                   f"command line: {exc}") from None
+        if hosts:
+            counts = {len(slots) for slots in hosts.values()}
+            if len(counts) != 1:
+                raise LaunchInputError(f"--launcher {task_launcher} starts the same number of "
+                                       f"tasks on every host; the hostfile's slots differ "
+                                       f"({sorted(counts)})")
+            nproc = counts.pop()
+            nnodes, world = len(hosts), len(hosts) * nproc
     return LaunchConfig(
         target=target, target_args=list(ns.target_args), is_module=ns.module,
         no_python=ns.no_python, nproc_per_node=nproc, nnodes=len(hosts) if hosts else nnodes,
@@ -362,5 +390,6 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         local_rank_arg=not ns.no_local_rank and not ns.no_python and
         declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,
         log_level=ns.log_level, quiet=ns.quiet, echo_ranks=ns.echo_ranks,
-        min_nodes=min_nodes if hosts else None,
+        min_nodes=min_nodes if hosts else None, task_launcher=task_launcher,
+        task_launcher_args=task_args,
     )

@@ -18,6 +18,7 @@ from typing import Any
 from flowtrain import env as fenv
 from flowtrain.errors import RankAborted, RankFailure, write_error_file
 from flowtrain.launch.affinity import pin_from_env
+from flowtrain.launch.tasks import apply_task_env
 
 ABORTED_EXIT = 143  # 128 + SIGTERM, what a process killed by SIGTERM would report to a shell
 
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print("usage: python -m flowtrain.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
         return 2
+    # the tasks of --launcher slurm|openmpi|...: the rank from that launcher's variables
+    apply_task_env()
     rank = int(os.environ.get(fenv.RANK, "0") or 0)
     pin_error = None
     try:

@@ -86,6 +86,29 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
     return env
 
 
+def _task_child(cfg: LaunchConfig, env: dict[str, str], rd: RunDir, umask: int) -> Child:
+    """--launcher slurm|openmpi|...: one child, the command whose tasks are the ranks; each
+    task takes its rank from that launcher's variables (launch/tasks.py)."""
+    from flowtrain.launch.tasks import TASK_LAUNCHER, find_command, task_command
+
+    name = cfg.task_launcher
+    assert name is not None
+    for key in (fenv.RANK, fenv.LOCAL_RANK, fenv.GROUP_RANK, fenv.ERROR_FILE):
+        env.pop(key, None)
+    env[TASK_LAUNCHER] = name
+    hosts = list(cfg.hosts)
+    if hosts:
+        env[fenv.MASTER_ADDR] = hosts[0]  # rank 0's host, where torch's store listens
+    elif name == "slurm":
+        env.pop(fenv.MASTER_ADDR, None)  # the allocation's first node (flowtrain.slurm)
+    argv = task_command(name, find_command(name), nnodes=cfg.nnodes,
+                        nproc_per_node=cfg.nproc_per_node, hosts=hosts,
+                        launcher_args=cfg.task_launcher_args, env=env,
+                        rank_argv=_rank_argv(cfg))
+    return Child(label=f"{name} ({cfg.world_size} tasks)", argv=argv, env=env,
+                 out_path=rd.path / "tasks.out", host=socket.gethostname(), umask=umask)
+
+
 def _rank_argv(cfg: LaunchConfig, local_rank: int = 0) -> list[str]:
     if cfg.no_python:
         target = str(Path(cfg.target).absolute()) if Path(cfg.target).is_file() else cfg.target
@@ -196,7 +219,7 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
     if cfg.no_python and mode != "local":
         raise LaunchInputError("--no-python works on one node only (its ranks cannot join the "
                                "control plane); drop --nnodes/--hostfile or run python scripts")
-    secret = _job_secret(cfg, hosting_alone=mode in ("local", "hostfile"))
+    secret = _job_secret(cfg, hosting_alone=mode in ("local", "hostfile", "tasks"))
     rd = RunDir(cfg.run_dir, f".node{cfg.node_rank}" if joins_remote else "")
     try:
         rd.create()
@@ -240,6 +263,11 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
         loop = all_loopback(hosts)
         bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), \
             ("127.0.0.1" if loop else socket.gethostname()), 0
+    elif mode == "tasks":
+        # the tasks may run on other hosts than this launcher's, unless nothing says so
+        loop = not hosts and cfg.nnodes == 1 and "SLURM_JOB_ID" not in os.environ
+        bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), \
+            ("127.0.0.1" if loop else socket.getfqdn()), 0
     elif mode == "multi":
         loop = _is_loopback(cfg.master_addr)
         bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), cfg.master_addr, \
@@ -273,6 +301,9 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
         return tcp_endpoint(advertise, coordinator.endpoint.rsplit(":", 1)[1])
 
     def build_children(endpoint: str | None) -> list[Child]:
+        if mode == "tasks":
+            return [_task_child(cfg, _rank_env(cfg, base_env, rd, 0, endpoint, secret,
+                                               rank_console), rd, user_umask)]
         if mode == "hostfile":
             assert endpoint is not None
             exports = remote_exports(os.environ, file_vars)

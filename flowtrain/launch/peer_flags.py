@@ -4,15 +4,17 @@ instead (never a bare "unrecognized arguments").
 
 - Taken: DeepSpeed's ``--num_gpus`` (ranks per node), ``--num_nodes``, ``--no_ssh`` (each node
   started by hand, as ``--nnodes``/``--node_rank`` launches are), ``--ssh_port``,
-  ``--save_pid``, ``--no_local_rank``, ``--launcher pdsh`` (flowtrain's own ssh fan-out);
+  ``--save_pid``, ``--no_local_rank``, ``--launcher pdsh`` (flowtrain's own ssh fan-out),
+  ``--launcher slurm|openmpi|mpich|impi|mvapich`` with ``--launcher_args`` (the ranks as the
+  tasks of one srun/mpirun/mpiexec, ``launch/tasks.py``);
   torchrun's ``--standalone``, ``--nproc-per-node gpu|cpu``, ``--max-restarts`` (one node),
   ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST:PORT`` (the rendezvous address),
   ``--rdzv-id`` (the job id), ``--log-dir`` (the run directory).
   The console: ``--log_level``, ``-q/--quiet``, torchrun's ``--redirects``, ``--tee`` and
   ``--local-ranks-filter``.
-- Refused with the flowtrain equivalent: ``--launcher openmpi|mvapich|slurm`` (and
-  ``--launcher_args``), ``--force_multi``, ``--venv_script``, ``--nnodes MIN:MAX``,
-  ``--max-restarts`` across nodes, ``--rdzv-conf``.
+- Refused with the flowtrain equivalent: ``--force_multi``, ``--venv_script``,
+  ``--nnodes MIN:MAX`` without a hostfile, ``--max-restarts`` of nodes launched by hand,
+  ``--rdzv-conf``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
                        metavar="N", help="DeepSpeed: nodes (as --nnodes)")
     peers.add_argument("--launcher", default=None, metavar="NAME",
                        help="DeepSpeed: pdsh (flowtrain's ssh fan-out with --hostfile); "
-                            "openmpi/mvapich/slurm are refused with what to run instead")
+                            "slurm/openmpi/mpich/impi/mvapich start the ranks as the tasks of "
+                            "srun/mpirun/mpiexec")
     peers.add_argument("--launcher_args", "--launcher-args", dest="launcher_args",
-                       default=None, metavar="ARGS", help="DeepSpeed: refused (no MPI launcher)")
+                       default=None, metavar="ARGS",
+                       help="DeepSpeed: more arguments for the command of --launcher "
+                            "slurm|openmpi|mpich|impi|mvapich")
     peers.add_argument("--no_ssh", "--no-ssh", dest="no_ssh", action="store_true",
                        help="DeepSpeed: each node started by hand (with --node_rank)")
     peers.add_argument("--force_multi", "--force-multi", dest="force_multi",
@@ -94,21 +99,18 @@ def _refuse(flag: str, instead: str) -> LaunchInputError:
 def apply_peer_flags(ns: argparse.Namespace) -> None:
     """Folds the peers' flags into flowtrain's own (in ``ns``), or raises LaunchInputError with
     one line naming the flowtrain way."""
+    ns.task_launcher = None
     if ns.launcher is not None:
         name = str(ns.launcher).lower()
         if name not in LAUNCHERS:
             raise LaunchInputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got "
                                    f"{ns.launcher!r}")
-        if name == "slurm":
-            raise _refuse("--launcher slurm", "run 'srun python train.py' (each task takes "
-                          "its rank from SLURM_PROCID and SLURM_NTASKS) or 'srun flowtrain "
-                          "launch --nnodes N --node-rank $SLURM_NODEID ...'")
         if name != "pdsh":
-            raise _refuse(f"--launcher {name}", "flowtrain starts the ranks of each host over "
-                          "ssh from a --hostfile (as pdsh does), or under srun")
-    if ns.launcher_args is not None:
-        raise _refuse("--launcher_args", "there is no MPI launcher to pass them to; ssh "
-                      "options go in --ssh-command")
+            ns.task_launcher = name  # the ranks are srun's or mpirun's tasks (launch/tasks.py)
+    if ns.launcher_args is not None and ns.task_launcher is None:
+        raise _refuse("--launcher_args", "they go to --launcher slurm|openmpi|mpich|impi|"
+                      "mvapich; flowtrain's own ssh fan-out takes ssh options in "
+                      "--ssh-command")
     if ns.force_multi:
         raise _refuse("--force_multi", "a --hostfile of one non-local host already launches "
                       "over ssh")
