@@ -25,6 +25,7 @@ HEARTBEAT_MISSES = "FLOWTRAIN_HEARTBEAT_MISSES"  # beats missed before a peer is
 CONSOLE = "FLOWTRAIN_CONSOLE"  # "human" on a terminal, "plain" otherwise, "off" for none
 LOG_LEVEL = "FLOWTRAIN_LOG_LEVEL"  # the lowest level logged: debug, info, warning, error
 LAUNCHED = "FLOWTRAIN_LAUNCHED"  # "1" when flowtrain launch started this process
+CONTROL_CURVE = "FLOWTRAIN_CONTROL_CURVE"  # "1": the control plane is CurveZMQ-encrypted
 
 # the world size of a restarted job's first attempt (flowtrain launch --max-restarts): after an
 # elastic shrink the config loader keeps that attempt's global batch
@@ -78,6 +79,7 @@ class RankEnv:
     heartbeat_interval: float
     heartbeat_misses: int
     console: str
+    control_curve: bool = False  # the control plane's sockets encrypt (CurveZMQ)
 
     @property
     def launched(self) -> bool:
@@ -113,4 +115,5 @@ def read_rank_env() -> RankEnv:
         heartbeat_interval=_float(HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_INTERVAL),
         heartbeat_misses=_int(HEARTBEAT_MISSES, DEFAULT_HEARTBEAT_MISSES, minimum=1),
         console=os.environ.get(CONSOLE, "plain"),
+        control_curve=os.environ.get(CONTROL_CURVE) == "1",
     )

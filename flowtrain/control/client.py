@@ -27,6 +27,7 @@ from flowtrain.control.protocol import (
     Kind,
     RejectCounter,
     check_heartbeat,
+    encrypt_client,
     limit_frames,
 )
 from flowtrain.errors import RankAborted, RankFailure
@@ -79,7 +80,9 @@ class ControlClient:
         status: Callable[[], dict] | None = None,
         on_abort: Callable[[str], None] | None = None,
         on_route: Callable[[int, dict], Awaitable[None]] | None = None,
+        encrypt: bool = False,
     ) -> None:
+        """``encrypt``: the coordinator is a CurveZMQ server (``Coordinator(encrypt=True)``)."""
         if not 0 <= rank < world_size:
             raise ValueError(
                 f"rank must be in 0..{world_size - 1} for world size {world_size}, got {rank}"
@@ -97,6 +100,8 @@ class ControlClient:
         self.on_route = on_route
         self.identity = identity_of(rank)
         self.codec = FrameCodec(secret, self.identity.decode())
+        self.encrypt = encrypt
+        self._secret = secret
         self.rejected = RejectCounter(f"rank{rank}")
         # A send that ZeroMQ cannot take within this long means the coordinator stopped reading.
         self.send_timeout = heartbeat_interval * heartbeat_misses
@@ -126,6 +131,8 @@ class ControlClient:
         dealer.setsockopt(zmq.ROUTING_ID, self.identity)
         dealer.setsockopt(zmq.LINGER, 0)
         limit_frames(dealer)
+        if self.encrypt:
+            encrypt_client(dealer, self._secret)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_interval * 1000)))
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.send_timeout * 1000)))
         routes_in, routes_out = anyio.create_memory_object_stream[tuple[int, dict]](
@@ -282,7 +289,10 @@ class ControlClient:
             raise ConnectionError(
                 f"rank {self.rank} got no WELCOME from the coordinator at {self.endpoint} within "
                 f"{self.connect_timeout} s; check that it is running there, that its world size is "
-                f"{self.world_size}, and that both use the same job secret"
+                f"{self.world_size}, that both use the same job secret, and that both encrypt "
+                f"the control plane or neither does (this rank "
+                f"{'does' if self.encrypt else 'does not'}: --encrypt-control, "
+                f"FLOWTRAIN_CONTROL_CURVE=1)"
             )
         self._last_heard = time.monotonic()
         _log().info("joined the coordinator", rank=self.rank, endpoint=self.endpoint)

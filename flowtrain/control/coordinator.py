@@ -25,6 +25,7 @@ from flowtrain.control.protocol import (
     Kind,
     RejectCounter,
     check_heartbeat,
+    encrypt_server,
     limit_frames,
 )
 from flowtrain.errors import RankFailure
@@ -135,9 +136,12 @@ class Coordinator:
         on_event: Callable[[CoordinatorEvent], None] | None = None,
         on_telemetry: Callable[[Mapping[str, Any]], None] | None = None,
         job_record: Mapping[str, Any] | None = None,
+        encrypt: bool = False,
     ) -> None:
         """``on_telemetry`` gets every schema record the coordinator publishes (the recorder and
-        the launcher's progress line hang there); ``job_record`` is published when it starts."""
+        the launcher's progress line hang there); ``job_record`` is published when it starts.
+        ``encrypt``: both sockets are CurveZMQ servers with a key pair derived from the secret
+        (``protocol.curve_server_keys``), for jobs whose hosts talk over untrusted networks."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         check_heartbeat(heartbeat_interval, heartbeat_misses)
@@ -152,6 +156,8 @@ class Coordinator:
         self.on_telemetry = on_telemetry
         self.job_record = job_record
         self.codec = FrameCodec(secret, COORDINATOR_SENDER)
+        self.encrypt = encrypt
+        self._secret = secret
         self.rejected = RejectCounter("coordinator")
         self.undeliverable = 0  # frames for a rank that is not (or no longer) connected
         self.endpoint = ""
@@ -177,6 +183,9 @@ class Coordinator:
             pub.setsockopt(zmq.LINGER, 0)
             limit_frames(router)
             limit_frames(pub)
+            if self.encrypt:
+                encrypt_server(router, self._secret)
+                encrypt_server(pub, self._secret)
             # Unroutable sends raise EHOSTUNREACH instead of vanishing silently.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Protocol heartbeats drop dead TCP connections; app-level beats decide who is stuck.

@@ -117,6 +117,39 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The coordinator's CurveZMQ key pair (public, secret; Z85), derived from the job secret:
+    every process that holds the secret knows the server's public key without it being handed
+    out, and no one else can act as the server. Clients use a fresh key pair each; the frames
+    stay signed with the job secret, which is what authenticates a rank."""
+    import zmq
+    import zmq.utils.z85
+
+    seed = hmac.new(check_secret(secret), b"flowtrain curve server", hashlib.sha256).digest()
+    private = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(private), private
+
+
+def encrypt_server(socket: Any, secret: bytes) -> None:
+    """Makes a bound socket a CurveZMQ server: peers that do not encrypt are not accepted."""
+    import zmq
+
+    public, private = curve_server_keys(secret)
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+
+
+def encrypt_client(socket: Any, secret: bytes) -> None:
+    """Makes a connecting socket a CurveZMQ client of the job's server (before connect)."""
+    import zmq
+
+    public, private = zmq.curve_keypair()
+    socket.setsockopt(zmq.CURVE_SERVERKEY, curve_server_keys(secret)[0])
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+
+
 def _is_int(value: Any) -> TypeGuard[int]:
     # msgpack gives bools for true/false; a bool is an int to Python but not a valid field here.
     return type(value) is int

@@ -62,6 +62,7 @@ class LaunchConfig:
     # --nnodes MIN:MAX with a hostfile: a restart goes on without lost hosts while MIN remain
     min_nodes: int | None = None
     # --launcher slurm|openmpi|...: the ranks are the tasks of one command (launch/tasks.py)
+    encrypt_control: bool = False  # --encrypt-control: CurveZMQ on the control plane
     task_launcher: str | None = None
     task_launcher_args: list[str] = field(default_factory=list)
 
@@ -117,6 +118,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-steps", default=None, metavar="N",
                    help="optimizer steps the job will run, for the progress line's ETA "
                    "(default: $FLOWTRAIN_TOTAL_STEPS, else no ETA)")
+    p.add_argument("--encrypt-control", action="store_true",
+                   help="encrypt the control plane (CurveZMQ, keys derived from the job "
+                   "secret) for jobs whose hosts talk over untrusted networks; frames are "
+                   "signed either way")
     p.add_argument("--trace", action="store_true",
                    help="write a Chrome/Perfetto trace of the measured task spans to "
                    "<run dir>/trace.json when the job ends (as 'flowtrain trace' does)")
@@ -386,6 +391,7 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         join_timeout=join_timeout, grace_period=grace, ssh_command=ssh_command, hosts=hosts,
         control_endpoint=ns.control_endpoint, world_size=world, rank_offset=offset,
         from_parent=ns.from_parent, argv=list(argv), total_steps=total_steps, trace=ns.trace,
+        encrypt_control=bool(ns.encrypt_control or os.environ.get(fenv.CONTROL_CURVE) == "1"),
         bind_cores=bind, bind_core_list=ns.bind_core_list, core_shares=shares,
         local_rank_arg=not ns.no_local_rank and not ns.no_python and
         declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,

@@ -77,6 +77,8 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
         env["OMP_NUM_THREADS"] = str(len(cores))  # torch sizes its thread pool by it
     else:
         env.pop(CORES_ENV, None)
+    if cfg.encrypt_control:
+        env[fenv.CONTROL_CURVE] = "1"
     if endpoint:
         env[fenv.CONTROL_ENDPOINT] = endpoint
         env[fenv.JOB_SECRET] = secret.hex()
@@ -289,7 +291,7 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
                            heartbeat_interval=cfg.heartbeat_interval,
                            heartbeat_misses=cfg.heartbeat_misses, join_timeout=cfg.join_timeout,
                            on_event=on_event, on_telemetry=telemetry.on_record,
-                           job_record=telemetry.job_record)
+                           job_record=telemetry.job_record, encrypt=cfg.encrypt_control)
 
     def endpoint_for(coordinator: Any) -> str | None:
         if coordinator is None:

@@ -44,6 +44,8 @@ def node_command(cfg: LaunchConfig, *, node: int, host: str, slots: list[int], r
         launch.append("--bind-cores-to-rank")
         if cfg.bind_core_list is not None:
             launch += ["--bind-core-list", cfg.bind_core_list]
+    if cfg.encrypt_control:
+        launch.append("--encrypt-control")
     if cfg.no_python:
         launch.append("--no-python")
     if cfg.is_module:

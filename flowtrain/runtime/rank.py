@@ -57,7 +57,7 @@ class Rank:
             endpoint=endpoint, secret=secret, rank=self.env.rank, world_size=self.env.world_size,
             local_rank=self.env.local_rank, heartbeat_interval=self.env.heartbeat_interval,
             heartbeat_misses=self.env.heartbeat_misses, status=self.status,
-            on_abort=self._on_abort, on_route=self._on_route)
+            on_abort=self._on_abort, on_route=self._on_route, encrypt=self.env.control_curve)
         self.runtime.start_service(self.control.serve, "control")
 
     def _control_endpoint(self) -> tuple[str, bytes]:
@@ -83,7 +83,8 @@ class Rank:
                 world_size=self.env.world_size, secret=secret,
                 host="127.0.0.1" if loopback else "0.0.0.0",
                 heartbeat_interval=self.env.heartbeat_interval,
-                heartbeat_misses=self.env.heartbeat_misses, on_event=self._on_coordinator_event)
+                heartbeat_misses=self.env.heartbeat_misses, on_event=self._on_coordinator_event,
+                encrypt=self.env.control_curve)
             self.runtime.start_service(self.coordinator.serve, "coordinator")
             port = self.coordinator.endpoint.rsplit(":", 1)[1]
             host = "127.0.0.1" if loopback else self.env.master_addr

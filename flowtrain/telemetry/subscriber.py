@@ -10,7 +10,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from flowtrain.control.protocol import FrameCodec, FrameRejected, RejectCounter, limit_frames
+from flowtrain.control.protocol import (
+    FrameCodec,
+    FrameRejected,
+    RejectCounter,
+    encrypt_client,
+    limit_frames,
+)
+from flowtrain.telemetry.files import ENCRYPTED_ENDPOINTS
 from flowtrain.telemetry.schema import TOPIC_PREFIX, TOPICS, Record, TelemetryError, validate
 
 COORDINATOR_SENDER = "coordinator"  # who signs published frames (flowtrain.control.coordinator)
@@ -27,7 +34,9 @@ class Subscriber:
     """
 
     def __init__(self, endpoint: str, secret: bytes,
-                 topics: Iterable[str] = (TOPIC_PREFIX,)) -> None:
+                 topics: Iterable[str] = (TOPIC_PREFIX,), encrypt: bool | None = None) -> None:
+        """``encrypt``: the publisher is a CurveZMQ server; None: as the live endpoint file
+        read for ``endpoint`` said (``files.live_endpoint``)."""
         topics = list(topics)
         for topic in topics:
             if not isinstance(topic, str) or not topic.startswith(TOPIC_PREFIX[:-1]):
@@ -41,6 +50,8 @@ class Subscriber:
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         limit_frames(self._socket)
+        if encrypt or (encrypt is None and endpoint in ENCRYPTED_ENDPOINTS):
+            encrypt_client(self._socket, secret)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
             self._socket.setsockopt(zmq.IPV6, 1)
