@@ -1,8 +1,13 @@
 """flowtrain's data parallel against torch DDP and a no-communication bound, same model, data and
-seed, 2 ranks over gloo on this machine, runs alternating; prints medians and ratios. Also the
-engine's overhead over a plain torch loop with one rank.
+seed, over gloo on this machine, runs alternating; prints medians, the range over rounds and the
+ratios. Also the engine's overhead over a plain torch loop with one rank.
 
-    python benchmarks/dp_vs_ddp.py [--rounds 5] [--steps 20]
+    python benchmarks/dp_vs_ddp.py [--rounds 5] [--steps 20] [--nproc 2]
+        [--shapes L,E,S,V;L,E,S,V;...] [worker flags such as --micro-batch 8]
+
+``--shapes`` runs each GPT shape in turn (layers, width, sequence length, vocabulary; e.g.
+"4,256,128,50304;12,128,64,96;2,512,256,8192"), every case of a shape alternating with the
+others; without it, the worker's own shape flags (--n-layer, --n-embd, --seq-len, --vocab).
 """
 
 from __future__ import annotations
@@ -33,48 +38,81 @@ def run(case: str, mode: str, nproc: int, extra: list[str], args: argparse.Names
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rows), "params": rows[0]["params"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    parser.add_argument("--no-single", action="store_true", help="skip the world-size-1 cases")
-    args, model_args = parser.parse_known_args()
-    args.model_args = model_args
+def parse_shapes(text: str) -> list[list[str]]:
+    """Worker flags for each "layers,width,seq,vocab" of ``text`` (";"-separated)."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = part.split(",")
+        if len(fields) != 4 or not all(f.strip().isdigit() for f in fields):
+            raise SystemExit(f"--shapes: {part!r} is not layers,width,seq,vocab (4 integers)")
+        layers, width, seq, vocab = (f.strip() for f in fields)
+        shapes.append(["--n-layer", layers, "--n-embd", width, "--seq-len", seq,
+                       "--vocab", vocab])
+    return shapes
 
+
+def ratio_range(num: list[float], den: list[float]) -> str:
+    """The range of the per-round ratios (rounds pair up as they alternate)."""
+    ratios = [a / b for a, b in zip(num, den)]
+    return f"{min(ratios):.3f}-{max(ratios):.3f}"
+
+
+def bench_shape(args: argparse.Namespace, shape: list[str], tmp: Path) -> None:
+    nproc = args.nproc
     cases = {
-        "flowtrain fp32": ("flowtrain", 2, ["--comm-dtype", "fp32"]),
-        "flowtrain bf16-comm": ("flowtrain", 2, ["--comm-dtype", "bf16"]),
-        "torch DDP": ("ddp", 2, []),
-        "no-comm bound": ("nocomm", 2, []),
+        "flowtrain fp32": ("flowtrain", nproc, ["--comm-dtype", "fp32"]),
+        "flowtrain bf16-comm": ("flowtrain", nproc, ["--comm-dtype", "bf16"]),
+        "torch DDP": ("ddp", nproc, []),
+        "no-comm bound": ("nocomm", nproc, []),
     }
     if not args.no_single:
         cases["flowtrain 1 rank"] = ("flowtrain", 1, ["--comm-dtype", "fp32"])
         cases["plain torch 1 rank"] = ("plain", 1, [])
     results: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for name, (mode, nproc, extra) in cases.items():
-                r = run(name.replace(" ", "_"), mode, nproc, extra, args, Path(tmp) / "out.jsonl")
-                results[name].append(r)
-                print(f"round {round_ + 1}: {name:22s} {r['samples_per_s']:8.1f} samples/s",
-                      file=sys.stderr, flush=True)
-
-    med = {n: statistics.median(r["samples_per_s"] for r in rs) for n, rs in results.items()}
+    for round_ in range(args.rounds):
+        for name, (mode, ranks, extra) in cases.items():
+            r = run(name.replace(" ", "_"), mode, ranks, extra + shape, args, tmp / "out.jsonl")
+            results[name].append(r)
+            print(f"round {round_ + 1}: {name:22s} {r['samples_per_s']:8.1f} samples/s",
+                  file=sys.stderr, flush=True)
+    rates = {n: [r["samples_per_s"] for r in rs] for n, rs in results.items()}
+    med = {n: statistics.median(v) for n, v in rates.items()}
     rss = {n: statistics.median(r["peak_rss_mib"] for r in rs) for n, rs in results.items()}
     params = next(iter(results.values()))[0]["params"]
-    print(f"\nGPT with {params / 1e6:.1f}M parameters, {args.rounds} alternating rounds of "
-          f"{args.steps} steps; medians")
-    print(f"{'case':24s} {'samples/s':>10s} {'peak RSS/rank MiB':>18s}")
+    print(f"\nGPT {' '.join(shape) or '(worker defaults)'} {' '.join(args.model_args)}: "
+          f"{params / 1e6:.2f}M parameters, {nproc} ranks, {args.rounds} alternating rounds of "
+          f"{args.steps} steps; medians (range over rounds)")
+    print(f"{'case':24s} {'samples/s':>10s} {'range':>17s} {'peak RSS/rank MiB':>18s}")
     for name in cases:
-        print(f"{name:24s} {med[name]:10.1f} {rss[name]:18.0f}")
+        print(f"{name:24s} {med[name]:10.1f} {min(rates[name]):8.1f}-{max(rates[name]):<8.1f} "
+              f"{rss[name]:18.0f}")
     ddp, bound = med["torch DDP"], med["no-comm bound"]
-    print(f"\nflowtrain fp32 / DDP      = {med['flowtrain fp32'] / ddp:.3f}  (aim >= 1.05)")
-    print(f"flowtrain bf16-comm / DDP = {med['flowtrain bf16-comm'] / ddp:.3f}")
-    print(f"flowtrain fp32 / bound    = {med['flowtrain fp32'] / bound:.3f}  (aim >= 0.90)")
+    flow, half = rates["flowtrain fp32"], rates["flowtrain bf16-comm"]
+    print(f"flowtrain fp32 / DDP      = {med['flowtrain fp32'] / ddp:.3f} "
+          f"({ratio_range(flow, rates['torch DDP'])})  (aim >= 1.05)")
+    print(f"flowtrain bf16-comm / DDP = {med['flowtrain bf16-comm'] / ddp:.3f} "
+          f"({ratio_range(half, rates['torch DDP'])})")
+    print(f"flowtrain fp32 / bound    = {med['flowtrain fp32'] / bound:.3f} "
+          f"({ratio_range(flow, rates['no-comm bound'])})  (aim >= 0.95)")
     print(f"DDP / bound               = {ddp / bound:.3f}")
     if not args.no_single:
         overhead = med["plain torch 1 rank"] / med["flowtrain 1 rank"] - 1
-        print(f"engine overhead, 1 rank   = {overhead * 100:+.1f}%  (aim <= 3%)")
+        print(f"engine overhead, 1 rank   = {overhead * 100:+.1f}%  (aim <= 2%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--nproc", type=int, default=2, help="data-parallel ranks")
+    parser.add_argument("--shapes", default="", help="layers,width,seq,vocab;... (see above)")
+    parser.add_argument("--no-single", action="store_true", help="skip the world-size-1 cases")
+    args, model_args = parser.parse_known_args()
+    args.model_args = model_args
+    shapes = parse_shapes(args.shapes) or [[]]
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            bench_shape(args, shape, Path(tmp))
 
 
 if __name__ == "__main__":

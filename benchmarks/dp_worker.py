@@ -28,15 +28,17 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=256, help="model width")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=96, help="vocabulary size")
+    parser.add_argument("--n-head", type=int, default=8, help="attention heads")
     parser.add_argument("--out", required=True, help="file to append the result line to")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=96, block_size=args.seq_len, n_layer=args.n_layer,
-                       n_head=8, n_embd=args.n_embd)
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    batch = torch.randint(0, 96, (args.micro_batch, args.seq_len + 1),
+    batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1),
                           generator=torch.Generator().manual_seed(rank))
     x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
