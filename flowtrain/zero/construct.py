@@ -170,8 +170,11 @@ def _wrap(cls: type) -> None:
         if _depth and _owner(type(self)) is cls:
             _after_init(self)
 
+    try:
+        cls.__init__ = __init__  # type: ignore[misc]
+    except (TypeError, AttributeError):
+        return  # a class whose attributes cannot be set (an extension type) stays as it is
     _wrapped[cls] = original
-    cls.__init__ = __init__  # type: ignore[misc]
 
 
 def _subclasses(root: type) -> list[type]:
