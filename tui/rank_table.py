@@ -1,5 +1,6 @@
 """One row per rank: its latest step figures, heartbeat age and status; silent ranks are dimmed
-and stuck or failed ones marked, so the odd rank out stands out in a table of 64.
+and stuck, failed or slow ones marked, so the odd rank out stands out in a table of 1,024. The
+order, filters and node groups come from ``tui.rank_order``.
 
 Rows are Strips rebuilt only when their text changes (see ``tui.strip_view``); the header row
 stays put while the rows scroll.
@@ -12,6 +13,8 @@ from textual.message import Message
 from textual.strip import Strip
 
 from tui import format as fmt
+from tui.outliers import Outliers
+from tui.rank_order import NodeGroup, Row, TableOptions, table_rows
 from tui.state import RankState, RunState
 from tui.strip_view import StripView, line
 
@@ -22,23 +25,33 @@ COLUMNS: tuple[tuple[str, str, int, bool], ...] = (
     ("overlap", "overlap", 8, True), ("scale", "loss scale", 11, True),
     ("age", "heartbeat", 10, True), ("status", "status", 30, False),
 )
-STATUS_STYLES = {"stuck": "bold red", "failed": "bold white on red", "stale": "yellow"}
+STATUS_STYLES = {"stuck": "bold red", "failed": "bold white on red", "stale": "yellow",
+                 "slow": "bold yellow"}
 # Silent, stuck and failed ranks have figures that are no longer current: shown dimmed.
 DIMMED = ("stale", "stuck", "failed")
 HEADER_STYLE = "bold"
 SELECTED_STYLE = "reverse"
+GROUP_STYLE = "bold cyan"
+GROUP_OUTLIER_STYLE = "bold red"
+SORTED_MARK = ("▼", "▲")  # worst first, best first
 
 Cells = tuple[tuple[str, str], ...]
 
 
-def row_cells(rank: RankState, now: float, ended: bool) -> Cells:
-    """The row of one rank as ``(text, style)`` cells, in COLUMNS order."""
+def row_cells(rank: RankState, now: float, ended: bool, slow: float | None = None) -> Cells:
+    """The row of one rank as ``(text, style)`` cells, in COLUMNS order; ``slow`` is its step
+    time over the median when it is a slow outlier."""
     record = rank.step or {}
     status = rank.status(now, ended)
     hb = rank.heartbeat or {}
     status_text = status
     if status == "stuck":
         status_text = "STUCK"
+    elif status == "failed" and rank.killed_while_stuck():
+        status_text = f"killed (was stuck, exit {rank.exit_code})"
+    elif slow is not None and status not in ("failed", "stale"):
+        status_text = f"SLOW {slow:.2f}x median ({status})"
+        status = "slow"
     elif status == "finished" and rank.stuck_reason:
         status_text = "finished (was stuck)"
     elif status == "stale" and hb.get("pending_collective"):
@@ -67,11 +80,23 @@ def render_row(cells: Cells, selected: bool = False) -> Strip:
     return line(*parts)
 
 
-HEADER = render_row(tuple((label, HEADER_STYLE) for _, label, _, _ in COLUMNS))
+def header_row(options: TableOptions, shown: int, total: int) -> Strip:
+    """The column names, the sorted one marked, then how the table is sorted and filtered."""
+    mark = SORTED_MARK[options.reverse]
+    cells = tuple((label + mark if key == options.sort else label, HEADER_STYLE)
+                  for key, label, _, _ in COLUMNS)
+    strip = render_row(cells)
+    said = ", ".join(part for part in (f"{shown} of {total} ranks" if shown != total else "",
+                                       options.describe()) if part)
+    return Strip([*strip, *line((f"   {said}", "dim"))]) if said else strip
+
+
+def group_row(group: NodeGroup) -> Strip:
+    return line((f"▸ {group.text}", GROUP_OUTLIER_STYLE if group.outliers else GROUP_STYLE))
 
 
 class RankTable(StripView):
-    """The per-rank table; the picked rank's row is drawn reversed."""
+    """The rank table; the picked rank's row is drawn reversed."""
 
     class Picked(Message):
         """The user clicked a rank's row."""
@@ -88,26 +113,46 @@ class RankTable(StripView):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(fixed_top=1, **kwargs)
-        self.order: list[int] = []
+        self.rows: list[Row] = []
         self.selected: int | None = None
         self._cells: dict[int, Cells] = {}
         self._strips: dict[int, Strip] = {}
+        self._header: tuple[object, ...] = ()
+        self._header_strip = Strip([])
 
-    def show(self, state: RunState, selected: int | None) -> None:
-        restyle = selected != self.selected or len(state.ranks) != len(self.order)
-        changed = restyle
+    @property
+    def order(self) -> list[int]:
+        """The ranks shown, top to bottom."""
+        return [r for r in self.rows if isinstance(r, int)]
+
+    def show(self, state: RunState, selected: int | None, found: Outliers,
+             options: TableOptions, rows: list[Row] | None = None) -> None:
+        """Draws ``rows`` (``table_rows`` of the state when not given)."""
+        rows = table_rows(state, found, options) if rows is None else rows
+        changed = selected != self.selected or rows != self.rows
+        restyle = selected != self.selected
+        previous = self.selected
         self.selected = selected
-        self.order = sorted(state.ranks)
+        self.rows = rows
         for number in self.order:
-            cells = row_cells(state.ranks[number], state.now, state.ended)
-            if restyle or self._cells.get(number) != cells:
+            cells = row_cells(state.ranks[number], state.now, state.ended,
+                              found.slow.get(number))
+            if self._cells.get(number) != cells or (restyle and number in (selected, previous)):
                 self._cells[number] = cells
                 self._strips[number] = render_row(cells, number == selected)
                 changed = True
+        shown = len(self.order)
+        header_key = (options, shown, len(state.ranks))
+        if header_key != self._header:
+            self._header = header_key
+            self._header_strip = header_row(options, shown, len([n for n in state.ranks
+                                                                 if n >= 0]))
+            changed = True
         if changed:
-            self.set_lines([HEADER, *(self._strips[n] for n in self.order)])
-            if selected in self.order:
-                self.show_line(1 + self.order.index(selected))
+            self.set_lines([self._header_strip, *(self._strips[r] if isinstance(r, int)
+                                                  else group_row(r) for r in rows)])
+            if selected in rows:
+                self.show_line(1 + rows.index(selected))
 
     def cells_of(self, rank: int) -> dict[str, str]:
         """What the rank's row reads, by column key; empty while the rank has no row yet."""
@@ -116,5 +161,7 @@ class RankTable(StripView):
 
     def on_click(self, event: events.Click) -> None:
         index = event.y - self.fixed_top + self.scroll_offset.y
-        if event.y >= self.fixed_top and 0 <= index < len(self.order):
-            self.post_message(self.Picked(self.order[index]))
+        if event.y >= self.fixed_top and 0 <= index < len(self.rows):
+            picked = self.rows[index]
+            if isinstance(picked, int):
+                self.post_message(self.Picked(picked))

@@ -77,9 +77,13 @@ class RankState:
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     stuck: bool = False
     stuck_reason: str = ""  # kept after the rank moves or finishes: it was stuck once
+    # declared stuck and no step since: saying goodbye in the teardown does not undo it
+    stalled: bool = False
     failed: bool = False
     finished: bool = False  # said goodbye to the coordinator (rank_finished)
     exited: bool = False  # its process ended without a failure (rank_exited)
+    exit_code: int | None = None  # the process's, from rank_exited (negative: a signal)
+    host: str | None = None  # the node it joined from (rank_joined)
 
     def heard(self, t: float) -> None:
         if self.last_seen is not None:
@@ -98,11 +102,16 @@ class RankState:
     def age(self, now: float) -> float | None:
         return None if self.last_seen is None else max(0.0, now - self.last_seen)
 
+    def killed_while_stuck(self) -> bool:
+        """Declared stuck, never stepped again, and its process ended with an error or a
+        signal: the job was torn down around it, whatever goodbye it managed."""
+        return self.stalled and self.exit_code not in (None, 0)
+
     def status(self, now: float, ended: bool) -> str:
         """``failed``, ``finished``, ``stuck``, ``exited``, ``ended`` (the job ended), ``stale``,
         or the heartbeat's own status. A rank that finished or exited is silent on purpose:
-        never stale; one killed while stuck stays stuck."""
-        if self.failed:
+        never stale; one killed while stuck failed, one that exited while stuck stays stuck."""
+        if self.failed or self.killed_while_stuck():
             return "failed"
         if self.finished:
             return "finished"
@@ -218,7 +227,7 @@ class RunState:
     def _on_step(self, state: RankState, record: dict[str, Any]) -> None:
         state.step = record
         # A rank that reports a new step is moving again, whatever was said about it before.
-        state.stuck = False
+        state.stuck = state.stalled = False
         step = record.get("step")
         if not isinstance(step, int):
             return
@@ -250,7 +259,7 @@ class RunState:
                                      "rank_exited"):
             target = self.rank(subject)
             if name == "rank_stuck":
-                target.stuck = True
+                target.stuck = target.stalled = True
                 target.stuck_reason = str(record.get("message", ""))
             elif name == "rank_failed":
                 target.failed = True
@@ -259,6 +268,10 @@ class RunState:
                 target.stuck = False  # it answered after all: no longer stuck
             else:
                 target.exited = True
+                code = data.get("exit_code")
+                target.exit_code = code if isinstance(code, int) else None
+        if name == "rank_joined" and subject >= 0 and isinstance(data.get("host"), str):
+            self.rank(subject).host = data["host"]
         if name == "job_ended":
             self.ended = True
             self.end_status = {k: data[k] for k in ("status", "exit_code", "root_cause")

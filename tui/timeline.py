@@ -126,8 +126,9 @@ def legend() -> Strip:
 
 
 class Timeline(StripView):
-    """Rebuilt from the state only when the picked rank, a rank's last spans or the width
-    changed; scrolls when 64 ranks do not fit."""
+    """Rebuilt from the state only when the picked rank, a rank's last spans, the order or the
+    width changed; scrolls when the ranks do not fit. The ranks follow the rank table's order
+    (worst first) when one is given."""
 
     DEFAULT_CSS = """
     Timeline {
@@ -138,10 +139,16 @@ class Timeline(StripView):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._key: tuple[object, ...] = ()
+        self._shown: tuple[RunState, int | None, list[int] | None] | None = None
 
-    def show(self, state: RunState, selected: int | None) -> None:
+    def show(self, state: RunState, selected: int | None, order: list[int] | None = None
+             ) -> None:
+        self._shown = (state, selected, order)
+        if self.size.width <= 0:
+            return  # hidden or not laid out yet: drawn on the resize that shows it
         width = max(40, self.size.width - 1)
-        key = (selected, width,
+        ranks = order if order else sorted(state.ranks)
+        key = (selected, width, tuple(ranks),
                tuple((r, s.spans_step, len(s.spans)) for r, s in state.ranks.items()))
         if key == self._key:
             return
@@ -155,8 +162,14 @@ class Timeline(StripView):
             lines += detail_lines(picked, width)
             lines.append(Strip.blank(0))
         lines.append(legend())
-        lines += [compact_line(state.ranks[n], width, n == selected) for n in sorted(state.ranks)]
+        lines += [compact_line(state.ranks[n], width, n == selected) for n in ranks]
         self.set_lines(lines)
+
+    def on_resize(self) -> None:
+        # A view switched in is laid out after the switch: the width known at the switch was
+        # none, and a finished replay sends no new record to draw again at the real width.
+        if self._shown is not None:
+            self.show(*self._shown)
 
     def text(self) -> str:
         """What the timeline reads, line by line (for tests)."""
