@@ -4,6 +4,7 @@ engine times its spans, so the simulator's error is known task class by task cla
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from dataclasses import dataclass
@@ -210,3 +211,48 @@ def comparison_rows(predicted: dict[str, float], measured: dict[str, float]
         error = None if p is None or not m else 100.0 * (p - m) / m
         rows.append({"class": c, "predicted_s": p, "measured_s": m, "error_pct": error})
     return rows
+
+
+def predict_run(run_dir: Any, cluster: str = "this-host", *, nodes: int = 1,
+                devices_per_node: int | None = None, ns: argparse.Namespace | None = None
+                ) -> tuple[RunRecord, Any]:
+    """(the run's RunRecord, the prediction of its plan): a launched run's ``plan.json`` (and a
+    pipeline's stage records) planned on ``cluster``'s profile with the run's world layout.
+    ``ns`` carries --host-speed when a command has it. SimulateError on a run it cannot read."""
+    from sims.planner import Workload
+    from sims.prediction import (
+        SimulateError,
+        host_speed_factor,
+        load_profile,
+        make_layout,
+        predict,
+        validated_config,
+    )
+
+    try:
+        record = read_run(run_dir)
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
+    hw = load_profile(cluster)
+    speed = host_speed_factor(ns, hw) if ns is not None else 1.0
+    world = int(record.plan["world_size"])
+    if world % nodes:
+        raise SimulateError(f"--nodes {nodes} does not divide the run's world size {world}")
+    pp = len(record.stages) or 1  # a pipeline run records each stage
+    layout = make_layout(nodes, devices_per_node or world // nodes, 1, pp)
+    if layout.world_size != world:
+        raise SimulateError(f"--nodes {nodes} x --devices-per-node {layout.devices_per_node}"
+                            f" = {layout.world_size} ranks, but the run had {world}")
+    cfg = validated_config(record.plan["config"], layout.dp, f"{record.path / 'plan.json'} config")
+    micro_batch = cfg.train_micro_batch_size_per_gpu
+    work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
+        if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
+    prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work,
+                         host_speed=speed)
+    empty = [name for name, shape, _, _ in work.params if 0 in shape]
+    if empty:
+        prediction.notes.append(
+            f"plan.json lists {len(empty)} of {len(work.params)} parameters with no elements "
+            f"(first: {empty[0]}); ZeRO-3 placeholders recorded instead of the full shapes "
+            f"make the prediction miss those parameters")
+    return record, prediction

@@ -75,7 +75,7 @@ def write_trace(timeline: Timeline, path: str | os.PathLike[str], *,
 def run_prediction_trace(run_dir: str | os.PathLike[str], cluster: str = "this-host"
                          ) -> dict[str, Any]:
     """The predicted step of a launched run's plan (``flowtrain trace --with-prediction``)."""
-    from sims.simulate import predict_run
+    from sims.compare import predict_run
 
     _, prediction = predict_run(run_dir, cluster)
     return trace_events(prediction.timeline, label=f"{prediction.model} (simulated)",
