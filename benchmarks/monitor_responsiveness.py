@@ -182,7 +182,8 @@ async def measure(via: str, ranks: int, hz: float, rounds: int
                 steps = [("t: overview -> timeline", "t", "all ranks, last step"),
                          ("r: next rank (timeline)", "r", f"rank {rank}  step"),
                          ("t: timeline -> events", "t", "message"),
-                         ("t: events -> overview", "t", "heartbeat"),
+                         ("t: events -> plots", "t", "step time over"),
+                         ("t: plots -> overview", "t", "heartbeat"),
                          ("p: pause", "p", "paused"),
                          ("p: resume", "p", f"{source.endpoint}]")]
                 for name, key, marker in steps:

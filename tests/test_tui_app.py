@@ -169,6 +169,8 @@ async def test_keys_pick_ranks_switch_views_change_speed_and_quit(recording: Pat
         await pilot.press("tab")
         assert app.view == "events"
         await pilot.press("tab")
+        assert app.view == "plots"
+        await pilot.press("tab")
         assert app.view == "overview"
         await pilot.press("plus")
         assert source.speed == 10.0
@@ -238,7 +240,7 @@ async def test_live_source_holds_records_while_paused() -> None:
 
 
 # ----------------------------------------------------------------------------- snapshots
-@pytest.mark.parametrize("view", ["overview", "timeline", "events"])
+@pytest.mark.parametrize("view", ["overview", "timeline", "events", "plots"])
 async def test_snapshot(view: str) -> None:
     app = MonitorApp(replay(RECORDED))
     async with app.run_test(size=SIZE) as pilot:

@@ -1,4 +1,4 @@
-"""``MonitorApp``: the header, a notice line and three views (overview, timeline, events) over
+"""``MonitorApp``: the header, a notice line and four views (overview, timeline, events, plots) over
 one ``RunState`` that a live or replay source feeds from a worker. Outliers come first: the
 header counts them, the table puts them on top, ``o`` walks them and Enter opens a rank.
 
@@ -21,7 +21,7 @@ from textual.widgets import ContentSwitcher, Footer, Input, Static
 from tui.event_log import EventLog
 from tui.header import JobHeader
 from tui.outliers import Outliers, find_outliers
-from tui.plots import HistoryPlots
+from tui.plots import HistoryPlots, PlotsView
 from tui.rank_detail import RankDetail
 from tui.rank_order import Row, TableOptions, nodes, rank_rows, table_rows
 from tui.rank_table import RankTable
@@ -29,7 +29,7 @@ from tui.source import ReplaySource, Source
 from tui.state import RunState
 from tui.timeline import Timeline
 
-VIEWS = ("overview", "timeline", "events")
+VIEWS = ("overview", "timeline", "events", "plots")
 REFRESH_S = 0.25
 
 
@@ -48,7 +48,7 @@ class MonitorApp(App[None]):
     #notice.hidden {
         display: none;
     }
-    #views, #overview, #timeline, #events {
+    #views, #overview, #timeline, #events, #plots {
         height: 1fr;
     }
     #filter {
@@ -103,11 +103,13 @@ class MonitorApp(App[None]):
         with ContentSwitcher(initial=VIEWS[0], id="views"):
             with Vertical(id="overview"):
                 yield RankTable(id="ranks")
-                yield HistoryPlots(id="plots")
+                yield HistoryPlots(id="history")
             with Vertical(id="timeline"):
                 yield Timeline(id="timeline-view")
             with Vertical(id="events"):
                 yield EventLog(id="event-log")
+            with Vertical(id="plots"):
+                yield PlotsView(id="all-plots")
         yield Input(placeholder="show ranks (or events) matching ... (enter: apply, escape: "
                                 "clear)", id="filter", classes="hidden")
         yield Footer()
@@ -153,8 +155,10 @@ class MonitorApp(App[None]):
             self.query_one(HistoryPlots).show(self.state, force=force)
         elif self.view == "timeline":
             self.query_one(Timeline).show(self.state, self.selected_rank, rank_rows(rows))
-        else:
+        elif self.view == "events":
             self.query_one(EventLog).show(self.state, self.options.text)
+        else:
+            self.query_one(PlotsView).show(self.state, found, force=force)
 
     def outliers(self) -> Outliers:
         """The state's outliers, found once per state version and moment."""

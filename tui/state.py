@@ -129,15 +129,42 @@ class RankState:
         return "ok" if self.step is not None else "waiting"
 
 
+# step-record field -> the series the plots draw over steps (the mean over the ranks that
+# reported the step); "memory" is the largest rank's device memory, else its resident set
+SERIES_FIELDS = ("loss", "lr", "grad_norm", "samples_per_s", "comm_share")
+MEMORY = "memory"
+
+
 @dataclass
 class StepTotals:
     """One optimizer step over the ranks that have reported it so far."""
 
     ranks: int = 0
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    rate_sum: float = 0.0
-    rate_count: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    memory_max: float | None = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.ranks += 1
+        for name in SERIES_FIELDS:
+            value = record.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.sums[name] = self.sums.get(name, 0.0) + float(value)
+                self.counts[name] = self.counts.get(name, 0) + 1
+        mem = record.get("mem")
+        if isinstance(mem, dict):
+            used = mem.get("device_allocated")
+            if not isinstance(used, (int, float)):
+                used = mem.get("process_rss")
+            if isinstance(used, (int, float)) and not isinstance(used, bool):
+                self.memory_max = float(used) if self.memory_max is None \
+                    else max(self.memory_max, float(used))
+
+    def mean(self, name: str) -> float | None:
+        if name == MEMORY:
+            return self.memory_max
+        count = self.counts.get(name, 0)
+        return self.sums[name] / count if count else None
 
 
 class RunState:
@@ -236,15 +263,7 @@ class RunState:
             totals = self.steps[step] = StepTotals()
             while len(self.steps) > HISTORY_STEPS:
                 del self.steps[min(self.steps)]
-        totals.ranks += 1
-        loss = record.get("loss")
-        if isinstance(loss, (int, float)):
-            totals.loss_sum += float(loss)
-            totals.loss_count += 1
-        rate = record.get("samples_per_s")
-        if isinstance(rate, (int, float)):
-            totals.rate_sum += float(rate)
-            totals.rate_count += 1
+        totals.add(record)
 
     def _on_event(self, record: dict[str, Any], t: float, rank: int) -> None:
         data = record.get("data") if isinstance(record.get("data"), dict) else {}
@@ -298,13 +317,22 @@ class RunState:
             return None
         return max(0, total - step) * elapsed / step
 
+    def history(self, name: str) -> list[tuple[int, float]]:
+        """(step, value) of a series (SERIES_FIELDS or MEMORY) over the complete steps."""
+        out = []
+        for step, totals in self._complete_steps():
+            value = totals.mean(name)
+            if value is not None:
+                out.append((step, value))
+        return out
+
     def loss_history(self) -> list[float]:
-        return [t.loss_sum / t.loss_count for _, t in self._complete_steps() if t.loss_count]
+        return [v for _, v in self.history("loss")]
 
     def throughput_history(self) -> list[float]:
         # samples_per_s is job-wide (train batch / step time) on every rank: averaged, not
         # summed, so that a slower rank still shows.
-        return [t.rate_sum / t.rate_count for _, t in self._complete_steps() if t.rate_count]
+        return [v for _, v in self.history("samples_per_s")]
 
     def _complete_steps(self) -> list[tuple[int, StepTotals]]:
         # The newest step is left out until every rank has reported it, or the throughput
