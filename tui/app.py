@@ -96,6 +96,7 @@ class MonitorApp(App[None]):
         # the outliers and table rows of the state version last drawn (a key press that does
         # not change the state reuses them)
         self._found: tuple[object, Outliers] | None = None
+        self._rows: tuple[object, list[Row]] | None = None
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
@@ -145,7 +146,7 @@ class MonitorApp(App[None]):
         found = self.outliers()
         header.show(self.state, describe, found)
         self._show_notice()
-        rows = table_rows(self.state, found, self.options)
+        rows = self.rows()
         if self.selected_rank is None and self.state.ranks:
             # the worst rank is picked first: Enter opens it, the timeline shows it
             self.selected_rank = (rank_rows(rows) or sorted(self.state.ranks))[0]
@@ -168,8 +169,13 @@ class MonitorApp(App[None]):
         return self._found[1]
 
     def rows(self) -> list[Row]:
-        """The rank table's rows as the options ask (also what the rank keys walk)."""
-        return table_rows(self.state, self.outliers(), self.options)
+        """The rank table's rows as the options ask (also what the rank keys walk), sorted
+        once per state version and options."""
+        found = self.outliers()
+        key = (self._found[0] if self._found else None, self.options)
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, table_rows(self.state, found, self.options))
+        return self._rows[1]
 
     def _show_notice(self) -> None:
         lines = []

@@ -48,24 +48,29 @@ class Outliers:
     slow: dict[int, float] = field(default_factory=dict)  # rank -> step time / median
     median_step_s: float | None = None
 
+    def __post_init__(self) -> None:
+        # each outlier's kind, found once: the table asks for every rank at each redraw
+        self.kinds: dict[int, str] = {}
+        for rank, status in self.statuses.items():
+            if status in ("failed", "stuck"):
+                self.kinds[rank] = status
+            elif rank in self.slow:
+                self.kinds[rank] = "slow"
+
     def kind(self, rank: int) -> str | None:
         """``failed``, ``stuck`` or ``slow`` for an outlier rank, else None."""
-        status = self.statuses.get(rank)
-        if status in ("failed", "stuck"):
-            return status
-        return "slow" if rank in self.slow else None
+        return self.kinds.get(rank)
 
     def severity(self, rank: int) -> int:
-        kind = self.kind(rank)
+        kind = self.kinds.get(rank)
         return UNREMARKABLE if kind is None else SEVERITY[kind]
 
     def count(self, kind: str) -> int:
-        return sum(1 for r in self.statuses if self.kind(r) == kind)
+        return sum(1 for k in self.kinds.values() if k == kind)
 
     def ranks(self) -> list[int]:
         """The outlier ranks, worst first (failed, stuck, then slow by how slow)."""
-        found = [r for r in self.statuses if self.kind(r) is not None]
-        return sorted(found, key=lambda r: (self.severity(r), -self.slow.get(r, 0.0), r))
+        return sorted(self.kinds, key=lambda r: (self.severity(r), -self.slow.get(r, 0.0), r))
 
 
 def find_outliers(state: RunState) -> Outliers:

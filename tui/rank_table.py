@@ -25,6 +25,9 @@ COLUMNS: tuple[tuple[str, str, int, bool], ...] = (
     ("overlap", "overlap", 8, True), ("scale", "loss scale", 11, True),
     ("age", "heartbeat", 10, True), ("status", "status", 30, False),
 )
+# the width to scroll over: the figures' columns and the usual status ("busy (reducer)"; a
+# longer one is cut rather than giving every table a horizontal scroll bar)
+ROW_WIDTH = sum(width + 1 for _, _, width, _ in COLUMNS[:-1]) + 20
 STATUS_STYLES = {"stuck": "bold red", "failed": "bold white on red", "stale": "yellow",
                  "slow": "bold yellow"}
 # Silent, stuck and failed ranks have figures that are no longer current: shown dimmed.
@@ -115,8 +118,10 @@ class RankTable(StripView):
         super().__init__(fixed_top=1, **kwargs)
         self.rows: list[Row] = []
         self.selected: int | None = None
-        self._cells: dict[int, Cells] = {}
-        self._strips: dict[int, Strip] = {}
+        self._state: RunState | None = None
+        self._found = Outliers()
+        # rank -> (cells, picked) its strip was drawn from, and the strip
+        self._strips: dict[int, tuple[tuple[Cells, bool], Strip]] = {}
         self._header: tuple[object, ...] = ()
         self._header_strip = Strip([])
 
@@ -127,37 +132,49 @@ class RankTable(StripView):
 
     def show(self, state: RunState, selected: int | None, found: Outliers,
              options: TableOptions, rows: list[Row] | None = None) -> None:
-        """Draws ``rows`` (``table_rows`` of the state when not given)."""
+        """Shows ``rows`` (``table_rows`` of the state when not given). Only the rows on screen
+        are drawn, when the screen asks for them: with 1,024 ranks reporting at 10 Hz,
+        building every row at each redraw cost more than the rest of the monitor."""
         rows = table_rows(state, found, options) if rows is None else rows
-        changed = selected != self.selected or rows != self.rows
-        restyle = selected != self.selected
-        previous = self.selected
+        moved = selected != self.selected or rows != self.rows
+        self._state, self._found = state, found
         self.selected = selected
         self.rows = rows
-        for number in self.order:
-            cells = row_cells(state.ranks[number], state.now, state.ended,
-                              found.slow.get(number))
-            if self._cells.get(number) != cells or (restyle and number in (selected, previous)):
-                self._cells[number] = cells
-                self._strips[number] = render_row(cells, number == selected)
-                changed = True
-        shown = len(self.order)
+        shown = len(rows) if not options.by_node else len(self.order)
         header_key = (options, shown, len(state.ranks))
         if header_key != self._header:
             self._header = header_key
             self._header_strip = header_row(options, shown, len([n for n in state.ranks
                                                                  if n >= 0]))
-            changed = True
-        if changed:
-            self.set_lines([self._header_strip, *(self._strips[r] if isinstance(r, int)
-                                                  else group_row(r) for r in rows)])
-            if selected in rows:
-                self.show_line(1 + rows.index(selected))
+        self.set_extent(max(ROW_WIDTH, self._header_strip.cell_length), 1 + len(rows))
+        if moved and selected in rows:
+            # only when the pick or the order changed: a user scrolling with the wheel keeps
+            # the rows they scrolled to
+            self.show_line(1 + rows.index(selected))
+
+    def line_at(self, index: int) -> Strip | None:
+        if index == 0:
+            return self._header_strip
+        if self._state is None or index > len(self.rows):
+            return None
+        row = self.rows[index - 1]
+        if isinstance(row, NodeGroup):
+            return group_row(row)
+        key = (self._cells(row), row == self.selected)
+        cached = self._strips.get(row)
+        if cached is None or cached[0] != key:
+            cached = self._strips[row] = (key, render_row(*key))
+        return cached[1]
+
+    def _cells(self, rank: int) -> Cells:
+        state = self._state
+        if state is None or rank not in state.ranks:
+            return ()
+        return row_cells(state.ranks[rank], state.now, state.ended, self._found.slow.get(rank))
 
     def cells_of(self, rank: int) -> dict[str, str]:
         """What the rank's row reads, by column key; empty while the rank has no row yet."""
-        cells = self._cells.get(rank, ())
-        return {key: text for (key, _, _, _), (text, _) in zip(COLUMNS, cells)}
+        return {key: text for (key, _, _, _), (text, _) in zip(COLUMNS, self._cells(rank))}
 
     def on_click(self, event: events.Click) -> None:
         index = event.y - self.fixed_top + self.scroll_offset.y

@@ -140,6 +140,9 @@ class Timeline(StripView):
         super().__init__(**kwargs)
         self._key: tuple[object, ...] = ()
         self._shown: tuple[RunState, int | None, list[int] | None] | None = None
+        # rank -> (what its line was drawn from, the line): at 1,024 ranks, drawing every
+        # line again for each picked rank took most of a second
+        self._compact: dict[int, tuple[tuple[object, ...], Strip]] = {}
 
     def show(self, state: RunState, selected: int | None, order: list[int] | None = None
              ) -> None:
@@ -162,8 +165,15 @@ class Timeline(StripView):
             lines += detail_lines(picked, width)
             lines.append(Strip.blank(0))
         lines.append(legend())
-        lines += [compact_line(state.ranks[n], width, n == selected) for n in ranks]
+        lines += [self._compact_line(state.ranks[n], width, n == selected) for n in ranks]
         self.set_lines(lines)
+
+    def _compact_line(self, rank: RankState, width: int, selected: bool) -> Strip:
+        key = (rank.spans_step, len(rank.spans), width, selected)
+        cached = self._compact.get(rank.rank)
+        if cached is None or cached[0] != key:
+            cached = self._compact[rank.rank] = (key, compact_line(rank, width, selected))
+        return cached[1]
 
     def on_resize(self) -> None:
         # A view switched in is laid out after the switch: the width known at the switch was
