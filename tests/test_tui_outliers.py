@@ -222,7 +222,7 @@ async def test_the_timeline_takes_its_width_when_switched_to_on_a_finished_repla
         await pilot.pause()
         timeline = app.query_one(Timeline)
         # no redraw forced, no new record: the first drawing after the switch must fit
-        widths = {strip.cell_length for strip in timeline.lines if strip.cell_length > 60}
+        widths = {strip.cell_length for strip in timeline.drawn_lines() if strip.cell_length > 60}
         assert widths and timeline.size.width - 4 <= max(widths) < timeline.size.width, widths
 
 

@@ -143,6 +143,11 @@ class Timeline(StripView):
         # rank -> (what its line was drawn from, the line): at 1,024 ranks, drawing every
         # line again for each picked rank took most of a second
         self._compact: dict[int, tuple[tuple[object, ...], Strip]] = {}
+        self._head: list[Strip] = []
+        self._ranks: list[int] = []
+        self._state: RunState | None = None
+        self._width = 0
+        self._selected: int | None = None
 
     def show(self, state: RunState, selected: int | None, order: list[int] | None = None
              ) -> None:
@@ -157,16 +162,34 @@ class Timeline(StripView):
             return
         self._key = key
         if not state.ranks:
-            self.set_lines([line(("no ranks yet", "dim"))])
+            self._head, self._ranks = [line(("no ranks yet", "dim"))], []
+            self.set_extent(self._head[0].cell_length, 1)
             return
-        lines: list[Strip] = []
+        head: list[Strip] = []
         picked = state.ranks.get(selected) if selected is not None else None
         if picked is not None:
-            lines += detail_lines(picked, width)
-            lines.append(Strip.blank(0))
-        lines.append(legend())
-        lines += [self._compact_line(state.ranks[n], width, n == selected) for n in ranks]
-        self.set_lines(lines)
+            head += detail_lines(picked, width)
+            head.append(Strip.blank(0))
+        head.append(legend())
+        # the ranks' lines are drawn when they scroll into view (line_at): 1,024 of them
+        # would cost a switch to this view most of its time
+        self._head, self._ranks, self._state, self._width = head, ranks, state, width
+        self._selected = selected
+        self.lines = []
+        self.set_extent(max(strip.cell_length for strip in head) if head else width,
+                        len(head) + len(ranks))
+
+    def line_at(self, index: int) -> Strip | None:
+        if index < len(self._head):
+            return self._head[index]
+        index -= len(self._head)
+        if self._state is None or index >= len(self._ranks):
+            return None
+        number = self._ranks[index]
+        rank = self._state.ranks.get(number)
+        if rank is None:
+            return None
+        return self._compact_line(rank, self._width, number == self._selected)
 
     def _compact_line(self, rank: RankState, width: int, selected: bool) -> Strip:
         key = (rank.spans_step, len(rank.spans), width, selected)
@@ -181,6 +204,11 @@ class Timeline(StripView):
         if self._shown is not None:
             self.show(*self._shown)
 
+    def drawn_lines(self) -> list[Strip]:
+        """Every line, on screen or not (for tests)."""
+        found = (self.line_at(i) for i in range(len(self._head) + len(self._ranks)))
+        return [strip for strip in found if strip is not None]
+
     def text(self) -> str:
         """What the timeline reads, line by line (for tests)."""
-        return "\n".join(strip.text for strip in self.lines)
+        return "\n".join(strip.text for strip in self.drawn_lines())
