@@ -251,9 +251,8 @@ class MonitorApp(App[None]):
     def action_rank_detail(self) -> None:
         if self.selected_rank is None or self.selected_rank not in self.state.ranks:
             return
-        detail = RankDetail(self.selected_rank)
+        detail = RankDetail(self.selected_rank, self.state, self.outliers())
         self.push_screen(detail, callback=lambda _: self.redraw(force=True))
-        self.call_after_refresh(detail.show, self.state, self.outliers())
 
     def _set_options(self, options: TableOptions) -> None:
         self.options = options

@@ -94,14 +94,15 @@ class RankDetail(ModalScreen[None]):
         Binding("escape,enter,q", "dismiss", "back"),
     ]
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, state: RunState, found: Outliers) -> None:
         super().__init__()
         self.rank = rank
-        self.text = Text()
+        # written before the first frame, so that the page opens with its figures
+        self.text = detail_text(state, state.ranks[rank], found)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Static(id="rank-detail")
+            yield Static(self.text, id="rank-detail")
 
     def show(self, state: RunState, found: Outliers) -> None:
         rank = state.ranks.get(self.rank)
