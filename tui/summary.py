@@ -47,8 +47,10 @@ def summary(run_dir: Path, recording: Path) -> dict[str, Any]:
     for rank in found.ranks():
         kind = found.kind(rank)
         entry: dict[str, Any] = {"rank": rank, "status": kind}
-        if kind == "stuck" or (kind == "failed" and state.ranks[rank].stuck_reason):
+        if kind == "stuck":
             entry["reason"] = state.ranks[rank].stuck_reason
+        elif kind == "failed" and state.ranks[rank].killed_while_stuck():
+            entry["reason"] = f"killed while stuck: {state.ranks[rank].stuck_reason}"
         elif kind == "slow":
             entry["step_time_ratio"] = round(found.slow[rank], 2)
         outliers.append(entry)
