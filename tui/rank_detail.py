@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
+from textual.screen import Screen
 from textual.widgets import Static
 
 from tui import format as fmt
@@ -75,16 +75,13 @@ def detail_text(state: RunState, rank: RankState, found: Outliers) -> Text:
     return text
 
 
-class RankDetail(ModalScreen[None]):
-    """The detail page over the monitor; the app refreshes it with every redraw."""
+class RankDetail(Screen[None]):
+    """The detail page in place of the monitor's (a modal page over it drew the dimmed plots
+    beneath at every refresh, a tenth of a second at 1,024 ranks); the app refreshes it with
+    every redraw."""
 
     DEFAULT_CSS = """
-    RankDetail {
-        align: center middle;
-    }
     RankDetail > VerticalScroll {
-        width: 90%;
-        height: 80%;
         border: thick $accent;
         background: $panel;
         padding: 0 1;
