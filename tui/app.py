@@ -135,8 +135,11 @@ class MonitorApp(App[None]):
                self.source_error, self.size, self.options)
         if key == self._drawn and not force:
             return
-        if isinstance(self.screen, RankDetail):
-            self.screen.show(self.state, self.outliers())
+        stack = self.screen_stack  # empty once the app is closing, the timer not yet stopped
+        if not stack:
+            return
+        if isinstance(stack[-1], RankDetail):
+            stack[-1].show(self.state, self.outliers())
             return
         try:
             header = self.query_one(JobHeader)
