@@ -73,3 +73,16 @@ async def test_the_plots_view_draws_every_series_with_axes_and_the_step_time_spr
         assert histogram.label == (f"step time over {BIG_RANKS} ranks: median {median:.3f}s "
                                    f"(green), slow beyond {limit:.3f}s (red): 1 rank")
         assert sorted(histogram.times) == sorted(times)
+
+
+def test_a_long_series_is_thinned_evenly_keeping_both_ends() -> None:
+    from tui.plots import thin
+
+    points = [(s, float(s * s)) for s in range(1, 601)]
+    kept = thin(points, 200)
+    assert len(kept) == 200 and kept[0] == points[0] and kept[-1] == points[-1]
+    steps = [s for s, _ in kept]
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    assert gaps <= {3, 4} and steps == sorted(steps)
+    assert all(v == s * s for s, v in kept)
+    assert thin(points[:50], 200) == points[:50]

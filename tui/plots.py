@@ -23,6 +23,10 @@ from tui.state import MEMORY, RunState
 PLOT_EVERY_S = 1.0
 GIB = float(1 << 30)
 HISTOGRAM_BINS = 30
+# the most points a curve is drawn from: two braille dots per column of a plot up to 100
+# columns wide show no more, and Plotext's drawing time grows with the points (600 steps took
+# 20 ms a plot)
+MAX_POINTS = 200
 
 
 def _lr(value: Any) -> str:
@@ -60,6 +64,14 @@ def series_label(name: str, values: Sequence[float], show: Callable[[float], str
 def plottable(values: Sequence[float]) -> list[float]:
     """The finite values (an axis scales to its data's range, which NaN or inf would break)."""
     return [v for v in values if math.isfinite(v)]
+
+
+def thin(points: list[tuple[int, float]], most: int = MAX_POINTS) -> list[tuple[int, float]]:
+    """At most ``most`` of the points, evenly spaced, the first and the last kept."""
+    if len(points) <= most:
+        return points
+    last = len(points) - 1
+    return [points[round(i * last / (most - 1))] for i in range(most)]
 
 
 class TitledPlot(Vertical):
@@ -118,7 +130,7 @@ class SeriesPlot(TitledPlot):
         plt = self.plt
         plt.clear_figure()
         plt.xlabel("step")
-        finite = [(s, v * self.factor) for s, v in self.points if math.isfinite(v)]
+        finite = thin([(s, v * self.factor) for s, v in self.points if math.isfinite(v)])
         if finite:
             plt.plot([s for s, _ in finite], [v for _, v in finite], marker="braille")
         # the title shows the recorded value (bytes, a fraction) in its own format
