@@ -180,3 +180,24 @@ def test_trace_with_prediction_writes_both_into_one_file(
         pytest.approx(last, abs=0.01)
     ids = [e["id"] for e in events if e["ph"] == "s"]
     assert len(ids) == len(set(ids)) == 48 + 8  # measured and predicted flows kept apart
+
+
+def test_interleaved_sends_find_the_receiving_chunk() -> None:
+    """With model chunks, a send names the sender's chunk and the receive the receiver's
+    (flowtrain.plan.names): the last stage's chunk c feeds chunk c+1 of stage 0, and stage
+    0's gradient of chunk c goes back to chunk c-1 of the last stage."""
+    from flowtrain.plan import names
+    from flowtrain.plan.trace_layout import receive_of
+
+    assert receive_of(names.pipe_op("send_act", 2, 0), 0, 2) == \
+        (names.pipe_op("recv_act", 2, 0), 1)
+    assert receive_of(names.pipe_op("send_act", 2, 0), 1, 2) == \
+        (names.pipe_op("recv_act", 2, 1), 0)
+    assert receive_of(names.pipe_op("send_grad", 3, 1), 0, 2) == \
+        (names.pipe_op("recv_grad", 3, 0), 1)
+    assert receive_of(names.pipe_op("send_grad", 3, 1), 1, 2) == \
+        (names.pipe_op("recv_grad", 3, 1), 0)
+    # without chunks nothing comes after the last stage or before the first
+    assert receive_of(names.pipe_op("send_act", 0), 1, 2) is None
+    assert receive_of(names.pipe_op("send_grad", 0), 0, 2) is None
+    assert receive_of("forward/mb0", 0, 2) is None
