@@ -77,6 +77,6 @@ def run_prediction_trace(run_dir: str | os.PathLike[str], cluster: str = "this-h
     """The predicted step of a launched run's plan (``flowtrain trace --with-prediction``)."""
     from sims.compare import predict_run
 
-    _, prediction = predict_run(run_dir, cluster)
+    _, prediction = predict_run(run_dir, cluster, flag="--with-prediction")
     return trace_events(prediction.timeline, label=f"{prediction.model} (simulated)",
                         ranks_per_stage=prediction.dp * prediction.tp)

@@ -201,3 +201,14 @@ def test_interleaved_sends_find_the_receiving_chunk() -> None:
     assert receive_of(names.pipe_op("send_act", 0), 1, 2) is None
     assert receive_of(names.pipe_op("send_grad", 0), 0, 2) is None
     assert receive_of("forward/mb0", 0, 2) is None
+
+
+def test_with_prediction_on_a_run_without_a_plan_says_what_is_missing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert cli_main(["trace", str(TELEMETRY_RUN), "--with-prediction", "--cluster", CLUSTER,
+                     "-o", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"flowtrain trace: error: --with-prediction: "
+                   f"{str(TELEMETRY_RUN / 'plan.json')!r} is missing; it is written by rank 0 "
+                   f"of a run started with `flowtrain launch`")
+    assert not (tmp_path / "t.json").exists()
