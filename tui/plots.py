@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, Vertical
-from textual.widgets import Label
+from textual.widget import Widget
 from textual_plotext import PlotextPlot
 
 from tui import format as fmt
@@ -74,6 +75,32 @@ def thin(points: list[tuple[int, float]], most: int = MAX_POINTS) -> list[tuple[
     return [points[round(i * last / (most - 1))] for i in range(most)]
 
 
+class PlotTitle(Widget):
+    """A one-line title redrawn in place: a Label's update lays the whole screen out again,
+    which for seven plots cost more than drawing them."""
+
+    DEFAULT_CSS = """
+    PlotTitle {
+        width: 1fr;
+        height: 1;
+        padding: 0 1;
+        color: $text-muted;
+    }
+    """
+
+    def __init__(self, text: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+
+    def show(self, text: str) -> None:
+        if text != self.text:
+            self.text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return Text(self.text, no_wrap=True, overflow="ellipsis")
+
+
 class TitledPlot(Vertical):
     """A plot under a one-line title: Plotext drops a title wider than its plot, and the title
     carries the figures the axes round off."""
@@ -82,12 +109,6 @@ class TitledPlot(Vertical):
     TitledPlot {
         height: 1fr;
     }
-    TitledPlot > Label {
-        width: 1fr;
-        height: 1;
-        padding: 0 1;
-        color: $text-muted;
-    }
     """
 
     def __init__(self, label: str, **kwargs: Any) -> None:
@@ -95,7 +116,7 @@ class TitledPlot(Vertical):
         self.label = label
 
     def compose(self) -> ComposeResult:
-        yield Label(self.label)
+        yield PlotTitle(self.label)
         yield PlotextPlot()
 
     @property
@@ -104,7 +125,7 @@ class TitledPlot(Vertical):
 
     def set_label(self, label: str) -> None:
         self.label = label
-        self.query_one(Label).update(label)
+        self.query_one(PlotTitle).show(label)
         self.query_one(PlotextPlot).refresh()
 
 
