@@ -1,13 +1,15 @@
 """Outliers first (tui.outliers, tui.rank_order and the app's keys): the robust slow-rank
 threshold, the table's sorting, filters and node groups on a synthetic 256-rank recording, the
-header counts and the table's top rows in the first frame, the rank detail view, and the
-grouped event log."""
+header counts and the table's top rows in the first frame (there and on a real 4-rank run whose
+rank 1 got stuck), the rank detail view, and the grouped event log."""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 
 from tui.app import MonitorApp
@@ -245,3 +247,47 @@ async def test_events_of_256_ranks_are_grouped_and_filtered() -> None:
 def test_rank_ranges_are_short() -> None:
     assert rank_ranges([3, 0, 1, 2, 7, 9, 10]) == "0-3, 7, 9-10"
     assert rank_ranges([5]) == "5"
+
+
+# ----------------------------------------------------------------------------- a real run
+RECORDED_4 = Path(__file__).parent / "data" / "telemetry_run4" / "telemetry.msgpack"
+
+
+def recorded_4_records() -> list[dict[str, Any]]:
+    """The real 4-rank run (tests/make_telemetry_run.py --nproc 4), read with msgpack alone:
+    rank 1 freezes after step 25, is declared stuck, and the job is torn down."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(RECORDED_4.read_bytes())
+    return list(unpacker)
+
+
+@pytest.mark.parametrize("moment", ["stuck", "ended"])
+async def test_a_real_4_rank_run_shows_its_stuck_rank_first(moment: str) -> None:
+    records = recorded_4_records()
+    stuck = next(i for i, r in enumerate(records) if r.get("event") == "rank_stuck")
+    culprit = records[stuck]["rank"]
+    # while the job waits on it, and after the teardown killed it
+    shown = records[:stuck + 1] if moment == "stuck" else records
+    state = RunState()
+    for record in shown:
+        state.apply(record)
+    app = MonitorApp(StillSource(), state=state)
+    async with app.run_test(size=BIG_SIZE) as pilot:
+        await pilot.pause()
+        header = app.query_one(JobHeader).text.plain
+        table = app.query_one(RankTable)
+        assert table.order[0] == culprit
+        first_row = screen_text(app).splitlines()[3]
+        assert first_row.split()[0] == str(culprit)
+        if moment == "stuck":
+            assert "world 4  0 failed  1 stuck  0 slow" in header
+            assert "STUCK" in first_row
+        else:
+            exit_code = next(r for r in records if r.get("event") == "rank_exited"
+                             and r["rank"] == culprit)["data"]["exit_code"]
+            assert "world 4  1 failed  0 stuck  0 slow" in header
+            assert f"killed (was stuck, exit {exit_code})" in first_row
+        await pilot.press("s")  # by rank
+        assert table.order == [0, 1, 2, 3]
+        await pilot.press("escape", "f")  # outliers only
+        assert table.order == [culprit]
