@@ -291,3 +291,19 @@ async def test_a_real_4_rank_run_shows_its_stuck_rank_first(moment: str) -> None
         assert table.order == [0, 1, 2, 3]
         await pilot.press("escape", "f")  # outliers only
         assert table.order == [culprit]
+
+
+async def test_question_mark_lists_every_key_the_monitor_binds() -> None:
+    from tui.app import KEYS_HELP
+
+    app = MonitorApp(StillSource(), state=big_state())
+    shown: list[str] = []
+    async with app.run_test(size=BIG_SIZE) as pilot:
+        app.notify = lambda message, **_: shown.append(str(message))  # type: ignore[method-assign]
+        await pilot.press("question_mark")
+    assert shown == [KEYS_HELP.replace(" | ", "\n")]
+    names = {"question_mark": "?", "slash": "/", "plus": "+", "minus": "-",
+             "equals_sign": "+"}
+    for binding in MonitorApp.BINDINGS:
+        keys = str(getattr(binding, "key", "")).split(",")
+        assert any(names.get(k, k) in shown[0] for k in keys), binding

@@ -30,6 +30,12 @@ from tui.state import RunState
 from tui.timeline import Timeline
 
 VIEWS = ("overview", "timeline", "events", "plots")
+# what ? shows: the footer has room for the main keys only
+KEYS_HELP = ("t/tab switch view (overview, timeline, events, plots) | r/down, up pick a rank | "
+             "o next failed, stuck or slow rank | enter the picked rank's page | s sort by the "
+             "next column, S reverse | f filter by status (events: by kind) | n by node | "
+             "/ by text | g group by node | escape clear filters | p pause | +/- replay speed "
+             "| ? this list | q quit")
 REFRESH_S = 0.25
 
 
@@ -61,6 +67,7 @@ class MonitorApp(App[None]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "quit"),
+        Binding("question_mark", "keys", "keys"),  # the footer has room for a few only
         Binding("p", "toggle_pause", "pause/resume"),
         Binding("r", "next_rank", "next rank"),
         Binding("up", "previous_rank", "rank up", show=False),
@@ -239,6 +246,9 @@ class MonitorApp(App[None]):
         if isinstance(self.source, ReplaySource):
             self.source.slower()
             self.redraw(force=True)
+
+    def action_keys(self) -> None:
+        self.notify(KEYS_HELP.replace(" | ", "\n"), title="keys", timeout=10)
 
     def action_next_outlier(self) -> None:
         """Picks the next failed, stuck or slow rank after the picked one, worst first."""
