@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 
 class UsageError(Exception):
@@ -97,12 +98,16 @@ def _trace_entry() -> tuple[AddArguments, Run]:
     from flowtrain.telemetry.trace import add_arguments
 
     def run(ns: argparse.Namespace, argv: list[str]) -> int:
-        from flowtrain.telemetry.trace import TraceInputError
         from flowtrain.telemetry.trace import run as trace_run
 
+        def predict(run_dir: Path) -> dict[str, Any]:
+            from sims.trace import run_prediction_trace
+
+            return run_prediction_trace(run_dir, ns.cluster)
+
         try:
-            print(trace_run(ns))
-        except (FileNotFoundError, TraceInputError) as exc:
+            print(trace_run(ns, predict))
+        except (FileNotFoundError, ValueError) as exc:  # TraceInputError, SimulateError
             raise UsageError("flowtrain trace", str(exc)) from None
         return 0
 

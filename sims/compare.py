@@ -4,6 +4,7 @@ engine times its spans, so the simulator's error is known task class by task cla
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from dataclasses import dataclass
@@ -33,26 +34,27 @@ class RunRecord:
     stages: tuple[dict[str, Any], ...] = ()
 
 
-def read_run(run_dir: str | Path) -> RunRecord:
-    """Reads ``run_dir``; a missing or malformed file is a ValueError naming it."""
+def read_run(run_dir: str | Path, flag: str = "--compare") -> RunRecord:
+    """Reads ``run_dir``; a missing or malformed file is a ValueError naming it (and ``flag``,
+    the option that asked for the run)."""
     root = Path(run_dir)
     if not root.is_dir():
-        raise ValueError(f"--compare: run directory {str(root)!r} does not exist")
+        raise ValueError(f"{flag}: run directory {str(root)!r} does not exist")
     plan_path = root / "plan.json"
     try:
         plan = json.loads(plan_path.read_text())
     except OSError:
-        raise ValueError(f"--compare: {str(plan_path)!r} is missing; it is written by rank 0 "
+        raise ValueError(f"{flag}: {str(plan_path)!r} is missing; it is written by rank 0 "
                          f"of a run started with `flowtrain launch`") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--compare: {str(plan_path)!r} is not valid JSON (line {exc.lineno}: "
+        raise ValueError(f"{flag}: {str(plan_path)!r} is not valid JSON (line {exc.lineno}: "
                          f"{exc.msg})") from None
     for key in ("config", "world_size", "param_specs", "forward_flops_per_micro_batch"):
         if not isinstance(plan, dict) or key not in plan:
-            raise ValueError(f"--compare: {str(plan_path)!r} lacks {key!r}; expected the keys "
+            raise ValueError(f"{flag}: {str(plan_path)!r} lacks {key!r}; expected the keys "
                              f"v, config, world_size, param_specs, forward_flops_per_micro_batch")
     if plan.get("v") != 1:
-        raise ValueError(f"--compare: {str(plan_path)!r} has schema version {plan.get('v')!r}; "
+        raise ValueError(f"{flag}: {str(plan_path)!r} has schema version {plan.get('v')!r}; "
                          f"this flowtrain reads version 1")
     steps: dict[int, list[list[tuple[str, float, float]]]] = {}
     for path in sorted((root / "spans").glob("rank*.jsonl")):
@@ -67,22 +69,22 @@ def read_run(run_dir: str | Path) -> RunRecord:
                 record = json.loads(line)
                 rows.append([(str(n), float(a), float(b)) for n, a, b in record["spans"]])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise ValueError(f"--compare: {str(path)!r} line {number} is not a span record "
+                raise ValueError(f"{flag}: {str(path)!r} line {number} is not a span record "
                                  f'{{"v": 1, "step": N, "spans": [[name, start_s, end_s], ...]}}'
                                  ) from None
         if rows:
             steps[int(rank_text)] = rows
     if not steps:
-        raise ValueError(f"--compare: no measured spans in {str(root / 'spans')!r} "
+        raise ValueError(f"{flag}: no measured spans in {str(root / 'spans')!r} "
                          f"(rank*.jsonl); the run recorded no complete step")
-    return RunRecord(root, plan, steps, _read_stages(root))
+    return RunRecord(root, plan, steps, _read_stages(root, flag))
 
 
 _STAGE_KEYS = ("stage", "stages", "param_specs", "forward_flops_per_micro_batch",
                "output_bytes_per_micro_batch")
 
 
-def _read_stages(root: Path) -> tuple[dict[str, Any], ...]:
+def _read_stages(root: Path, flag: str) -> tuple[dict[str, Any], ...]:
     """A pipeline run's per-stage records (each stage's first rank writes one); every stage
     must be there, since a missing one would leave its parameters out of the prediction."""
     records: dict[int, dict[str, Any]] = {}
@@ -90,11 +92,11 @@ def _read_stages(root: Path) -> tuple[dict[str, Any], ...]:
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--compare: {str(path)!r} is not a readable stage record: "
+            raise ValueError(f"{flag}: {str(path)!r} is not a readable stage record: "
                              f"{exc}") from None
         missing = [k for k in _STAGE_KEYS if not isinstance(record, dict) or k not in record]
         if missing:
-            raise ValueError(f"--compare: {str(path)!r} lacks {missing[0]!r}; expected the "
+            raise ValueError(f"{flag}: {str(path)!r} lacks {missing[0]!r}; expected the "
                              f"keys {', '.join(_STAGE_KEYS)}")
         records[int(record["stage"])] = record
     if not records:
@@ -102,7 +104,7 @@ def _read_stages(root: Path) -> tuple[dict[str, Any], ...]:
     stages = int(next(iter(records.values()))["stages"])
     absent = [s for s in range(stages) if s not in records]
     if absent:
-        raise ValueError(f"--compare: {str(root / 'stages')!r} has no record of pipeline "
+        raise ValueError(f"{flag}: {str(root / 'stages')!r} has no record of pipeline "
                          f"stage {absent[0]} of {stages}; each stage's first rank writes one "
                          f"at its first forward")
     return tuple(records[s] for s in range(stages))
@@ -210,3 +212,48 @@ def comparison_rows(predicted: dict[str, float], measured: dict[str, float]
         error = None if p is None or not m else 100.0 * (p - m) / m
         rows.append({"class": c, "predicted_s": p, "measured_s": m, "error_pct": error})
     return rows
+
+
+def predict_run(run_dir: Any, cluster: str = "this-host", *, nodes: int = 1,
+                devices_per_node: int | None = None, ns: argparse.Namespace | None = None,
+                flag: str = "--compare") -> tuple[RunRecord, Any]:
+    """(the run's RunRecord, the prediction of its plan): a launched run's ``plan.json`` (and a
+    pipeline's stage records) planned on ``cluster``'s profile with the run's world layout.
+    ``ns`` carries --host-speed when a command has it. SimulateError on a run it cannot read."""
+    from sims.planner import Workload
+    from sims.prediction import (
+        SimulateError,
+        host_speed_factor,
+        load_profile,
+        make_layout,
+        predict,
+        validated_config,
+    )
+
+    try:
+        record = read_run(run_dir, flag)
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
+    hw = load_profile(cluster)
+    speed = host_speed_factor(ns, hw) if ns is not None else 1.0
+    world = int(record.plan["world_size"])
+    if world % nodes:
+        raise SimulateError(f"--nodes {nodes} does not divide the run's world size {world}")
+    pp = len(record.stages) or 1  # a pipeline run records each stage
+    layout = make_layout(nodes, devices_per_node or world // nodes, 1, pp)
+    if layout.world_size != world:
+        raise SimulateError(f"--nodes {nodes} x --devices-per-node {layout.devices_per_node}"
+                            f" = {layout.world_size} ranks, but the run had {world}")
+    cfg = validated_config(record.plan["config"], layout.dp, f"{record.path / 'plan.json'} config")
+    micro_batch = cfg.train_micro_batch_size_per_gpu
+    work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
+        if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
+    prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work,
+                         host_speed=speed)
+    empty = [name for name, shape, _, _ in work.params if 0 in shape]
+    if empty:
+        prediction.notes.append(
+            f"plan.json lists {len(empty)} of {len(work.params)} parameters with no elements "
+            f"(first: {empty[0]}); ZeRO-3 placeholders recorded instead of the full shapes "
+            f"make the prediction miss those parameters")
+    return record, prediction

@@ -17,11 +17,9 @@ from sims.prediction import (
     SimulateError,
     host_speed_factor,
     load_profile,
-    make_layout,
     predict,
     predict_config,
     read_config,
-    validated_config,
 )
 from sims.sweep import parse_sweeps, run_sweep
 
@@ -259,7 +257,8 @@ def _write_trace(prediction: Prediction, path: str, quiet: bool) -> None:
     from sims.trace import write_trace
 
     try:
-        out = write_trace(prediction.timeline, path, label=f"{prediction.model} (simulated)")
+        out = write_trace(prediction.timeline, path, label=f"{prediction.model} (simulated)",
+                          ranks_per_stage=prediction.dp * prediction.tp)
     except OSError as exc:
         raise SimulateError(f"--trace: cannot write {path!r}: {exc.strerror or exc}") from None
     if not quiet:
@@ -267,36 +266,13 @@ def _write_trace(prediction: Prediction, path: str, quiet: bool) -> None:
 
 
 def _run_compare(ns: argparse.Namespace) -> int:
-    from sims.compare import comparison_rows, measured_classes, predicted_classes, read_run
-    from sims.planner import Workload
+    from sims.compare import comparison_rows, measured_classes, predict_run, predicted_classes
 
-    try:
-        record = read_run(ns.compare)
-    except ValueError as exc:
-        raise SimulateError(str(exc)) from None
-    cluster = ns.cluster or "this-host"
-    hw = load_profile(cluster)
-    speed = host_speed_factor(ns, hw)
+    record, prediction = predict_run(ns.compare, ns.cluster or "this-host", nodes=ns.nodes,
+                                     devices_per_node=ns.devices_per_node, ns=ns)
     world = int(record.plan["world_size"])
-    if world % ns.nodes:
-        raise SimulateError(f"--nodes {ns.nodes} does not divide the run's world size {world}")
-    pp = len(record.stages) or 1  # a pipeline run records each stage
-    layout = make_layout(ns.nodes, ns.devices_per_node or world // ns.nodes, 1, pp)
-    if layout.world_size != world:
-        raise SimulateError(f"--nodes {ns.nodes} x --devices-per-node {layout.devices_per_node}"
-                            f" = {layout.world_size} ranks, but the run had {world}")
-    cfg = validated_config(record.plan["config"], layout.dp, f"{record.path / 'plan.json'} config")
-    micro_batch = cfg.train_micro_batch_size_per_gpu
-    work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
-        if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
-    prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work,
-                         host_speed=speed)
-    empty = [name for name, shape, _, _ in work.params if 0 in shape]
-    if empty:
-        prediction.notes.append(
-            f"plan.json lists {len(empty)} of {len(work.params)} parameters with no elements "
-            f"(first: {empty[0]}); ZeRO-3 placeholders recorded instead of the full shapes "
-            f"make the prediction miss those parameters")
+    pp = prediction.pp
+    cluster = prediction.cluster
     predicted = predicted_classes(prediction.timeline)
     measured, steps = measured_classes(record)
     rows = comparison_rows(predicted, measured)
@@ -318,3 +294,4 @@ def _run_compare(ns: argparse.Namespace) -> int:
     if ns.trace:
         _write_trace(prediction, ns.trace, ns.json)
     return 0
+

@@ -1,9 +1,11 @@
 """Records tests/data/telemetry_run: a real 2-rank launch of telemetry_worker.py (fp16 with a huge
 initial loss scale, so the first steps overflow and are skipped) in which rank 1 freezes itself
 (SIGSTOP) after step 25 and the coordinator declares it stuck. The monitor's replay tests read
-its telemetry.msgpack, job.json and spans/.
+its telemetry.msgpack, job.json and spans/. ``--nproc 4`` records the same story on 4 ranks
+(tests/data/telemetry_run4).
 
-Usage: python tests/make_telemetry_run.py [DEST]   (default: tests/data/telemetry_run)
+Usage: python tests/make_telemetry_run.py [DEST] [--nproc N]   (default: tests/data/telemetry_run,
+2 ranks)
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ from helpers import DATA, REPO, child_env
 
 
 def main() -> int:
-    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else DATA / "telemetry_run"
+    args = sys.argv[1:]
+    nproc = "2"
+    if "--nproc" in args:
+        at = args.index("--nproc")
+        nproc = args[at + 1]
+        del args[at:at + 2]
+    dest = Path(args[0]) if args else DATA / "telemetry_run"
     with tempfile.TemporaryDirectory() as tmp:
         run, out = Path(tmp, "run"), Path(tmp, "out")
         out.mkdir()
-        cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", "2",
+        cmd = [sys.executable, "-m", "flowtrain.cli", "launch", "--nproc-per-node", nproc,
                "--run-dir", str(run), "--total-steps", "30",
                str(DATA / "telemetry_worker.py"), str(out),
                "--steps", "30", "--sleep", "0.1", "--fp16-power", "20", "--stop-after", "25"]

@@ -75,9 +75,16 @@ def test_report_figures_follow_their_formulas(capsys: pytest.CaptureFixture[str]
                    "1 micro-batch in flight", "    buffers ", "compute", "comm:dp",
                    f"trace written to {trace}"):
         assert needle in out, (needle, out)
-    tracks = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+    # the trace has the measured traces' layout: a track per kind of work, named as there
+    from flowtrain.plan.trace_layout import track_of
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
               if e["name"] == "thread_name"}
-    assert tracks == {"compute", "comm:dp"}
+    assert {"steps", "compute", "reduce"} <= set(tracks.values())
+    for e in events:
+        if e["ph"] == "X" and e["cat"] != "steps":
+            assert tracks[(e["pid"], e["tid"])].rstrip(" 0123456789") == track_of(e["name"])
 
 
 def test_pipeline_and_oom_are_reported(capsys: pytest.CaptureFixture[str], config: Path) -> None:

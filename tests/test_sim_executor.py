@@ -270,21 +270,32 @@ def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatc
     assert big_s < 2.0 * small_s + 0.05, (big_s, small_s)
 
 
-def test_trace_has_a_track_per_resource(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trace_has_the_measured_layout_a_track_per_kind_of_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowtrain.plan.trace_layout import track_of
+
     fake_costs(monkeypatch, _fake_costs(0.5))
     plan = build_plan(_llama_like(4), _config(1, gas=4, dp=2), Layout(1, 8, tp=2, pp=2),
                       SimpleNamespace(kind="gpu"))
     timeline = execute(plan.tasks)
-    path = write_trace(timeline, tmp_path / "out" / "trace.json")
+    path = write_trace(timeline, tmp_path / "out" / "trace.json", ranks_per_stage=4)
     data = json.loads(path.read_text())
     events = data["traceEvents"]
-    tracks = {(e["pid"], e["args"]["name"]) for e in events
+    # stage s is the process of its first rank, s x (dp 2 x tp 2), named as measured ranks are
+    assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == \
+        {0: "rank 0", 4: "rank 4"}
+    tracks = {(e["pid"], e["args"]["name"].rstrip(" 0123456789")) for e in events
               if e["ph"] == "M" and e["name"] == "thread_name"}
-    used = {(t.stage, t.resource) for t in plan.tasks}
+    used = {(t.stage * 4, track_of(t.name)) for t in timeline.tasks} | {(0, "steps"),
+                                                                       (4, "steps")}
     assert tracks == used
-    assert {r for _, r in used} == {"compute", "comm:dp", "comm:tp", "comm:pp"}
-    spans = [e for e in events if e["ph"] == "X"]
-    assert len(spans) == len(plan.tasks)
+    assert {t for _, t in used} >= {"compute", "reduce", "tensor parallel", "pipeline"}
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "steps"]
+    assert len(spans) == len(timeline.tasks)
     last = max(e["ts"] + e["dur"] for e in spans)
     assert last == pytest.approx(timeline.step_time * 1e6, rel=1e-6)
+    # each cross-stage dependency (a send and the pass waiting for it) is a flow
+    crossing = sum(1 for t in timeline.tasks for d in t.deps
+                   if timeline.tasks[d].stage != t.stage)
+    assert crossing and sum(1 for e in events if e["ph"] == "s") == crossing
     assert trace_events(timeline)["otherData"]["step_time_s"] == timeline.step_time

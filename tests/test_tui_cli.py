@@ -217,3 +217,18 @@ def test_summary_of_a_real_failed_run(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert code != 0, out
     assert "root cause: rank 1" in out and "rank one gives up" in out, out
+
+
+def test_summary_names_a_rank_killed_while_stuck_as_failed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import msgpack
+
+    from tui_helpers import RECORDED
+
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(RECORDED.read_bytes())
+    stuck = next(r for r in unpacker if r.get("event") == "rank_stuck")
+    assert cli_main(["monitor", str(RECORDED.parent), "--summary"]) == 1
+    out = capsys.readouterr().out
+    assert f"  rank {stuck['rank']}: failed (killed while stuck: {stuck['message']})" in out, out
+    assert "ranks: 2 (1 failed, 1 finished)" in out

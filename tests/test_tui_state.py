@@ -41,7 +41,7 @@ def test_state_stuck_event_marks_the_rank_until_it_steps_again() -> None:
     assert state.ranks[1].status(T0 + 2, False) != "stuck"
 
 
-def test_state_a_stuck_rank_that_finishes_shows_finished_and_never_goes_stale() -> None:
+def test_state_a_stuck_rank_that_finishes_shows_finished_one_killed_failed() -> None:
     state = RunState()
     for second in range(4):
         for rank in (0, 1, 2):
@@ -60,7 +60,14 @@ def test_state_a_stuck_rank_that_finishes_shows_finished_and_never_goes_stale() 
                             data={"exit_code": -9, "source": "exit", "failure": False}))
     later = T0 + 600  # long past three usual intervals: finished ranks are silent on purpose
     assert [state.ranks[r].status(later, False) for r in (0, 1, 2)] == \
-        ["finished", "finished", "stuck"]  # rank 2 was killed while stuck: the culprit
+        ["finished", "finished", "failed"]  # rank 2 was killed while stuck: the culprit
+    assert row_cells(state.ranks[2], later, False)[-1] == \
+        ("killed (was stuck, exit -9)", "bold white on red")
+    # saying goodbye in the teardown does not clear it: killed afterwards, it failed too
+    state.apply(make_record("event", 1, T0 + 8, event="rank_exited", message="killed",
+                            data={"exit_code": -9, "source": "exit", "failure": False}))
+    assert state.ranks[1].status(later, False) == "failed"
+    state.ranks[1].exit_code = None  # (as before that exit, for the row checks below)
     cells = [dict(zip(("text", "style"), row_cells(state.ranks[r], later, False)[-1]))
              for r in (0, 1)]
     assert cells == [{"text": "finished", "style": ""},

@@ -153,3 +153,43 @@ def check_snapshot(name: str, text: str) -> None:
     assert text == expected, f"screen differs from {path} (FLOWTRAIN_UPDATE_SNAPSHOTS=1 " \
                              f"rewrites it):\n{text}"
 
+
+
+# ----------------------------------------------------------------------------- many ranks
+BIG_RANKS = 256
+RANKS_PER_NODE = 8
+BIG_SLOW = 137  # 1.4x the others' step time
+BIG_STUCK = 201  # stops after step 3 and is declared stuck
+BIG_STEPS = 6
+BASE_STEP_S = 0.4
+
+
+def big_step_s(rank: int) -> float:
+    """A rank's step time: within 2 % of BASE_STEP_S, 1.4 times it for the slow rank."""
+    if rank == BIG_SLOW:
+        return BASE_STEP_S * 1.4
+    return BASE_STEP_S * (1 + 0.004 * ((rank * 37) % 11 - 5))
+
+
+def big_records(ranks: int = BIG_RANKS) -> list[dict[str, Any]]:
+    """A synthetic ``ranks``-rank run on nodes of 8 (``node00``, ...): every rank joins,
+    steps BIG_STEPS times, except BIG_STUCK which stops after step 3 and is declared stuck."""
+    records = [make_record("job", -1, T0, job_id="20300115-090000-big", world_size=ranks,
+                           run_dir="runs/big", started=T0, total_steps=100, config_summary={})]
+    for rank in range(ranks):
+        records.append(make_record("event", rank, T0 + 0.1 + rank * 1e-4, event="rank_joined",
+                                   message=f"rank {rank} joined",
+                                   data={"host": f"node{rank // RANKS_PER_NODE:02d}",
+                                         "pid": 1000 + rank, "local_rank": rank % 8}))
+    for step in range(1, BIG_STEPS + 1):
+        t = T0 + 1.0 + 0.5 * step
+        for rank in range(ranks):
+            if rank == BIG_STUCK and step > 3:
+                continue
+            record = step_record(rank % 2, step, t + rank * 1e-5)
+            record.update(rank=rank, step_s=big_step_s(rank), loss=3.0 - 0.1 * step)
+            records.append(record)
+    records.append(make_record("event", -1, T0 + 1.0 + 0.5 * BIG_STEPS + 0.2,
+                               event="rank_stuck", message=f"rank {BIG_STUCK}: no heartbeat",
+                               data={"rank": BIG_STUCK}))
+    return records

@@ -77,9 +77,13 @@ class RankState:
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     stuck: bool = False
     stuck_reason: str = ""  # kept after the rank moves or finishes: it was stuck once
+    # declared stuck and no step since: saying goodbye in the teardown does not undo it
+    stalled: bool = False
     failed: bool = False
     finished: bool = False  # said goodbye to the coordinator (rank_finished)
     exited: bool = False  # its process ended without a failure (rank_exited)
+    exit_code: int | None = None  # the process's, from rank_exited (negative: a signal)
+    host: str | None = None  # the node it joined from (rank_joined)
 
     def heard(self, t: float) -> None:
         if self.last_seen is not None:
@@ -98,11 +102,16 @@ class RankState:
     def age(self, now: float) -> float | None:
         return None if self.last_seen is None else max(0.0, now - self.last_seen)
 
+    def killed_while_stuck(self) -> bool:
+        """Declared stuck, never stepped again, and its process ended with an error or a
+        signal: the job was torn down around it, whatever goodbye it managed."""
+        return self.stalled and self.exit_code not in (None, 0)
+
     def status(self, now: float, ended: bool) -> str:
         """``failed``, ``finished``, ``stuck``, ``exited``, ``ended`` (the job ended), ``stale``,
         or the heartbeat's own status. A rank that finished or exited is silent on purpose:
-        never stale; one killed while stuck stays stuck."""
-        if self.failed:
+        never stale; one killed while stuck failed, one that exited while stuck stays stuck."""
+        if self.failed or self.killed_while_stuck():
             return "failed"
         if self.finished:
             return "finished"
@@ -120,15 +129,42 @@ class RankState:
         return "ok" if self.step is not None else "waiting"
 
 
+# step-record field -> the series the plots draw over steps (the mean over the ranks that
+# reported the step); "memory" is the largest rank's device memory, else its resident set
+SERIES_FIELDS = ("loss", "lr", "grad_norm", "samples_per_s", "comm_share")
+MEMORY = "memory"
+
+
 @dataclass
 class StepTotals:
     """One optimizer step over the ranks that have reported it so far."""
 
     ranks: int = 0
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    rate_sum: float = 0.0
-    rate_count: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    memory_max: float | None = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.ranks += 1
+        for name in SERIES_FIELDS:
+            value = record.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.sums[name] = self.sums.get(name, 0.0) + float(value)
+                self.counts[name] = self.counts.get(name, 0) + 1
+        mem = record.get("mem")
+        if isinstance(mem, dict):
+            used = mem.get("device_allocated")
+            if not isinstance(used, (int, float)):
+                used = mem.get("process_rss")
+            if isinstance(used, (int, float)) and not isinstance(used, bool):
+                self.memory_max = float(used) if self.memory_max is None \
+                    else max(self.memory_max, float(used))
+
+    def mean(self, name: str) -> float | None:
+        if name == MEMORY:
+            return self.memory_max
+        count = self.counts.get(name, 0)
+        return self.sums[name] / count if count else None
 
 
 class RunState:
@@ -218,7 +254,7 @@ class RunState:
     def _on_step(self, state: RankState, record: dict[str, Any]) -> None:
         state.step = record
         # A rank that reports a new step is moving again, whatever was said about it before.
-        state.stuck = False
+        state.stuck = state.stalled = False
         step = record.get("step")
         if not isinstance(step, int):
             return
@@ -227,15 +263,7 @@ class RunState:
             totals = self.steps[step] = StepTotals()
             while len(self.steps) > HISTORY_STEPS:
                 del self.steps[min(self.steps)]
-        totals.ranks += 1
-        loss = record.get("loss")
-        if isinstance(loss, (int, float)):
-            totals.loss_sum += float(loss)
-            totals.loss_count += 1
-        rate = record.get("samples_per_s")
-        if isinstance(rate, (int, float)):
-            totals.rate_sum += float(rate)
-            totals.rate_count += 1
+        totals.add(record)
 
     def _on_event(self, record: dict[str, Any], t: float, rank: int) -> None:
         data = record.get("data") if isinstance(record.get("data"), dict) else {}
@@ -250,7 +278,7 @@ class RunState:
                                      "rank_exited"):
             target = self.rank(subject)
             if name == "rank_stuck":
-                target.stuck = True
+                target.stuck = target.stalled = True
                 target.stuck_reason = str(record.get("message", ""))
             elif name == "rank_failed":
                 target.failed = True
@@ -259,6 +287,10 @@ class RunState:
                 target.stuck = False  # it answered after all: no longer stuck
             else:
                 target.exited = True
+                code = data.get("exit_code")
+                target.exit_code = code if isinstance(code, int) else None
+        if name == "rank_joined" and subject >= 0 and isinstance(data.get("host"), str):
+            self.rank(subject).host = data["host"]
         if name == "job_ended":
             self.ended = True
             self.end_status = {k: data[k] for k in ("status", "exit_code", "root_cause")
@@ -285,13 +317,22 @@ class RunState:
             return None
         return max(0, total - step) * elapsed / step
 
+    def history(self, name: str) -> list[tuple[int, float]]:
+        """(step, value) of a series (SERIES_FIELDS or MEMORY) over the complete steps."""
+        out = []
+        for step, totals in self._complete_steps():
+            value = totals.mean(name)
+            if value is not None:
+                out.append((step, value))
+        return out
+
     def loss_history(self) -> list[float]:
-        return [t.loss_sum / t.loss_count for _, t in self._complete_steps() if t.loss_count]
+        return [v for _, v in self.history("loss")]
 
     def throughput_history(self) -> list[float]:
         # samples_per_s is job-wide (train batch / step time) on every rank: averaged, not
         # summed, so that a slower rank still shows.
-        return [t.rate_sum / t.rate_count for _, t in self._complete_steps() if t.rate_count]
+        return [v for _, v in self.history("samples_per_s")]
 
     def _complete_steps(self) -> list[tuple[int, StepTotals]]:
         # The newest step is left out until every rank has reported it, or the throughput

@@ -1,6 +1,7 @@
 """A scrollable widget that draws prebuilt lines (Strips), for the monitor's big, fast-changing
 parts: building a row once when its figures change and cropping it per frame costs far less
-than laying out styled text for every cell on every redraw (64 ranks at 10 Hz)."""
+than laying out styled text for every cell on every redraw (64 ranks at 10 Hz); past that, a
+view may build only the lines on screen (``line_at``)."""
 
 from __future__ import annotations
 
@@ -43,19 +44,30 @@ class StripView(ScrollView):
 
     def set_lines(self, lines: list[Strip]) -> None:
         self.lines = lines
-        size = Size(max((strip.cell_length for strip in lines), default=0), len(lines))
+        self.set_extent(max((strip.cell_length for strip in lines), default=0), len(lines))
+
+    def set_extent(self, width: int, count: int) -> None:
+        """The size of what there is to scroll over; redraws the visible lines."""
+        size = Size(width, count)
         if size != self.virtual_size:
             # A new virtual size lays out the whole screen again: only when it changes.
             self.virtual_size = size
         self.refresh()
 
+    def line_at(self, index: int) -> Strip | None:
+        """Line ``index``; a view that builds its lines only when they are on screen (1,024
+        rank rows, of which 40 show) overrides this and ``set_extent``s instead of setting
+        ``lines``."""
+        return self.lines[index] if index < len(self.lines) else None
+
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
         index = y if y < self.fixed_top else y + scroll_y
         width = self.size.width
-        if index >= len(self.lines):
+        found = self.line_at(index)
+        if found is None:
             return Strip.blank(width, self.rich_style)
-        return self.lines[index].crop_extend(scroll_x, scroll_x + width, self.rich_style)
+        return found.crop_extend(scroll_x, scroll_x + width, self.rich_style)
 
     def show_line(self, index: int) -> None:
         """Scrolls so that line ``index`` is visible below the pinned lines."""

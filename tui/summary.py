@@ -1,24 +1,19 @@
 """``flowtrain monitor RUN --summary``: a finished (or running) job's recording as a plain-text or
 JSON report, for a terminal that is not one (CI logs, pipes) or a script: how the job ended and
-why, the outliers (failed, stuck and slow ranks first), the health figures against their
-targets, and the events grouped by kind. The exit status is the job's own.
-
-A slow rank is one whose step time lies beyond a robust threshold over the ranks' median: more
-than ``SLOW_MADS`` median absolute deviations above it, and at least ``SLOW_RATIO`` times it
-(the second keeps a tight group of ranks, whose MAD is tiny, from naming noise)."""
+why, the outliers (failed, stuck and slow ranks first, as ``tui.outliers`` finds them), the
+health figures against their targets, and the events grouped by kind. The exit status is the
+job's own."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from tui.outliers import find_outliers
 from tui.state import RunState
 
-SLOW_MADS = 3.0
-SLOW_RATIO = 1.1
 # the job's status as job.json records it -> the monitor's exit status when it has no code
 STATUS_EXIT = {"succeeded": 0, "running": 0}
 
@@ -37,19 +32,6 @@ def read_state(recording: Path) -> tuple[RunState, str | None]:
     return state, damage
 
 
-def slow_ranks(state: RunState) -> dict[int, float]:
-    """Rank -> its latest step time over the median, for the ranks beyond the threshold."""
-    times = {r: float(s.step["step_s"]) for r, s in state.ranks.items()
-             if s.step is not None and isinstance(s.step.get("step_s"), (int, float))
-             and s.step["step_s"] > 0}
-    if len(times) < 3:
-        return {}
-    median = statistics.median(times.values())
-    mad = statistics.median(abs(t - median) for t in times.values())
-    limit = max(median + SLOW_MADS * mad, median * SLOW_RATIO)
-    return {r: t / median for r, t in sorted(times.items()) if t > limit}
-
-
 def summary(run_dir: Path, recording: Path) -> dict[str, Any]:
     """The report's figures (``--json`` prints them as they are)."""
     state, damage = read_state(recording)
@@ -59,14 +41,19 @@ def summary(run_dir: Path, recording: Path) -> dict[str, Any]:
         job = found if isinstance(found, dict) else {}
     except (OSError, ValueError):
         pass
-    now = state.now
-    statuses = {r: s.status(now, state.ended) for r, s in sorted(state.ranks.items()) if r >= 0}
-    slow = slow_ranks(state)
-    outliers = ([{"rank": r, "status": "failed"} for r, s in statuses.items() if s == "failed"]
-                + [{"rank": r, "status": "stuck", "reason": state.ranks[r].stuck_reason}
-                   for r, s in statuses.items() if s == "stuck"]
-                + [{"rank": r, "status": "slow", "step_time_ratio": round(x, 2)}
-                   for r, x in slow.items()])
+    found = find_outliers(state)
+    statuses = dict(sorted(found.statuses.items()))
+    outliers = []
+    for rank in found.ranks():
+        kind = found.kind(rank)
+        entry: dict[str, Any] = {"rank": rank, "status": kind}
+        if kind == "stuck":
+            entry["reason"] = state.ranks[rank].stuck_reason
+        elif kind == "failed" and state.ranks[rank].killed_while_stuck():
+            entry["reason"] = f"killed while stuck: {state.ranks[rank].stuck_reason}"
+        elif kind == "slow":
+            entry["step_time_ratio"] = round(found.slow[rank], 2)
+        outliers.append(entry)
     events = Counter(e.event for e in state.events)
     status = job.get("status") or ("ended" if state.ended else "running")
     exit_code = job.get("exit_code")

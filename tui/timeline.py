@@ -126,8 +126,9 @@ def legend() -> Strip:
 
 
 class Timeline(StripView):
-    """Rebuilt from the state only when the picked rank, a rank's last spans or the width
-    changed; scrolls when 64 ranks do not fit."""
+    """Rebuilt from the state only when the picked rank, a rank's last spans, the order or the
+    width changed; scrolls when the ranks do not fit. The ranks follow the rank table's order
+    (worst first) when one is given."""
 
     DEFAULT_CSS = """
     Timeline {
@@ -138,26 +139,76 @@ class Timeline(StripView):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._key: tuple[object, ...] = ()
+        self._shown: tuple[RunState, int | None, list[int] | None] | None = None
+        # rank -> (what its line was drawn from, the line): at 1,024 ranks, drawing every
+        # line again for each picked rank took most of a second
+        self._compact: dict[int, tuple[tuple[object, ...], Strip]] = {}
+        self._head: list[Strip] = []
+        self._ranks: list[int] = []
+        self._state: RunState | None = None
+        self._width = 0
+        self._selected: int | None = None
 
-    def show(self, state: RunState, selected: int | None) -> None:
+    def show(self, state: RunState, selected: int | None, order: list[int] | None = None
+             ) -> None:
+        self._shown = (state, selected, order)
+        if self.size.width <= 0:
+            return  # hidden or not laid out yet: drawn on the resize that shows it
         width = max(40, self.size.width - 1)
-        key = (selected, width,
+        ranks = order if order else sorted(state.ranks)
+        key = (selected, width, tuple(ranks),
                tuple((r, s.spans_step, len(s.spans)) for r, s in state.ranks.items()))
         if key == self._key:
             return
         self._key = key
         if not state.ranks:
-            self.set_lines([line(("no ranks yet", "dim"))])
+            self._head, self._ranks = [line(("no ranks yet", "dim"))], []
+            self.set_extent(self._head[0].cell_length, 1)
             return
-        lines: list[Strip] = []
+        head: list[Strip] = []
         picked = state.ranks.get(selected) if selected is not None else None
         if picked is not None:
-            lines += detail_lines(picked, width)
-            lines.append(Strip.blank(0))
-        lines.append(legend())
-        lines += [compact_line(state.ranks[n], width, n == selected) for n in sorted(state.ranks)]
-        self.set_lines(lines)
+            head += detail_lines(picked, width)
+            head.append(Strip.blank(0))
+        head.append(legend())
+        # the ranks' lines are drawn when they scroll into view (line_at): 1,024 of them
+        # would cost a switch to this view most of its time
+        self._head, self._ranks, self._state, self._width = head, ranks, state, width
+        self._selected = selected
+        self.lines = []
+        self.set_extent(max(strip.cell_length for strip in head) if head else width,
+                        len(head) + len(ranks))
+
+    def line_at(self, index: int) -> Strip | None:
+        if index < len(self._head):
+            return self._head[index]
+        index -= len(self._head)
+        if self._state is None or index >= len(self._ranks):
+            return None
+        number = self._ranks[index]
+        rank = self._state.ranks.get(number)
+        if rank is None:
+            return None
+        return self._compact_line(rank, self._width, number == self._selected)
+
+    def _compact_line(self, rank: RankState, width: int, selected: bool) -> Strip:
+        key = (rank.spans_step, len(rank.spans), width, selected)
+        cached = self._compact.get(rank.rank)
+        if cached is None or cached[0] != key:
+            cached = self._compact[rank.rank] = (key, compact_line(rank, width, selected))
+        return cached[1]
+
+    def on_resize(self) -> None:
+        # A view switched in is laid out after the switch: the width known at the switch was
+        # none, and a finished replay sends no new record to draw again at the real width.
+        if self._shown is not None:
+            self.show(*self._shown)
+
+    def drawn_lines(self) -> list[Strip]:
+        """Every line, on screen or not (for tests)."""
+        found = (self.line_at(i) for i in range(len(self._head) + len(self._ranks)))
+        return [strip for strip in found if strip is not None]
 
     def text(self) -> str:
         """What the timeline reads, line by line (for tests)."""
-        return "\n".join(strip.text for strip in self.lines)
+        return "\n".join(strip.text for strip in self.drawn_lines())
