@@ -1,0 +1,212 @@
+"""Worker for tests/test_hf_trainer.py: flowtrain's Hugging Face Trainer
+(``flowtrain.integrations.transformers``) on a tiny GPT2LMHeadModel, against
+``flowtrain.initialize`` given the same HF config with its "auto" values written out by hand
+as HF's Trainer fills them from the TrainingArguments below. Every rank writes
+``<out>.rank<R>.json``, one result per config.
+
+Per config: the reference's per-step losses (the same batches the Trainer's sequential,
+rank-sharded loader gives); the Trainer's per-step losses over STEPS steps with a checkpoint
+at SAVE_AT; the losses of a fresh Trainer resumed from that checkpoint; the logits of the
+model ``save_model`` wrote, reloaded with ``from_pretrained``, against the engine's; and
+``evaluate()``'s loss against the reloaded model's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import flowtrain
+from engine_common import start_watchdog, write
+
+CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "data" / "ds_configs"
+SEQ, VOCAB, MICRO, STEPS, SAVE_AT = 16, 256, 4, 4, 2
+# TrainingArguments unlike flowtrain's own defaults, so a value not taken from them shows
+LR, BETA1, WEIGHT_DECAY, WARMUP, MAX_GRAD_NORM = 3e-3, 0.85, 0.01, 2, 0.5
+# (config file, gradient accumulation, bf16)
+CASES = {"zero2": ("hf_zero2.json", 2, False), "zero3_bf16": ("hf_zero3_bf16.json", 1, True)}
+
+
+def gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(11)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    # HF's Trainer counts a causal LM's loss tokens as the shifted labels (15 a sequence) only
+    # when the model's loss_type names it, which GPT2LMHeadModel's class name does not: left
+    # unset, it counts 16 and every loss it reports is 15/16 of the model's.
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``count`` sequences of token ids (labels = inputs), the same on every rank."""
+
+    def __init__(self, count: int = 64, seed: int = 3) -> None:
+        self.ids = torch.randint(0, VOCAB, (count, SEQ),
+                                 generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def by_hand(name: str, gas: int, bf16: bool) -> dict[str, Any]:
+    """The config with each "auto" replaced by what HF's Trainer puts there for the
+    arguments of ``arguments`` (hidden size 64)."""
+    cfg = json.loads((CONFIGS / name).read_text())
+    world = dist.get_world_size()
+    cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=gas,
+               train_batch_size=MICRO * gas * world, gradient_clipping=MAX_GRAD_NORM)
+    cfg["optimizer"]["params"] = {"lr": LR, "betas": [BETA1, 0.999], "eps": 1e-8,
+                                  "weight_decay": WEIGHT_DECAY}
+    cfg["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": LR,
+                                  "warmup_num_steps": WARMUP}
+    for section in ("fp16", "bf16", "bfloat16"):
+        if section in cfg:
+            cfg[section]["enabled"] = bf16 and section != "fp16"
+    zero = cfg["zero_optimization"]
+    for key, value in (("reduce_bucket_size", 64 * 64),
+                       ("stage3_prefetch_bucket_size", int(0.9 * 64 * 64)),
+                       ("stage3_param_persistence_threshold", 640)):
+        if zero.get(key) == "auto":
+            zero[key] = value
+    return cfg
+
+
+def rank_mean(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def reference(name: str, gas: int, bf16: bool) -> tuple[list[float], list[float]]:
+    """``flowtrain.initialize`` fed the batches HF's loader gives this rank (sequential
+    batches of MICRO, batch j to rank j % world): the per-step losses and gradient norms."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids = Tokens().ids
+    engine, *_ = flowtrain.initialize(model=gpt2(), config=by_hand(name, gas, bf16))
+    losses, norms = [], []
+    for step in range(STEPS):
+        micro = []
+        for m in range(gas):
+            j = (step * gas + m) * world + rank
+            batch = ids[j * MICRO:(j + 1) * MICRO]
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            micro.append(float(loss))
+        losses.append(sum(micro) / gas)
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return rank_mean(losses), norms
+
+
+def arguments(out: Path, name: str, gas: int, bf16: bool) -> Any:
+    from flowtrain.integrations.transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out), deepspeed=str(CONFIGS / name), per_device_train_batch_size=MICRO,
+        per_device_eval_batch_size=MICRO, gradient_accumulation_steps=gas, max_steps=STEPS,
+        learning_rate=LR, adam_beta1=BETA1, weight_decay=WEIGHT_DECAY, warmup_steps=WARMUP,
+        max_grad_norm=MAX_GRAD_NORM, bf16=bf16, save_steps=SAVE_AT, logging_steps=1,
+        train_sampling_strategy="sequential", report_to=[], disable_tqdm=True, use_cpu=True)
+
+
+def recording_trainer(args: Any) -> Any:
+    """A Trainer that keeps each micro-batch's loss as HF's loop adds it up for its logs, and
+    the gradient norm of each step (the engine's, before clipping)."""
+    from flowtrain.integrations.transformers import Trainer
+
+    class Recording(Trainer):
+        micro: list[float]
+        norms: list[float]
+
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.micro.append(float(loss))
+            if len(self.micro) % self.args.gradient_accumulation_steps == 0:
+                self.norms.append(self.engine.get_global_grad_norm())
+            return loss
+
+    trainer = Recording(model=gpt2(), args=args, train_dataset=Tokens(),
+                        eval_dataset=Tokens(16, seed=5))
+    trainer.micro, trainer.norms = [], []
+    return trainer
+
+
+def step_losses(trainer: Any, gas: int) -> list[float]:
+    micro = trainer.micro
+    return rank_mean([sum(micro[i:i + gas]) for i in range(0, len(micro), gas)])
+
+
+def case(tmp: Path, name: str, gas: int, bf16: bool) -> dict[str, Any]:
+    from transformers import GPT2LMHeadModel
+
+    out: dict[str, Any] = {}
+    out["reference"], out["reference_norms"] = reference(name, gas, bf16)
+    args = arguments(tmp / "a", name, gas, bf16)
+    trainer = recording_trainer(args)
+    trainer.train()
+    out["trainer"], out["trainer_norms"] = step_losses(trainer, gas), trainer.norms
+    engine = trainer.engine
+    out["stage"], out["bf16"] = engine.zero_optimization_stage(), engine.bfloat16_enabled()
+    out["resolved"] = {k: v for k, (v, _) in engine.config.auto_resolved.items()}
+    checkpoint = tmp / "a" / f"checkpoint-{SAVE_AT}"
+    out["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
+    final = tmp / "final"
+    trainer.save_model(str(final))
+    eval_loss = trainer.evaluate()["eval_loss"]
+    probe = Tokens(2, seed=7).ids
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits.float()
+    dtype = next(engine.module.parameters()).dtype
+    trainer.engine.destroy()
+    dist.barrier()  # rank 0 has written the files
+    reloaded = GPT2LMHeadModel.from_pretrained(str(final), dtype=dtype).eval()
+    with torch.no_grad():
+        out["logits_max_diff"] = float((reloaded(input_ids=probe).logits.float() - logits)
+                                       .abs().max())
+        evals = Tokens(16, seed=5).ids
+        batch_losses = [float(reloaded(input_ids=b, labels=b).loss) for b in evals.split(MICRO)]
+    out["eval_loss"], out["eval_reference"] = eval_loss, sum(batch_losses) / len(batch_losses)
+    out["reloaded_dtype"] = str(next(reloaded.parameters()).dtype)
+
+    resumed = recording_trainer(arguments(tmp / "b", name, gas, bf16))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    out["resumed"] = step_losses(resumed, gas)
+    out["resumed_global_step"] = resumed.state.global_step
+    resumed.engine.destroy()
+    return out
+
+
+def main() -> None:
+    start_watchdog(280)
+    torch.set_num_threads(1)
+    out = sys.argv[1]
+    flowtrain.init_distributed()
+    result: dict[str, Any] = {}
+    for label, (name, gas, bf16) in CASES.items():
+        tmp = Path(out).parent / label
+        try:
+            result[label] = case(tmp, name, gas, bf16)
+        except Exception:
+            result[label] = {"error": traceback.format_exc()}
+        dist.barrier()
+    write(out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""flowtrain's Hugging Face Trainer (``flowtrain.integrations.transformers``) on 2 real CPU
+ranks with a tiny GPT2LMHeadModel (tests/data/hf_trainer_worker.py), each against a
+reference: ``flowtrain.initialize`` given HF's raw config with the "auto" values HF's Trainer
+would fill written out by hand, the uninterrupted run for a resumed one, the engine's own
+logits for the model ``from_pretrained`` reloads. And, without ranks, what the arguments fill
+and refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from helpers import DATA, check_cases, launch, rank_results
+
+WORKER = DATA / "hf_trainer_worker.py"
+CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
+CASES = ["zero2", "zero3_bf16"]
+STEPS, SAVE_AT = 4, 2  # as the worker runs them
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer runs on accelerate")
+    if not CONFIGS.is_dir():
+        pytest.skip(f"real DeepSpeed configs not found at {CONFIGS}")
+    out = tmp_path_factory.mktemp("hf_trainer") / "out"
+    launch(2, WORKER, str(out), run_dir=out.parent / "run", timeout=280)
+    return check_cases(rank_results(out, 2))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_losses_equal_initialize_with_hf_filled_values(ranks: Any, case: str) -> None:
+    for data in ranks:
+        run = data[case]
+        assert len(run["trainer"]) == STEPS
+        # the same micro-batches, the same arithmetic: identical, step for step
+        assert run["trainer"] == run["reference"]
+        # Adam and clipping hide a wrongly scaled loss from the losses; not from the norm
+        assert run["trainer_norms"] == run["reference_norms"] and None not in run["trainer_norms"]
+        resolved = run["resolved"]
+        # taken from the TrainingArguments, none of them flowtrain's or HF's defaults
+        assert resolved["optimizer.params.lr"] == resolved["scheduler.params.warmup_max_lr"] \
+            == 3e-3
+        assert resolved["optimizer.params.betas"] == [0.85, 0.999]
+        assert resolved["optimizer.params.weight_decay"] == 0.01
+        assert resolved["scheduler.params.warmup_num_steps"] == 2
+        assert resolved["gradient_clipping"] == 0.5
+        assert resolved["train_micro_batch_size_per_gpu"] == 4
+    zero2, zero3 = ranks[0]["zero2"], ranks[0]["zero3_bf16"]
+    if case == "zero2":
+        assert (zero2["stage"], zero2["bf16"]) == (2, False)
+        assert zero2["resolved"]["gradient_accumulation_steps"] == 2
+        assert zero2["resolved"]["train_batch_size"] == 4 * 2 * 2
+    else:
+        assert (zero3["stage"], zero3["bf16"]) == (3, True)  # TrainingArguments(bf16=True)
+        assert zero3["resolved"]["zero_optimization.reduce_bucket_size"] == 64 * 64
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_resume_from_checkpoint_gives_the_uninterrupted_losses(ranks: Any, case: str) -> None:
+    for data in ranks:
+        run = data[case]
+        assert {"model.safetensors", "config.json", "trainer_state.json", "latest",
+                f"global_step{SAVE_AT}"} <= set(run["checkpoint_files"])
+        assert run["resumed_global_step"] == STEPS
+        assert run["resumed"] == run["trainer"][SAVE_AT:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_save_model_reloads_with_from_pretrained_and_evaluate(ranks: Any, case: str) -> None:
+    for data in ranks:
+        run = data[case]
+        # under ZeRO-3 too: the whole model, gathered, in its training dtype
+        assert run["logits_max_diff"] == 0.0
+        assert run["reloaded_dtype"] == ("torch.bfloat16" if case == "zero3_bf16"
+                                         else "torch.float32")
+        # evaluate() through the engine (ZeRO-3 gathers) against the reloaded model's loss
+        assert run["eval_loss"] == pytest.approx(run["eval_reference"], rel=1e-6)
+
+
+# -- without ranks ---------------------------------------------------------------------------
+
+
+def hf_args(**overrides: Any) -> SimpleNamespace:
+    """What the filling reads of a TrainingArguments, at HF's defaults."""
+    values = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                  max_grad_norm=1.0, learning_rate=5e-5, adam_beta1=0.9, adam_beta2=0.999,
+                  adam_epsilon=1e-8, weight_decay=0.0, warmup_steps=0, max_steps=-1,
+                  fp16=False, fp16_full_eval=False, bf16=False, bf16_full_eval=False)
+    values.update(overrides)
+    args = SimpleNamespace(**values)
+    # HF's rule: a count of steps from 1 up, a fraction of the run below 1
+    args.get_warmup_steps = lambda total: int(args.warmup_steps) if args.warmup_steps >= 1 \
+        else -(-total * args.warmup_steps // 1)
+    return args
+
+
+def test_trainer_auto_values_follow_the_arguments() -> None:
+    from flowtrain.config.hf import trainer_auto_values
+
+    values = trainer_auto_values(hf_args(per_device_train_batch_size=4,
+                                         gradient_accumulation_steps=3, warmup_steps=0.1,
+                                         adam_beta2=0.95, fp16=True), max_steps=50,
+                                 world_size=2)
+    assert values["train_batch_size"] == 4 * 3 * 2
+    assert values["scheduler.params.total_num_steps"] == 50
+    assert values["scheduler.params.warmup_num_steps"] == 5  # 10 % of 50 steps
+    assert values["optimizer.params.betas"] == [0.9, 0.95]
+    assert (values["fp16.enabled"], values["bf16.enabled"]) == (True, False)
+    # no warmup is filled as 1 step, as HF does (WarmupLR refuses 0)
+    assert trainer_auto_values(hf_args(), 10, 1)["scheduler.params.warmup_num_steps"] == 1
+
+
+def test_written_values_that_contradict_the_arguments_are_refused() -> None:
+    from flowtrain.config import ConfigError
+    from flowtrain.config.hf import check_against_arguments, trainer_auto_values
+
+    values = trainer_auto_values(hf_args(learning_rate=3e-3), 10, 2)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999]}},
+              "bfloat16": {"enabled": True}}
+    with pytest.raises(ConfigError) as err:
+        check_against_arguments(config, values)
+    assert err.value.problems == [
+        "optimizer.params.lr is 0.0001 in the config but the TrainingArguments (learning_rate) "
+        "give 0.003: write \"auto\" there, or make the two agree",
+        "bf16.enabled is True in the config but the TrainingArguments (bf16 or bf16_full_eval) "
+        "give False: write \"auto\" there, or make the two agree"]
+    config["optimizer"]["params"]["lr"] = 3e-3
+    config["bfloat16"]["enabled"] = "auto"
+    check_against_arguments(config, values)  # agrees, or "auto": accepted
+
+
+def test_arguments_meant_for_deepspeed_are_refused_with_the_fix() -> None:
+    from flowtrain.config.hf import config_of
+
+    with pytest.raises(ValueError, match=r"flowtrain\.integrations\.transformers\."
+                                         r"TrainingArguments\(deepspeed=\.\.\.\)"):
+        config_of(SimpleNamespace(deepspeed="ds_config.json"))
+    assert config_of(SimpleNamespace(flowtrain_config={"a": 1})) == {"a": 1}
+    default = config_of(SimpleNamespace(deepspeed=None))
+    assert default["zero_optimization"] == {"stage": 0} and "optimizer" not in default
