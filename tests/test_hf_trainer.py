@@ -17,7 +17,10 @@ from helpers import DATA, check_cases, launch, rank_results
 
 WORKER = DATA / "hf_trainer_worker.py"
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
-CASES = ["zero2", "zero3_bf16"]
+# as the worker names them: HF's file (accumulation 2), its ZeRO-3 bf16 file, the ZeRO-2 file
+# at stage 1 with fp16, and no config at all (stage 0, HF's own optimizer and schedule)
+CASES = ["zero2", "zero3_bf16", "zero1_fp16", "no_config"]
+CONFIGURED = CASES[:3]  # the cases whose config has optimizer and scheduler sections
 STEPS, SAVE_AT = 4, 2  # as the worker runs them
 
 
@@ -45,21 +48,27 @@ def test_trainer_losses_equal_initialize_with_hf_filled_values(ranks: Any, case:
         assert run["trainer_norms"] == run["reference_norms"] and None not in run["trainer_norms"]
         resolved = run["resolved"]
         # taken from the TrainingArguments, none of them flowtrain's or HF's defaults
-        assert resolved["optimizer.params.lr"] == resolved["scheduler.params.warmup_max_lr"] \
-            == 3e-3
-        assert resolved["optimizer.params.betas"] == [0.85, 0.999]
-        assert resolved["optimizer.params.weight_decay"] == 0.01
-        assert resolved["scheduler.params.warmup_num_steps"] == 2
         assert resolved["gradient_clipping"] == 0.5
         assert resolved["train_micro_batch_size_per_gpu"] == 4
-    zero2, zero3 = ranks[0]["zero2"], ranks[0]["zero3_bf16"]
+        if case in CONFIGURED:
+            assert resolved["optimizer.params.lr"] == \
+                resolved["scheduler.params.warmup_max_lr"] == 3e-3
+            assert resolved["optimizer.params.betas"] == [0.85, 0.999]
+            assert resolved["optimizer.params.weight_decay"] == 0.01
+            assert resolved["scheduler.params.warmup_num_steps"] == 2
+    run = ranks[0][case]
+    # the precision the TrainingArguments ask for, at the config's stage
+    assert (run["stage"], run["fp16"], run["bf16"]) == {
+        "zero2": (2, False, False), "zero3_bf16": (3, False, True),
+        "zero1_fp16": (1, True, False), "no_config": (0, False, False)}[case]
     if case == "zero2":
-        assert (zero2["stage"], zero2["bf16"]) == (2, False)
-        assert zero2["resolved"]["gradient_accumulation_steps"] == 2
-        assert zero2["resolved"]["train_batch_size"] == 4 * 2 * 2
-    else:
-        assert (zero3["stage"], zero3["bf16"]) == (3, True)  # TrainingArguments(bf16=True)
-        assert zero3["resolved"]["zero_optimization.reduce_bucket_size"] == 64 * 64
+        assert run["resolved"]["gradient_accumulation_steps"] == 2
+        assert run["resolved"]["train_batch_size"] == 4 * 2 * 2
+    if case == "zero3_bf16":
+        assert run["resolved"]["zero_optimization.reduce_bucket_size"] == 64 * 64
+    if case == "no_config":
+        assert not any(key.startswith("optimizer") for key in run["resolved"])
+        assert run["optimizer"] == "AdamW"  # HF's own (torch's), not built from a config
 
 
 @pytest.mark.multiprocess
@@ -82,8 +91,9 @@ def test_save_model_reloads_with_from_pretrained_and_evaluate(ranks: Any, case: 
         run = data[case]
         # under ZeRO-3 too: the whole model, gathered, in its training dtype
         assert run["logits_max_diff"] == 0.0
-        assert run["reloaded_dtype"] == ("torch.bfloat16" if case == "zero3_bf16"
-                                         else "torch.float32")
+        assert run["reloaded_dtype"] == {"zero3_bf16": "torch.bfloat16",
+                                         "zero1_fp16": "torch.float16"}.get(case,
+                                                                            "torch.float32")
         # evaluate() through the engine (ZeRO-3 gathers) against the reloaded model's loss
         assert run["eval_loss"] == pytest.approx(run["eval_reference"], rel=1e-6)
 

@@ -17,7 +17,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,20 @@ CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "data" / "ds_configs"
 SEQ, VOCAB, MICRO, STEPS, SAVE_AT = 16, 256, 4, 4, 2
 # TrainingArguments unlike flowtrain's own defaults, so a value not taken from them shows
 LR, BETA1, WEIGHT_DECAY, WARMUP, MAX_GRAD_NORM = 3e-3, 0.85, 0.01, 2, 0.5
-# (config file, gradient accumulation, bf16)
-CASES = {"zero2": ("hf_zero2.json", 2, False), "zero3_bf16": ("hf_zero3_bf16.json", 1, True)}
+
+
+class Case(NamedTuple):
+    config: str | None  # a file of CONFIGS; None: TrainingArguments without deepspeed=
+    gas: int
+    precision: str  # fp32, fp16 or bf16: the TrainingArguments' flag
+    stage: int | None = None  # in place of the file's ZeRO stage
+
+
+CASES = {"zero2": Case("hf_zero2.json", 2, "fp32"),
+         "zero3_bf16": Case("hf_zero3_bf16.json", 1, "bf16"),
+         "zero1_fp16": Case("hf_zero2.json", 1, "fp16", stage=1),
+         # the default config: stage 0 with HF's own AdamW and linear schedule
+         "no_config": Case(None, 1, "fp32")}
 
 
 def gpt2() -> Any:
@@ -62,20 +74,31 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def by_hand(name: str, gas: int, bf16: bool) -> dict[str, Any]:
+def written(case: Case) -> dict[str, Any] | None:
+    """The config file as the Trainer is given it (a dict where the stage is replaced)."""
+    if case.config is None:
+        return None
+    cfg: dict[str, Any] = json.loads((CONFIGS / case.config).read_text())
+    if case.stage is not None:
+        cfg["zero_optimization"]["stage"] = case.stage
+    return cfg
+
+
+def by_hand(case: Case) -> dict[str, Any]:
     """The config with each "auto" replaced by what HF's Trainer puts there for the
     arguments of ``arguments`` (hidden size 64)."""
-    cfg = json.loads((CONFIGS / name).read_text())
+    cfg = written(case) or {"zero_optimization": {"stage": 0}, "fp16": {}, "bf16": {}}
     world = dist.get_world_size()
-    cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=gas,
-               train_batch_size=MICRO * gas * world, gradient_clipping=MAX_GRAD_NORM)
-    cfg["optimizer"]["params"] = {"lr": LR, "betas": [BETA1, 0.999], "eps": 1e-8,
-                                  "weight_decay": WEIGHT_DECAY}
-    cfg["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": LR,
-                                  "warmup_num_steps": WARMUP}
+    cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=case.gas,
+               train_batch_size=MICRO * case.gas * world, gradient_clipping=MAX_GRAD_NORM)
+    if "optimizer" in cfg:
+        cfg["optimizer"]["params"] = {"lr": LR, "betas": [BETA1, 0.999], "eps": 1e-8,
+                                      "weight_decay": WEIGHT_DECAY}
+        cfg["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": LR,
+                                      "warmup_num_steps": WARMUP}
     for section in ("fp16", "bf16", "bfloat16"):
         if section in cfg:
-            cfg[section]["enabled"] = bf16 and section != "fp16"
+            cfg[section]["enabled"] = case.precision == section.replace("bfloat16", "bf16")
     zero = cfg["zero_optimization"]
     for key, value in (("reduce_bucket_size", 64 * 64),
                        ("stage3_prefetch_bucket_size", int(0.9 * 64 * 64)),
@@ -91,12 +114,32 @@ def rank_mean(values: list[float]) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def reference(name: str, gas: int, bf16: bool) -> tuple[list[float], list[float]]:
+def reference(case: Case, args: Any) -> tuple[list[float], list[float]]:
     """``flowtrain.initialize`` fed the batches HF's loader gives this rank (sequential
-    batches of MICRO, batch j to rank j % world): the per-step losses and gradient norms."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    batches of MICRO, batch j to rank j % world): the per-step losses and gradient norms.
+    Without a config, with the optimizer and schedule HF's Trainer makes from ``args``."""
+    from transformers import Trainer, get_scheduler
+
+    world, rank, gas = dist.get_world_size(), dist.get_rank(), case.gas
     ids = Tokens().ids
-    engine, *_ = flowtrain.initialize(model=gpt2(), config=by_hand(name, gas, bf16))
+    model = gpt2()
+    optimizer = scheduler = None
+    if case.config is None:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        # HF's two groups (with and without weight decay), in its order: the gradient norm
+        # adds the parameters up in that order (get_decay_parameter_names does not use self)
+        decay = set(Trainer.get_decay_parameter_names(None, model))
+        named = list(model.named_parameters())
+        optimizer = cls([{"params": [p for n, p in named if n in decay],
+                          "weight_decay": args.weight_decay},
+                         {"params": [p for n, p in named if n not in decay],
+                          "weight_decay": 0.0}], **kwargs)
+
+        def scheduler(opt: Any) -> Any:
+            return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=WARMUP,
+                                 num_training_steps=STEPS)
+    engine, *_ = flowtrain.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=by_hand(case))
     losses, norms = [], []
     for step in range(STEPS):
         micro = []
@@ -113,14 +156,19 @@ def reference(name: str, gas: int, bf16: bool) -> tuple[list[float], list[float]
     return rank_mean(losses), norms
 
 
-def arguments(out: Path, name: str, gas: int, bf16: bool) -> Any:
+def arguments(out: Path, case: Case) -> Any:
     from flowtrain.integrations.transformers import TrainingArguments
 
+    cfg = written(case)
+    if case.stage is None and case.config is not None:
+        cfg = str(CONFIGS / case.config)  # the file itself, as a user passes it
     return TrainingArguments(
-        output_dir=str(out), deepspeed=str(CONFIGS / name), per_device_train_batch_size=MICRO,
-        per_device_eval_batch_size=MICRO, gradient_accumulation_steps=gas, max_steps=STEPS,
-        learning_rate=LR, adam_beta1=BETA1, weight_decay=WEIGHT_DECAY, warmup_steps=WARMUP,
-        max_grad_norm=MAX_GRAD_NORM, bf16=bf16, save_steps=SAVE_AT, logging_steps=1,
+        output_dir=str(out), deepspeed=cfg, per_device_train_batch_size=MICRO,
+        per_device_eval_batch_size=MICRO, gradient_accumulation_steps=case.gas,
+        max_steps=STEPS, learning_rate=LR, adam_beta1=BETA1,
+        weight_decay=WEIGHT_DECAY if case.config else 0.0, warmup_steps=WARMUP,
+        max_grad_norm=MAX_GRAD_NORM, bf16=case.precision == "bf16",
+        fp16=case.precision == "fp16", save_steps=SAVE_AT, logging_steps=1,
         train_sampling_strategy="sequential", report_to=[], disable_tqdm=True, use_cpu=True)
 
 
@@ -151,17 +199,18 @@ def step_losses(trainer: Any, gas: int) -> list[float]:
     return rank_mean([sum(micro[i:i + gas]) for i in range(0, len(micro), gas)])
 
 
-def case(tmp: Path, name: str, gas: int, bf16: bool) -> dict[str, Any]:
+def run_case(tmp: Path, case: Case) -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
     out: dict[str, Any] = {}
-    out["reference"], out["reference_norms"] = reference(name, gas, bf16)
-    args = arguments(tmp / "a", name, gas, bf16)
+    args = arguments(tmp / "a", case)
+    out["reference"], out["reference_norms"] = reference(case, args)
     trainer = recording_trainer(args)
     trainer.train()
-    out["trainer"], out["trainer_norms"] = step_losses(trainer, gas), trainer.norms
+    out["trainer"], out["trainer_norms"] = step_losses(trainer, case.gas), trainer.norms
     engine = trainer.engine
     out["stage"], out["bf16"] = engine.zero_optimization_stage(), engine.bfloat16_enabled()
+    out["fp16"], out["optimizer"] = engine.fp16_enabled(), type(engine.optimizer).__name__
     out["resolved"] = {k: v for k, (v, _) in engine.config.auto_resolved.items()}
     checkpoint = tmp / "a" / f"checkpoint-{SAVE_AT}"
     out["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
@@ -184,9 +233,9 @@ def case(tmp: Path, name: str, gas: int, bf16: bool) -> dict[str, Any]:
     out["eval_loss"], out["eval_reference"] = eval_loss, sum(batch_losses) / len(batch_losses)
     out["reloaded_dtype"] = str(next(reloaded.parameters()).dtype)
 
-    resumed = recording_trainer(arguments(tmp / "b", name, gas, bf16))
+    resumed = recording_trainer(arguments(tmp / "b", case))
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    out["resumed"] = step_losses(resumed, gas)
+    out["resumed"] = step_losses(resumed, case.gas)
     out["resumed_global_step"] = resumed.state.global_step
     resumed.engine.destroy()
     return out
@@ -198,10 +247,10 @@ def main() -> None:
     out = sys.argv[1]
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
-    for label, (name, gas, bf16) in CASES.items():
+    for label, case in CASES.items():
         tmp = Path(out).parent / label
         try:
-            result[label] = case(tmp, name, gas, bf16)
+            result[label] = run_case(tmp, case)
         except Exception:
             result[label] = {"error": traceback.format_exc()}
         dist.barrier()
