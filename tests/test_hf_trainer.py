@@ -96,6 +96,10 @@ def test_save_model_reloads_with_from_pretrained_and_evaluate(ranks: Any, case: 
                                                                             "torch.float32")
         # evaluate() through the engine (ZeRO-3 gathers) against the reloaded model's loss
         assert run["eval_loss"] == pytest.approx(run["eval_reference"], rel=1e-6)
+        if case == "zero3_bf16":  # load_best_model_at_end: the engine holds the best weights
+            assert run["best"] == f"checkpoint-{SAVE_AT}"
+            assert run[f"checkpoint-{SAVE_AT}_logits_max_diff"] == 0.0
+            assert run[f"checkpoint-{STEPS}_logits_max_diff"] > 1e-3
 
 
 # -- without ranks ---------------------------------------------------------------------------

@@ -36,10 +36,11 @@ class Case(NamedTuple):
     gas: int
     precision: str  # fp32, fp16 or bf16: the TrainingArguments' flag
     stage: int | None = None  # in place of the file's ZeRO stage
+    best: bool = False  # evaluate at each checkpoint and load the best at the end
 
 
 CASES = {"zero2": Case("hf_zero2.json", 2, "fp32"),
-         "zero3_bf16": Case("hf_zero3_bf16.json", 1, "bf16"),
+         "zero3_bf16": Case("hf_zero3_bf16.json", 1, "bf16", best=True),
          "zero1_fp16": Case("hf_zero2.json", 1, "fp16", stage=1),
          # the default config: stage 0 with HF's own AdamW and linear schedule
          "no_config": Case(None, 1, "fp32")}
@@ -162,6 +163,12 @@ def arguments(out: Path, case: Case) -> Any:
     cfg = written(case)
     if case.stage is None and case.config is not None:
         cfg = str(CONFIGS / case.config)  # the file itself, as a user passes it
+    # the best (lowest) eval loss is the earlier checkpoint's here (training on random tokens
+    # raises the loss on other random tokens), so loading it changes the weights the run ends
+    # with
+    best: dict[str, Any] = dict(eval_strategy="steps", eval_steps=SAVE_AT,
+                                load_best_model_at_end=True, metric_for_best_model="loss",
+                                greater_is_better=False) if case.best else {}
     return TrainingArguments(
         output_dir=str(out), deepspeed=cfg, per_device_train_batch_size=MICRO,
         per_device_eval_batch_size=MICRO, gradient_accumulation_steps=case.gas,
@@ -169,7 +176,8 @@ def arguments(out: Path, case: Case) -> Any:
         weight_decay=WEIGHT_DECAY if case.config else 0.0, warmup_steps=WARMUP,
         max_grad_norm=MAX_GRAD_NORM, bf16=case.precision == "bf16",
         fp16=case.precision == "fp16", save_steps=SAVE_AT, logging_steps=1,
-        train_sampling_strategy="sequential", report_to=[], disable_tqdm=True, use_cpu=True)
+        train_sampling_strategy="sequential", report_to=[], disable_tqdm=True, use_cpu=True,
+        **best)
 
 
 def recording_trainer(args: Any) -> Any:
@@ -228,6 +236,12 @@ def run_case(tmp: Path, case: Case) -> dict[str, Any]:
     with torch.no_grad():
         out["logits_max_diff"] = float((reloaded(input_ids=probe).logits.float() - logits)
                                        .abs().max())
+        if case.best:  # the engine ended on the best checkpoint's weights, not the last's
+            out["best"] = Path(trainer.state.best_model_checkpoint).name
+            for name in (out["best"], f"checkpoint-{STEPS}"):
+                saved = GPT2LMHeadModel.from_pretrained(str(tmp / "a" / name), dtype=dtype)
+                out[f"{name}_logits_max_diff"] = float(
+                    (saved.eval()(input_ids=probe).logits.float() - logits).abs().max())
         evals = Tokens(16, seed=5).ids
         batch_losses = [float(reloaded(input_ids=b, labels=b).loss) for b in evals.split(MICRO)]
     out["eval_loss"], out["eval_reference"] = eval_loss, sum(batch_losses) / len(batch_losses)

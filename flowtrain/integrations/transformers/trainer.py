@@ -181,6 +181,14 @@ class Trainer(transformers.Trainer):
         # model, optimizer (its shards under ZeRO), scheduler, loss scale and counters
         self.engine.save_checkpoint(output_dir)
 
+    def _load_best_model(self) -> None:
+        if self.engine is None:
+            super()._load_best_model()
+            return
+        # the engine's own checkpoint: full-precision weights, and under ZeRO-3 each rank's
+        # shard (HF's path would load the 16-bit files into the module behind the engine)
+        self.engine.load_checkpoint(self.state.best_model_checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # Nothing before the engine exists: it restores the weights with everything else from
         # its own checkpoint (_prepare_for_training), in full precision and under ZeRO-3.
