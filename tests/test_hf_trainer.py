@@ -2,18 +2,23 @@
 ranks with a tiny GPT2LMHeadModel (tests/data/hf_trainer_worker.py), each against a
 reference: ``flowtrain.initialize`` given HF's raw config with the "auto" values HF's Trainer
 would fill written out by hand, the uninterrupted run for a resumed one, the engine's own
-logits for the model ``from_pretrained`` reloads. And, without ranks, what the arguments fill
-and refuse."""
+logits for the model ``from_pretrained`` reloads; and, where DeepSpeed is installed,
+transformers' own Trainer with DeepSpeed. Without ranks: what the arguments fill and refuse."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from helpers import DATA, check_cases, launch, rank_results
+from helpers import DATA, REPO, check_cases, child_env, free_port, launch, rank_results
 
 WORKER = DATA / "hf_trainer_worker.py"
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
@@ -164,3 +169,45 @@ def test_arguments_meant_for_deepspeed_are_refused_with_the_fix() -> None:
     assert config_of(SimpleNamespace(flowtrain_config={"a": 1})) == {"a": 1}
     default = config_of(SimpleNamespace(deepspeed=None))
     assert default["zero_optimization"] == {"stage": 0} and "optimizer" not in default
+
+
+# -- against transformers' Trainer with DeepSpeed, where DeepSpeed is installed ---------------
+
+
+def deepspeed_python() -> str | None:
+    """A Python that has deepspeed and accelerate: FLOWTRAIN_DEEPSPEED_PYTHON (e.g. a venv made
+    for it with scripts/install_deepspeed.sh), else this one if it has them."""
+    given = os.environ.get("FLOWTRAIN_DEEPSPEED_PYTHON")
+    if given:
+        return given
+    found = all(importlib.util.find_spec(m) for m in ("deepspeed", "accelerate"))
+    return sys.executable if found else None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_losses_equal_hf_trainer_with_deepspeed(tmp_path: Path, stage: int) -> None:
+    pytest.importorskip("accelerate", reason="transformers' Trainer runs on accelerate")
+    python = deepspeed_python()
+    if python is None:
+        pytest.skip("deepspeed is not installed (FLOWTRAIN_DEEPSPEED_PYTHON names a Python "
+                    "that has it)")
+    worker = REPO / "benchmarks" / "hf_trainer_worker.py"
+    out = tmp_path / "out.jsonl"
+    shape = ["--stage", str(stage), "--steps", "3", "--warmup", "1", "--n-layer", "2",
+             "--n-embd", "64", "--n-head", "2", "--seq", "16", "--vocab", "256",
+             "--out", str(out)]
+    launch(2, worker, "--engine", "flowtrain", *shape, run_dir=tmp_path / "run", timeout=200)
+    env = dict(child_env(), DS_ACCELERATOR="cpu")
+    env["PYTHONPATH"] = f"{REPO}:{env['PYTHONPATH']}"
+    proc = subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(worker), "--engine",
+                           "deepspeed", *shape], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ours, theirs = (json.loads(line) for line in out.read_text().splitlines())
+    assert (ours["wrapped"], theirs["wrapped"]) == ("FlowtrainEngine", "DeepSpeedEngine")
+    assert len(ours["losses"]) == 4
+    # two engines, two reduction orders: equal to float rounding, step for step
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
