@@ -107,6 +107,18 @@ def test_save_model_reloads_with_from_pretrained_and_evaluate(ranks: Any, case: 
             assert run[f"checkpoint-{STEPS}_logits_max_diff"] > 1e-3
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_training_arguments_keep_the_config_and_skip_deepspeed(ranks: Any) -> None:
+    for data in ranks:
+        got = data["arguments"]
+        assert got["deepspeed"] == '{"zero_optimization": {"stage": 1}}'  # as given
+        assert got["plugin_is_none"] and got["world_size"] == 2  # devices set up without it
+        # an inline JSON config is read; a copy of the arguments carries it too
+        assert got["config"] == got["copy_config"] == {"zero_optimization": {"stage": 1}}
+        assert got["copy_lr"] == 1e-3
+
+
 # -- without ranks ---------------------------------------------------------------------------
 
 
@@ -161,12 +173,17 @@ def test_written_values_that_contradict_the_arguments_are_refused() -> None:
 
 
 def test_arguments_meant_for_deepspeed_are_refused_with_the_fix() -> None:
+    from flowtrain.config import ConfigError
     from flowtrain.config.hf import config_of
 
     with pytest.raises(ValueError, match=r"flowtrain\.integrations\.transformers\."
                                          r"TrainingArguments\(deepspeed=\.\.\.\)"):
         config_of(SimpleNamespace(deepspeed="ds_config.json"))
     assert config_of(SimpleNamespace(flowtrain_config={"a": 1})) == {"a": 1}
+    assert config_of(SimpleNamespace(flowtrain_config=' {"a": 1}')) == {"a": 1}  # inline JSON
+    assert config_of(SimpleNamespace(flowtrain_config="ds.json")) == "ds.json"  # a path
+    with pytest.raises(ConfigError, match=r"(?s)inline JSON config.*invalid JSON at column 7"):
+        config_of(SimpleNamespace(flowtrain_config='{"a": }'))
     default = config_of(SimpleNamespace(deepspeed=None))
     assert default["zero_optimization"] == {"stage": 0} and "optimizer" not in default
 

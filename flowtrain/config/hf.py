@@ -137,6 +137,15 @@ def config_of(args: Any) -> str | dict[str, Any]:
         return json.loads(json.dumps(DEFAULT_CONFIG))
     if isinstance(given, Mapping):
         return dict(given)
+    if isinstance(given, str) and given.lstrip().startswith("{"):
+        # the config written inline, as HF's command line takes it (--deepspeed '{...}')
+        try:
+            inline = json.loads(given)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([f"invalid JSON at column {exc.colno}: {exc.msg}"],
+                              "TrainingArguments.deepspeed (an inline JSON config)") from None
+        if isinstance(inline, dict):
+            return inline
     if isinstance(given, (str, os.PathLike)):
         return os.fspath(given)
     raise TypeError(f"TrainingArguments.deepspeed: expected a config file path or a dict, got "

@@ -255,12 +255,31 @@ def run_case(tmp: Path, case: Case) -> dict[str, Any]:
     return out
 
 
+def case_arguments() -> dict[str, Any]:
+    """flowtrain's TrainingArguments: the config as given, also in a copy, and no DeepSpeed."""
+    import dataclasses
+
+    from flowtrain.config.hf import config_of
+    from flowtrain.integrations.transformers import TrainingArguments
+
+    inline = '{"zero_optimization": {"stage": 1}}'
+    args = TrainingArguments(output_dir="unused", deepspeed=inline, report_to=[], use_cpu=True)
+    copy = dataclasses.replace(args, learning_rate=1e-3)
+    return {"deepspeed": args.deepspeed, "plugin_is_none": args.deepspeed_plugin is None,
+            "config": config_of(args), "copy_config": config_of(copy),
+            "copy_lr": copy.learning_rate, "world_size": args.world_size}
+
+
 def main() -> None:
     start_watchdog(280)
     torch.set_num_threads(1)
     out = sys.argv[1]
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
+    try:
+        result["arguments"] = case_arguments()
+    except Exception:
+        result["arguments"] = {"error": traceback.format_exc()}
     for label, case in CASES.items():
         tmp = Path(out).parent / label
         try:

@@ -9,9 +9,10 @@ import transformers
 
 
 class TrainingArguments(transformers.TrainingArguments):
-    """``transformers.TrainingArguments`` whose ``deepspeed`` (a config path or dict) is kept
-    for flowtrain's engine as ``flowtrain_config`` and left None: HF's own handling of it needs
-    the deepspeed package and would route training through accelerate's DeepSpeed plugin."""
+    """``transformers.TrainingArguments`` whose ``deepspeed`` (a config path, a dict, or a
+    JSON string) is for flowtrain's engine (``flowtrain_config``): HF's own set-up never sees
+    it, since that needs the deepspeed package and would route training through accelerate's
+    DeepSpeed plugin."""
 
     # annotations only (no new dataclass fields): HF's dataclass defines deepspeed
     deepspeed: Any
@@ -20,4 +21,8 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self) -> None:
         self.flowtrain_config = self.deepspeed
         self.deepspeed = None
-        super().__post_init__()
+        try:
+            super().__post_init__()  # sets up the devices too, without DeepSpeed
+        finally:
+            # kept as given, so a copy (dataclasses.replace, to_dict) carries the config
+            self.deepspeed = self.flowtrain_config
