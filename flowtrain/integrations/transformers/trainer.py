@@ -39,7 +39,9 @@ class Trainer(transformers.Trainer):
     The engine is built at the first ``train()`` (``engine``); a config without an
     ``optimizer`` (``scheduler``) section trains with HF's own optimizer (scheduler), as HF's
     DeepSpeed route does. Checkpoints (``save_steps``) hold HF's files plus the engine's
-    checkpoint, which ``train(resume_from_checkpoint=...)`` restores exactly."""
+    checkpoint, which ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end``
+    restore exactly; ``save_model`` writes the whole model (gathered under ZeRO-3) as HF files;
+    ``evaluate``/``predict`` after training run through the engine."""
 
     # Read by methods HF's __init__ already calls; set by the first train().
     engine: Any = None
