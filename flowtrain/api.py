@@ -74,8 +74,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     ``auto_values`` (a dict of dotted keys such as ``{"optimizer.params.lr": 3e-4}``, or a
     TrainingArguments-like object), the model (``config.hidden_size``, its dtype), a
     ``training_data`` DataLoader's batch_size, the optimizer/scheduler passed in, the world
-    size, and otherwise TrainingArguments' defaults. What each became is logged once and
-    written to the run directory's ``auto_values.json``."""
+    size, and otherwise TrainingArguments' defaults; a scheduler's total_num_steps from a
+    ``training_data`` Dataset's length and ``auto_values``' num_train_epochs. What each became
+    is logged once and written to the run directory's ``auto_values.json``."""
     from flowtrain.config import load_config
     from flowtrain.config.hf import auto_values_of
     from flowtrain.engine.engine import FlowtrainEngine
@@ -111,7 +112,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     cfg = load_config(config, world_size=world_size, model=model,
                       optimizer_given=optimizer is not None,
                       scheduler_given=lr_scheduler is not None,
-                      micro_batch_size=micro_batch, auto_values=auto_values_of(auto_values))
+                      micro_batch_size=micro_batch, auto_values=auto_values_of(auto_values),
+                      dataset_length=dataset_length(training_data),
+                      epochs=epochs_of(auto_values))
     _report_auto(cfg.auto_resolved)
     if cfg.zero_optimization.stage != 3 or world_size == 1 or grid is not None:
         # only stage 3 on several data-parallel ranks takes zero.Init's partitions as they are
@@ -173,6 +176,32 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
 
 AUTO_VALUES_FILE = "auto_values.json"
+
+
+def dataset_length(training_data: Any) -> int | None:
+    """How many samples ``training_data`` (a Dataset, or a DataLoader's Dataset) holds, when
+    it says (an IterableDataset need not)."""
+    if training_data is None:
+        return None
+    data: Any = training_data.dataset \
+        if isinstance(training_data, torch.utils.data.DataLoader) else training_data
+    try:
+        length = len(data)
+    except TypeError:
+        return None
+    return length if isinstance(length, int) else None
+
+
+def epochs_of(auto_values: Any) -> float | None:
+    """The epochs ``auto_values`` asks for: a TrainingArguments-like object's
+    num_train_epochs, or the dict key "num_train_epochs"."""
+    from collections.abc import Mapping
+
+    given = auto_values.get("num_train_epochs") if isinstance(auto_values, Mapping) else \
+        getattr(auto_values, "num_train_epochs", None)
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0:
+        return float(given)
+    return None
 
 
 def _report_auto(resolved: dict[str, tuple[Any, str]]) -> None:

@@ -359,8 +359,9 @@ def test_unresolvable_auto_says_what_is_needed():
     assert problems == [
         "scheduler.params.total_num_steps is 'auto': pass auto_values="
         "{'scheduler.params.total_num_steps': <number of optimizer steps>} (or a "
-        "TrainingArguments-like object with max_steps) to flowtrain.initialize, or "
-        "total_num_steps= to load_config, or set it in the config",
+        "TrainingArguments-like object with max_steps), or training_data= a Dataset with a "
+        "length and auto_values={'num_train_epochs': <epochs>}, to flowtrain.initialize; or "
+        "total_num_steps= to load_config; or set it in the config",
         "zero_optimization.reduce_bucket_size is 'auto', which is computed from the model's "
         "hidden size: pass a model whose .config has hidden_size, or set it in the config, or "
         "pass auto_values={'zero_optimization.reduce_bucket_size': ...} to "
@@ -526,3 +527,57 @@ def test_unreadable_config_files_are_config_errors(tmp_path, content, fragment):
 ])
 def test_out_of_range_numbers_are_refused_at_load(config, fragment):
     assert any(fragment in p for p in problems_of(config)), problems_of(config)
+
+
+DECAY = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+         "scheduler": {"type": "WarmupDecayLR",
+                       "params": {"warmup_num_steps": 1, "total_num_steps": "auto"}}}
+
+
+@pytest.mark.parametrize("length,epochs,drop_last", [(70, 2.5, False), (70, 1, True),
+                                                     (64, 3, False)])
+def test_auto_total_num_steps_counts_the_loaders_steps(length, epochs, drop_last):
+    from flowtrain.engine.dataloader import DistributedLoader
+
+    config = dict(DECAY, dataloader_drop_last=drop_last)
+    cfg = load_config(config, world_size=2, dataset_length=length, epochs=epochs)
+    # the reference: what the engine's loader gives each rank, accumulation 2 to a step
+    data = torch.utils.data.TensorDataset(torch.arange(length))
+    loaders = [DistributedLoader(data, batch_size=4, rank=r, world_size=2, drop_last=drop_last)
+               for r in range(2)]
+    per_epoch = len(list(loaders[0])) // 2
+    assert len(list(loaders[1])) // 2 == per_epoch
+    assert cfg.scheduler.params["total_num_steps"] == -(-epochs * per_epoch // 1)
+    value, source = cfg.auto_resolved["scheduler.params.total_num_steps"]
+    assert value == cfg.scheduler.params["total_num_steps"]
+    assert source.startswith(f"{epochs:g} epochs of {per_epoch} optimizer steps")
+
+
+def test_auto_total_num_steps_without_epochs_says_what_to_pass():
+    with pytest.raises(ConfigError) as err:
+        load_config(DECAY, world_size=2, dataset_length=64)
+    assert err.value.problems == [
+        "scheduler.params.total_num_steps is 'auto': the training Dataset (64 samples) gives "
+        "the optimizer steps of one epoch, but not how many epochs: pass auto_values="
+        "{'num_train_epochs': <epochs>} or {'scheduler.params.total_num_steps': <number of "
+        "optimizer steps>} (or a TrainingArguments-like object with num_train_epochs or "
+        "max_steps) to flowtrain.initialize, or set it in the config"]
+
+
+def test_initialize_counts_total_num_steps_from_its_dataset(world1):
+    import flowtrain
+
+    data = torch.utils.data.TensorDataset(torch.randn(40, 3))
+    engine, _, loader, scheduler = flowtrain.initialize(
+        model=torch.nn.Linear(3, 1), training_data=data, config=DECAY,
+        auto_values={"num_train_epochs": 3})
+    # one rank, 40 samples: 10 micro-batches of 4, 5 steps an epoch, 3 epochs
+    assert len(loader) == 10 and scheduler.total_num_steps == 15
+    engine.destroy()
+    args = type("Args", (), {"num_train_epochs": 2.0, "max_steps": -1,
+                             "per_device_train_batch_size": 4})()
+    engine, *_ = flowtrain.initialize(model=torch.nn.Linear(3, 1), training_data=data,
+                                      config=DECAY, auto_values=args)
+    assert engine.lr_scheduler.total_num_steps == 10
+    engine.destroy()

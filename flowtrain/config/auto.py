@@ -5,6 +5,7 @@ put in place of an "auto" is recorded with where it came from."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ class AutoContext:
     micro_batch_size: int | None = None
     total_num_steps: int | None = None
     values: Mapping[str, Any] = field(default_factory=dict)
+    # the training Dataset's length and the epochs to run over it: scheduler total_num_steps
+    dataset_length: int | None = None
+    epochs: float | None = None
 
     def hidden_size(self) -> int | None:
         """The model's hidden size as HF reads it: ``config.hidden_size``, else the largest of
@@ -75,6 +79,9 @@ class AutoResult:
     # key path -> (value, where it came from), for each "auto" replaced by a value
     resolved: dict[str, tuple[Any, str]] = field(default_factory=dict)
     half_sections: set[str] = field(default_factory=set)  # fp16/bf16 enabled true or "auto"
+    # scheduler total_num_steps is counted from the Dataset once the batch sizes are known
+    # (the loader holds a placeholder until then): see steps_for_epochs
+    steps_from_data: bool = False
 
 
 def _auto_paths(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -230,12 +237,24 @@ def _scheduler_param(raw: dict[str, Any], params: dict[str, Any], path: tuple[st
         else:
             _set(result, params, path, HF_DEFAULTS["optimizer.params.lr"], _HF)
     elif key == "total_num_steps":
-        if ctx.total_num_steps is None:
+        if ctx.total_num_steps is not None:
+            _set(result, params, path, ctx.total_num_steps, "total_num_steps")
+        elif ctx.dataset_length is not None and ctx.epochs is not None:
+            params[key] = 1  # a valid placeholder; load_config counts the steps later
+            result.steps_from_data = True
+        elif ctx.dataset_length is not None:
+            return (f"{dotted} is 'auto': the training Dataset ({ctx.dataset_length} samples) "
+                    f"gives the optimizer steps of one epoch, but not how many epochs: pass "
+                    f"auto_values={{'num_train_epochs': <epochs>}} or {{{dotted!r}: <number "
+                    f"of optimizer steps>}} (or a TrainingArguments-like object with "
+                    f"num_train_epochs or max_steps) to flowtrain.initialize, or set it in the "
+                    f"config")
+        else:
             return (f"{dotted} is 'auto': pass auto_values={{{dotted!r}: <number of optimizer "
-                    f"steps>}} (or a TrainingArguments-like object with max_steps) to "
-                    f"flowtrain.initialize, or total_num_steps= to load_config, or set it in "
-                    f"the config")
-        _set(result, params, path, ctx.total_num_steps, "total_num_steps")
+                    f"steps>}} (or a TrainingArguments-like object with max_steps), or "
+                    f"training_data= a Dataset with a length and auto_values="
+                    f"{{'num_train_epochs': <epochs>}}, to flowtrain.initialize; or "
+                    f"total_num_steps= to load_config; or set it in the config")
     else:
         return f"{dotted} is 'auto' and flowtrain has no rule to work it out: {_how(dotted)}"
     return None
@@ -262,3 +281,15 @@ def _zero_param(zero: dict[str, Any], path: tuple[str, ...], ctx: AutoContext,
     fill, formula = rule
     _set(result, zero, path, fill(hidden), f"{formula} with the model's hidden size h={hidden}")
     return None
+
+
+def steps_for_epochs(length: int, epochs: float, micro_batch: int, grad_accum: int,
+                     world_size: int, drop_last: bool = False) -> tuple[int, int]:
+    """(optimizer steps in ``epochs`` epochs, steps in one) over a Dataset of ``length``
+    samples as the engine's loader serves it: split across ``world_size`` ranks (padded to
+    equal shares unless ``drop_last``), in micro-batches, ``grad_accum`` to a step; a partial
+    epoch counts up, as HF's Trainer counts ``num_train_epochs``."""
+    share = length // world_size if drop_last else -(-length // world_size)
+    micro_batches = share // micro_batch if drop_last else -(-share // micro_batch)
+    per_epoch = max(1, micro_batches // grad_accum)
+    return max(1, math.ceil(epochs * per_epoch)), per_epoch

@@ -16,7 +16,7 @@ import torch
 from pydantic import ValidationError
 
 from flowtrain.config.aliases import normalize
-from flowtrain.config.auto import BATCH_KEYS, AutoContext, resolve_auto
+from flowtrain.config.auto import BATCH_KEYS, AutoContext, resolve_auto, steps_for_epochs
 from flowtrain.config.batch import resolve_batch
 from flowtrain.config.explain import error_locs, explain
 from flowtrain.config.fields import ConfigError, ConfigWarning, show
@@ -39,14 +39,17 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
                 model: torch.nn.Module | None = None, optimizer_given: bool = False,
                 scheduler_given: bool = False, micro_batch_size: int | None = None,
                 total_num_steps: int | None = None, check_supported: bool = True,
-                auto_values: Mapping[str, Any] | None = None) -> FlowtrainConfig:
+                auto_values: Mapping[str, Any] | None = None,
+                dataset_length: int | None = None,
+                epochs: float | None = None) -> FlowtrainConfig:
     """Returns the validated config; raises ``ConfigError`` listing every problem found.
 
     ``world_size`` is the data-parallel world size of the batch rule. ``model``,
     ``optimizer_given``/``scheduler_given`` (an optimizer/scheduler object is passed to the
     engine, so the config's "auto" params for it are dropped), ``micro_batch_size`` (e.g. the
     dataloader's batch size), ``total_num_steps`` and ``auto_values`` (dotted key path -> value)
-    are used to resolve "auto". A dict is never modified.
+    are used to resolve "auto"; so are ``dataset_length`` (the training Dataset's) and
+    ``epochs``, which count a scheduler's "auto" total_num_steps. A dict is never modified.
     """
     for name, value, optional in (("world_size", world_size, False),
                                   ("micro_batch_size", micro_batch_size, True),
@@ -55,10 +58,18 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"load_config: {name} must be an integer > 0, got {value!r}")
+    if dataset_length is not None and (isinstance(dataset_length, bool) or
+                                       not isinstance(dataset_length, int) or dataset_length < 0):
+        raise ValueError(f"load_config: dataset_length must be an integer >= 0, got "
+                         f"{dataset_length!r}")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                               or not epochs > 0):
+        raise ValueError(f"load_config: epochs must be a number > 0, got {epochs!r}")
     source, raw = _read(config)
     ctx = AutoContext(world_size=world_size, model=model, optimizer_given=optimizer_given,
                       scheduler_given=scheduler_given, micro_batch_size=micro_batch_size,
-                      total_num_steps=total_num_steps, values=dict(auto_values or {}))
+                      total_num_steps=total_num_steps, values=dict(auto_values or {}),
+                      dataset_length=dataset_length, epochs=epochs)
     problems: list[str] = []
     legacy_offload_conflicts(raw.get("zero_optimization"), problems)
     normalize(raw, problems)
@@ -105,6 +116,8 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
                     "train_micro_batch_size_per_gpu": sizes.micro_batch,
                     "gradient_accumulation_steps": sizes.grad_accum})
                 _record_batch(cfg, auto.batch_auto, auto.resolved, micro_batch_size, world_size)
+                if auto.steps_from_data:
+                    cfg = _steps_from_data(cfg, ctx, auto.resolved)
         if check_supported:
             problems += unsupported_features(cfg)
     if problems:
@@ -126,6 +139,24 @@ def _first_attempt_world(dp_world: int) -> int | None:
     if first == total or total <= 0 or first <= 0 or (dp_world * first) % total:
         return None
     return dp_world * first // total
+
+
+def _steps_from_data(cfg: FlowtrainConfig, ctx: AutoContext,
+                     resolved: dict[str, tuple[Any, str]]) -> FlowtrainConfig:
+    """The scheduler's "auto" total_num_steps counted from the Dataset, now that the batch
+    sizes are known."""
+    if cfg.scheduler is None or ctx.dataset_length is None or ctx.epochs is None:
+        return cfg
+    total, per_epoch = steps_for_epochs(ctx.dataset_length, ctx.epochs, cfg.micro_batch,
+                                        cfg.grad_accum, ctx.world_size,
+                                        cfg.dataloader_drop_last)
+    params = dict(cfg.scheduler.params, total_num_steps=total)
+    resolved["scheduler.params.total_num_steps"] = (
+        total, f"{ctx.epochs:g} epochs of {per_epoch} optimizer steps (a Dataset of "
+               f"{ctx.dataset_length} samples over {ctx.world_size} ranks, micro batch "
+               f"{cfg.micro_batch}, accumulation {cfg.grad_accum})")
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(
+        update={"params": params})})
 
 
 def _record_batch(cfg: FlowtrainConfig, batch_auto: set[str],
