@@ -9,18 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
-# This folder is first on sys.path, and its kernels.py would stand in for the `kernels`
-# package transformers imports when it finds one.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 
 def config(stage: int) -> dict[str, Any]:
