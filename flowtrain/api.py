@@ -75,6 +75,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     ``training_data`` DataLoader's batch_size, the optimizer/scheduler passed in, the world
     size, and otherwise TrainingArguments' defaults. What each became is logged once and
     written to the run directory's ``auto_values.json``."""
+    from flowtrain.checkpoint.checkpointer import auto_resume
     from flowtrain.config import load_config
     from flowtrain.config.hf import auto_values_of
     from flowtrain.engine.engine import FlowtrainEngine
@@ -158,6 +159,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
+    # after the scheduler exists: a resumed checkpoint restores its state too
+    engine.resumed_checkpoint, engine.resumed_client_state = auto_resume(engine)
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.checkpoint.atomic import TENSOR_DIR, load, resolve, save
-from flowtrain.checkpoint.manifest import raise_problems, verify_part
+from flowtrain.checkpoint.manifest import CheckpointError, raise_problems, verify_part
 from flowtrain.engine.dataloader import rng_state, set_rng_state
 from flowtrain.log import get_logger
 
@@ -54,6 +54,34 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
                 barrier=engine.job_barrier, save_latest=save_latest,
                 write_tensors=lambda directory: write(tensors, directory))
     return str(path)
+
+
+def auto_resume(engine: CheckpointableEngine) -> tuple[str | None, dict[str, Any] | None]:
+    """``checkpoint.auto_resume``: loads the latest complete checkpoint of the config's
+    ``checkpoint.save_dir``; (None, None), a fresh start, when it holds none yet. Every rank
+    calls it, and every rank must see the same checkpoint (a shared file system)."""
+    from flowtrain.checkpoint.dcp_io import all_gather_objects
+
+    directory = engine.config.checkpoint.save_dir
+    if not engine.config.checkpoint.auto_resume or directory is None:
+        return None, None
+    path = resolve(directory, None)
+    seen = all_gather_objects(str(path) if path is not None else None)
+    if len(set(seen)) > 1:
+        found = ", ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(seen))
+        raise CheckpointError(f"checkpoint.auto_resume: the ranks see different latest "
+                              f"checkpoints in checkpoint.save_dir {directory!r} ({found}); "
+                              f"save_dir must be on a file system every rank shares")
+    if path is None:
+        if engine.global_rank == 0:
+            log.info("checkpoint.auto_resume: no checkpoint in checkpoint.save_dir yet; "
+                     "starting fresh", save_dir=str(directory), console=True)
+        return None, None
+    loaded, client_state = load_engine(engine, directory)
+    if engine.global_rank == 0:
+        log.info(f"checkpoint.auto_resume: resumed from {loaded} at step "
+                 f"{engine.global_steps}", console=True)
+    return loaded, client_state
 
 
 def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = None,

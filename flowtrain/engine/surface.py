@@ -219,12 +219,22 @@ class EngineSurface:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+    # Set by flowtrain.initialize when checkpoint.auto_resume loaded a checkpoint: its path and
+    # the client_state saved with it (what load_checkpoint would have returned); else None.
+    resumed_checkpoint: str | None = None
+    resumed_client_state: dict[str, Any] | None = None
+
+    def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None,
                         client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
-        and random generators atomically; every rank must call it."""
-        return save_engine(self, save_dir, tag, client_state, save_latest,
+        and random generators atomically (into the config's checkpoint.save_dir when
+        ``save_dir`` is not given); every rank must call it."""
+        directory = save_dir if save_dir is not None else self.config.checkpoint.save_dir
+        if directory is None:
+            raise ValueError("save_checkpoint needs a directory: pass save_dir, or set "
+                             "checkpoint.save_dir in the config")
+        return save_engine(self, directory, tag, client_state, save_latest,
                            exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
