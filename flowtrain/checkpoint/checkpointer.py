@@ -14,6 +14,7 @@ from flowtrain.engine.dataloader import rng_state, set_rng_state
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
+    from flowtrain.checkpoint.background import BackgroundWriter
     from flowtrain.checkpoint.protocol import CheckpointableEngine
 
 log = get_logger("flowtrain.checkpoint")
@@ -21,13 +22,18 @@ log = get_logger("flowtrain.checkpoint")
 
 def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = None,
                 client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                exclude_frozen_parameters: bool = False) -> str:
+                exclude_frozen_parameters: bool = False,
+                writer: BackgroundWriter | None = None) -> str:
     """Writes the parameters, optimizer, scheduler, loss scaler, counters, dataloader position
-    and random generators; every rank must call it, and writes only what it holds."""
+    and random generators; every rank must call it, and writes only what it holds. With a
+    ``writer`` (checkpoint.async_save) it returns once the state is in host memory, after
+    waiting for the previous save; the writer's thread writes and publishes it."""
     # torch.distributed.checkpoint is imported on the first save or load, not with the engine
     from flowtrain.checkpoint.save import FORMAT, snapshot, write
 
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if writer is not None:
+        writer.wait()
     tensors, description = snapshot(engine, exclude_frozen_parameters)
     shared = None
     if engine.global_rank == 0:
@@ -50,9 +56,17 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
             "client_state": client_state or {},
         }
     per_rank = {"rng": rng_state(), "rank": engine.global_rank}
+    if writer is None:
+        path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
+                    barrier=engine.job_barrier, save_latest=save_latest,
+                    write_tensors=lambda directory: write(tensors, directory))
+        return str(path)
+    staged = writer.stage(tensors)
+    group = writer.process_group()
     path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
                 barrier=engine.job_barrier, save_latest=save_latest,
-                write_tensors=lambda directory: write(tensors, directory))
+                write_tensors=lambda directory: write(staged, directory, group),
+                run_later=lambda rest: writer.start(tag, rest))
     return str(path)
 
 

@@ -559,7 +559,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def destroy(self) -> None:
         """Stops the engine's actors, removes its hooks and closes its data channel, so another
-        engine can be built in the same process."""
+        engine can be built in the same process; a checkpoint still being written is
+        published first."""
+        self.wait_for_checkpoint()
         self.buckets.remove_hooks()
         refs = ([self.reducer] if self.reducer is not None else []) + \
             [ref for point in self.stages.at.values() for ref in point]
