@@ -17,7 +17,7 @@ import socket
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from flowtrain.checkpoint.manifest import CheckpointError, write_manifest
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
+T = TypeVar("T")
 
 ENGINE_FILE = "engine_state.pt"
 TENSOR_DIR = "tensors"
@@ -40,20 +41,23 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}_states.pt"
 
 
-def _fsync_dir(path: Path) -> None:
+def save_file(obj: Any, path: Path, durable: bool = True) -> None:
+    """torch.save then fsync, so a later rename publishes complete bytes (``durable`` False:
+    the caller fsyncs it later, with ``fsync_file``)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+
+
+def fsync_file(path: Path) -> None:
+    """Flushes a file's (or a directory's entries') bytes to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def save_file(obj: Any, path: Path) -> None:
-    """torch.save then fsync, so a later rename publishes complete bytes."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _numpy_globals() -> list[Any]:
@@ -147,7 +151,7 @@ def write_latest(save_dir: Path, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, save_dir / LATEST)
-    _fsync_dir(save_dir)
+    fsync_file(save_dir)
 
 
 def validate_tag(tag: str) -> str:
@@ -181,10 +185,14 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
                                           encoding="utf-8")
     barrier(f"ckpt-{tag}-staged")
     # Written now even when the rest is not: they hold live objects (the scheduler's state,
-    # the generators) that training changes from the next step on.
-    _guarded(root, tag, rank, lambda: _write_small(staging, rank, shared, per_rank))
+    # the generators) that training changes from the next step on. Made durable with the rest.
+    small = _guarded(root, tag, rank,
+                     lambda: _write_small(staging, rank, shared, per_rank, run_later is None))
 
     def rest() -> None:
+        if run_later is not None:
+            for path in small:
+                _guarded(root, tag, rank, lambda: fsync_file(path))  # noqa: B023 (called now)
         if write_tensors is not None:
             _guarded(root, tag, rank, lambda: write_tensors(staging / TENSOR_DIR))
         _publish(root, tag, rank, barrier, save_latest)
@@ -197,18 +205,22 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
 
 
 def _write_small(staging: Path, rank: int, shared: dict[str, Any] | None,
-                 per_rank: dict[str, Any]) -> None:
-    save_file(per_rank, staging / rank_file(rank))
+                 per_rank: dict[str, Any], durable: bool) -> list[Path]:
+    """This rank's files besides the tensors; returns their paths."""
+    paths = [staging / rank_file(rank)]
+    save_file(per_rank, paths[0], durable)
     if rank == 0:
         assert shared is not None
-        save_file(shared, staging / ENGINE_FILE)
+        paths.append(staging / ENGINE_FILE)
+        save_file(shared, paths[1], durable)
+    return paths
 
 
-def _guarded(root: Path, tag: str, rank: int, work: Callable[[], None]) -> None:
+def _guarded(root: Path, tag: str, rank: int, work: Callable[[], T]) -> T:
     """Runs one part of a save; on failure removes the staging directory (a failed save must
     not leave a half-written directory on a possibly full disk) and raises one clear line."""
     try:
-        work()
+        return work()
     except Exception as exc:
         if rank == 0:
             shutil.rmtree(root / f".{tag}.partial", ignore_errors=True)
@@ -227,7 +239,7 @@ def _publish(root: Path, tag: str, rank: int, barrier: Callable[[str], None],
         if rank == 0:
             (staging / OWNER_FILE).unlink()
             write_manifest(staging)
-            _fsync_dir(staging)
+            fsync_file(staging)
 
     _guarded(root, tag, rank, manifest)
     if rank == 0:
@@ -237,7 +249,7 @@ def _publish(root: Path, tag: str, rank: int, barrier: Callable[[str], None],
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(staging, final)
-        _fsync_dir(root)
+        fsync_file(root)
         if save_latest:
             write_latest(root, tag)
         if old.exists():
