@@ -2,7 +2,8 @@
 memory and a background thread writes it; what it writes loads to the same state as a
 synchronous save of the same moment, though training changed the model meanwhile; a crash
 during the background write leaves the last published checkpoint; at most one write is in
-flight, and waiting for one is bounded."""
+flight, and waiting for one is bounded; under ZeRO 1 and 3 on 2 ranks (sharded tensors staged
+shard by shard) the async save holds the same tensors as a sync save."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import flowtrain.checkpoint.save as dcp_save
 from flowtrain.checkpoint import consolidate, save_engine
 from flowtrain.checkpoint.background import BackgroundWriter
 from flowtrain.checkpoint.manifest import CheckpointError
-from helpers import DATA, run_single
+from helpers import DATA, launch, run_single
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -104,6 +105,36 @@ def test_a_crash_during_the_background_write_keeps_the_last_checkpoint(tmp_path:
     assert state.keys() == saved.keys()
     for key, value in saved.items():
         assert torch.equal(state[key], torch.tensor(value)), key
+
+
+def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's DCP files, whole (read without a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    from flowtrain.checkpoint.dcp_io import quiet, stored
+
+    targets = {k: torch.empty(shape, dtype=dtype)
+               for k, (shape, dtype) in stored(directory).items()}
+    with quiet():
+        dcp.load(targets, checkpoint_id=str(directory), no_dist=True)
+    return targets
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sharded_async_save_holds_what_the_sync_save_holds(tmp_path: Path, stage: int) -> None:
+    # under ZeRO each rank writes its pieces as sharded tensors, staged shard by shard
+    launch(2, DATA / "async_zero_worker.py", str(tmp_path / "sync"), str(tmp_path / "async"),
+           str(stage), run_dir=tmp_path / "run", timeout=150)
+    tag = "global_step3"
+    assert (tmp_path / "async" / "latest").read_text() == tag
+    sync = _stored_tensors(tmp_path / "sync" / tag / "tensors")
+    written = _stored_tensors(tmp_path / "async" / tag / "tensors")
+    assert any(k.startswith("optim/") for k in sync)
+    assert sync.keys() == written.keys()
+    for key, value in sync.items():
+        assert torch.equal(written[key], value), key
 
 
 def test_one_write_in_flight_and_a_bounded_wait() -> None:
