@@ -125,7 +125,8 @@ class CheckpointConfig(Section):
     # there (a fresh start when there is none yet), so that a job restarted by `flowtrain
     # launch --max-restarts` resumes though its script never calls load_checkpoint;
     # "async_save", save_checkpoint returns once the state is copied to host memory and a
-    # background thread writes it (still atomic: 'latest' moves after the write completes).
+    # background thread writes it (still atomic: 'latest' moves after the write completes;
+    # the host copy, kept from one save to the next, costs what this rank's part weighs).
     save_dir: Annotated[str | None, Str(optional=True)] = None
     auto_resume: Bool = False
     async_save: Bool = False
