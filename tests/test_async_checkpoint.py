@@ -94,7 +94,7 @@ def test_async_save_loads_as_the_sync_save_of_the_same_moment(
 @pytest.mark.multiprocess
 def test_a_crash_during_the_background_write_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     proc = run_single(DATA / "async_crash_worker.py", str(tmp_path / "params.json"),
-                      str(tmp_path / "ckpt"), check=False, timeout=100)
+                      str(tmp_path / "ckpt"), "crash", check=False, timeout=100)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
     root = tmp_path / "ckpt"
     assert (root / "latest").read_text() == "global_step10"
@@ -103,6 +103,18 @@ def test_a_crash_during_the_background_write_keeps_the_last_checkpoint(tmp_path:
     saved = json.loads((tmp_path / "params.json").read_text())
     state = consolidate(str(root))  # the step-10 checkpoint, verified against its manifest
     assert state.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(state[key], torch.tensor(value)), key
+
+
+@pytest.mark.multiprocess
+def test_a_script_that_ends_right_after_a_save_still_publishes_it(tmp_path: Path) -> None:
+    run_single(DATA / "async_crash_worker.py", str(tmp_path / "params.json"),
+               str(tmp_path / "ckpt"), "exit", timeout=100)
+    root = tmp_path / "ckpt"
+    assert (root / "latest").read_text() == "global_step20"
+    saved = json.loads((tmp_path / "params.json").read_text())
+    state = consolidate(str(root))  # verified against its manifest
     for key, value in saved.items():
         assert torch.equal(state[key], torch.tensor(value)), key
 
