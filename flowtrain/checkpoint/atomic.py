@@ -41,14 +41,18 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}_states.pt"
 
 
-def save_file(obj: Any, path: Path, durable: bool = True) -> None:
-    """torch.save then fsync, so a later rename publishes complete bytes (``durable`` False:
-    the caller fsyncs it later, with ``fsync_file``)."""
+def save_file(obj: Any, path: Path) -> None:
+    """torch.save then fsync, so a later rename publishes complete bytes."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
-        if durable:
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
+
+
+def _save_unsynced(obj: Any, path: Path) -> None:
+    """torch.save without the fsync, which the caller does later (``fsync_file``)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def fsync_file(path: Path) -> None:
@@ -207,12 +211,13 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
 def _write_small(staging: Path, rank: int, shared: dict[str, Any] | None,
                  per_rank: dict[str, Any], durable: bool) -> list[Path]:
     """This rank's files besides the tensors; returns their paths."""
+    write = save_file if durable else _save_unsynced
     paths = [staging / rank_file(rank)]
-    save_file(per_rank, paths[0], durable)
+    write(per_rank, paths[0])
     if rank == 0:
         assert shared is not None
         paths.append(staging / ENGINE_FILE)
-        save_file(shared, paths[1], durable)
+        write(shared, paths[1])
     return paths
 
 
