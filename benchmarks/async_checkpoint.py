@@ -6,7 +6,11 @@ rotates each round, so drift (other processes, the page cache) hits all alike. I
 checkpointing round a save comes at the first step of every K-step window, and the round's
 time ends once its last save is published, so no write leaks into the next round. It prints
 each mode's median throughput and the median over rounds of each mode's throughput ratio to
-"none" (samples/s with checkpoints / without), with a verdict against the budget (5 %).
+"none" (samples/s with checkpoints / without), with a verdict against the budget (5 %); also
+how long the training loop waited per save, and the CPU time saves add. Where training already
+fills every core (2 ranks on 2 cores), the writer's CPU work competes with the steps, so the
+throughput gain of async over sync shows only where host cores are idle (GPU training); the
+wait per save shows what async takes off the training loop.
 
     python benchmarks/async_checkpoint.py [--layers 4] [--width 256] [--every 10] [--rounds 24]
 """
