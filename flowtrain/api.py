@@ -77,6 +77,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     size, and otherwise TrainingArguments' defaults; a scheduler's total_num_steps from a
     ``training_data`` Dataset's length and ``auto_values``' num_train_epochs. What each became
     is logged once and written to the run directory's ``auto_values.json``."""
+    from flowtrain.checkpoint.checkpointer import auto_resume
     from flowtrain.config import load_config
     from flowtrain.config.hf import auto_values_of
     from flowtrain.engine.engine import FlowtrainEngine
@@ -168,6 +169,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
+    # after the scheduler exists: a resumed checkpoint restores its state too
+    engine.resumed_checkpoint, engine.resumed_client_state = auto_resume(engine)
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from flowtrain.control.protocol import (
     MAC_BYTES,
     REJECT_REASONS,
+    REPLAY_WINDOW,
     SCHEMA_VERSION,
     Frame,
     FrameCodec,
@@ -46,11 +47,13 @@ def test_round_trip_keeps_every_field_and_counts_sequence() -> None:
     first = writer.encode(Kind.BARRIER, body)
     second = writer.encode(Kind.HEARTBEAT, {})
     assert len(first) == 2 and len(first[1]) == MAC_BYTES
+    start = msgpack.unpackb(first[0])["n"]
     assert reader.decode(first) == Frame(
-        kind="BARRIER", sender="rank3", seq=1, body=body, version=SCHEMA_VERSION
+        kind="BARRIER", sender="rank3", seq=start, body=body, version=SCHEMA_VERSION
     )
-    assert reader.decode(second).seq == 2
-    assert msgpack.unpackb(first[0]) == {"v": 1, "k": "BARRIER", "s": "rank3", "n": 1, "b": body}
+    assert reader.decode(second).seq == start + 1
+    assert msgpack.unpackb(first[0]) == {"v": 1, "k": "BARRIER", "s": "rank3", "n": start,
+                                         "b": body}
     assert first[1] == sign(first[0])
 
 
@@ -197,6 +200,7 @@ def test_counter_counts_each_reason_and_never_raises() -> None:
         "bad_signature": 250,
         "malformed": 3,
         "unknown_version": 0,
+        "replayed": 0,
         "not_a_reason": 1,
     }
     assert counter.total == 255
@@ -216,3 +220,52 @@ def test_counter_logs_first_ten_then_every_hundredth(monkeypatch: pytest.MonkeyP
     for _ in range(300):
         counter.record("malformed", "x", "peer")
     assert logged == [*range(1, 11), 100, 200, 300]
+
+
+# ------------------------------------------------------------------------------------ replays
+
+
+def test_a_replayed_frame_is_rejected_and_counted() -> None:
+    writer = FrameCodec(SECRET, "rank1")
+    reader = FrameCodec(SECRET, "coordinator")
+    hello = writer.encode(Kind.HELLO, {"rank": 1})
+    beat = writer.encode(Kind.HEARTBEAT, {})
+    assert reader.decode(hello).kind == "HELLO"
+    assert reader.decode(beat).kind == "HEARTBEAT"
+    counter = RejectCounter("test")
+    for captured in (hello, beat, hello):  # the same signed bytes, sent again
+        with pytest.raises(FrameRejected) as caught:
+            reader.decode(captured)
+        assert caught.value.reason == "replayed"
+        assert "already received" in caught.value.detail
+        counter.record_rejection(caught.value, b"rank1")
+    assert counter.counts["replayed"] == 3
+    assert reader.decode(writer.encode(Kind.BYE, {})).kind == "BYE"  # new frames still pass
+
+
+def test_frames_that_overtook_each_other_pass_once_within_the_window() -> None:
+    writer = FrameCodec(SECRET, "rank0")
+    reader = FrameCodec(SECRET, "coordinator")
+    frames = [writer.encode(Kind.HEARTBEAT, {"i": i}) for i in range(5)]
+    for i in (0, 3, 1, 2, 4):  # out of order, as a full send queue can deliver them
+        assert reader.decode(frames[i]).body == {"i": i}
+    with pytest.raises(FrameRejected, match="replayed"):
+        reader.decode(frames[1])
+    old = frames[0]
+    for _ in range(REPLAY_WINDOW + 1):
+        reader.decode(writer.encode(Kind.HEARTBEAT, {}))
+    with pytest.raises(FrameRejected, match="older than the last 1024"):
+        reader.decode(old)
+
+
+def test_a_restarted_sender_numbers_above_its_predecessor() -> None:
+    reader = FrameCodec(SECRET, "coordinator")
+    before = FrameCodec(SECRET, "rank2")
+    captured = before.encode(Kind.HELLO, {"rank": 2})
+    reader.decode(captured)
+    for _ in range(100):
+        reader.decode(before.encode(Kind.HEARTBEAT, {}))
+    after = FrameCodec(SECRET, "rank2")  # the same rank, started again
+    assert reader.decode(after.encode(Kind.HELLO, {"rank": 2})).kind == "HELLO"
+    with pytest.raises(FrameRejected, match="replayed"):
+        reader.decode(captured)

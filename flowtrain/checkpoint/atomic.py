@@ -17,7 +17,7 @@ import socket
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from flowtrain.checkpoint.manifest import CheckpointError, write_manifest
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.checkpoint")
+T = TypeVar("T")
 
 ENGINE_FILE = "engine_state.pt"
 TENSOR_DIR = "tensors"
@@ -40,20 +41,27 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}_states.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_file(obj: Any, path: Path) -> None:
     """torch.save then fsync, so a later rename publishes complete bytes."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _save_unsynced(obj: Any, path: Path) -> None:
+    """torch.save without the fsync, which the caller does later (``fsync_file``)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def fsync_file(path: Path) -> None:
+    """Flushes a file's (or a directory's entries') bytes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _numpy_globals() -> list[Any]:
@@ -147,7 +155,7 @@ def write_latest(save_dir: Path, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, save_dir / LATEST)
-    _fsync_dir(save_dir)
+    fsync_file(save_dir)
 
 
 def validate_tag(tag: str) -> str:
@@ -159,14 +167,18 @@ def validate_tag(tag: str) -> str:
 
 def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[str, Any] | None,
          per_rank: dict[str, Any], barrier: Callable[[str], None], save_latest: bool = True,
-         write_tensors: Callable[[Path], None] | None = None) -> Path:
+         write_tensors: Callable[[Path], None] | None = None,
+         run_later: Callable[[Callable[[], None]], None] | None = None) -> Path:
     """Writes one checkpoint. ``write_tensors`` (every rank, collectively) writes the tensor
-    files into the directory it is given; ``shared`` (rank 0 only) is the engine state and goes
-    last; ``per_rank`` what differs between ranks (random generators). Every rank calls this."""
+    files into the directory it is given; ``shared`` (rank 0 only) is the engine state;
+    ``per_rank`` what differs between ranks (random generators). Every rank calls this.
+
+    With ``run_later`` (an asynchronous save) the small files are written here and
+    ``run_later`` is handed the rest: the tensor files, the manifest and the publication
+    (rename, then ``latest``), which it runs on another thread."""
     root = Path(save_dir)
     tag = validate_tag(tag)
     staging = root / f".{tag}.partial"
-    final = root / tag
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if staging.exists():  # left by a run that crashed mid-save
@@ -176,23 +188,65 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
         (staging / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}",
                                           encoding="utf-8")
     barrier(f"ckpt-{tag}-staged")
-    try:
+    # Written now even when the rest is not: they hold live objects (the scheduler's state,
+    # the generators) that training changes from the next step on. Made durable with the rest.
+    small = _guarded(root, tag, rank,
+                     lambda: _write_small(staging, rank, shared, per_rank, run_later is None))
+
+    def rest() -> None:
+        if run_later is not None:
+            for path in small:
+                _guarded(root, tag, rank, lambda: fsync_file(path))  # noqa: B023 (called now)
         if write_tensors is not None:
-            write_tensors(staging / TENSOR_DIR)
-        save_file(per_rank, staging / rank_file(rank))
+            _guarded(root, tag, rank, lambda: write_tensors(staging / TENSOR_DIR))
+        _publish(root, tag, rank, barrier, save_latest)
+
+    if run_later is None:
+        rest()
+    else:
+        run_later(rest)
+    return root / tag
+
+
+def _write_small(staging: Path, rank: int, shared: dict[str, Any] | None,
+                 per_rank: dict[str, Any], durable: bool) -> list[Path]:
+    """This rank's files besides the tensors; returns their paths."""
+    write = save_file if durable else _save_unsynced
+    paths = [staging / rank_file(rank)]
+    write(per_rank, paths[0])
+    if rank == 0:
+        assert shared is not None
+        paths.append(staging / ENGINE_FILE)
+        write(shared, paths[1])
+    return paths
+
+
+def _guarded(root: Path, tag: str, rank: int, work: Callable[[], T]) -> T:
+    """Runs one part of a save; on failure removes the staging directory (a failed save must
+    not leave a half-written directory on a possibly full disk) and raises one clear line."""
+    try:
+        return work()
+    except Exception as exc:
         if rank == 0:
-            assert shared is not None
-            save_file(shared, staging / ENGINE_FILE)
+            shutil.rmtree(root / f".{tag}.partial", ignore_errors=True)
+        raise _failure(exc, root, tag) from exc
+
+
+def _publish(root: Path, tag: str, rank: int, barrier: Callable[[str], None],
+             save_latest: bool) -> None:
+    """Once every rank has written its files: rank 0 writes the manifest, renames the staging
+    directory into place, then moves ``latest``."""
+    staging = root / f".{tag}.partial"
+    final = root / tag
+
+    def manifest() -> None:
         barrier(f"ckpt-{tag}-written")
         if rank == 0:
             (staging / OWNER_FILE).unlink()
             write_manifest(staging)
-            _fsync_dir(staging)
-    except Exception as exc:
-        # A failed save must not leave a half-written directory on a (possibly full) disk.
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise _failure(exc, root, tag) from exc
+            fsync_file(staging)
+
+    _guarded(root, tag, rank, manifest)
     if rank == 0:
         old = root / f".{tag}.replaced"
         if final.exists():
@@ -200,14 +254,13 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(staging, final)
-        _fsync_dir(root)
+        fsync_file(root)
         if save_latest:
             write_latest(root, tag)
         if old.exists():
             shutil.rmtree(old)
         log.info("checkpoint saved", path=str(final))
     barrier(f"ckpt-{tag}-published")
-    return final
 
 
 def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:

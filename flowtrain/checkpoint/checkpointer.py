@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.checkpoint.atomic import TENSOR_DIR, load, resolve, save
-from flowtrain.checkpoint.manifest import raise_problems, verify_part
+from flowtrain.checkpoint.manifest import CheckpointError, raise_problems, verify_part
 from flowtrain.engine.dataloader import rng_state, set_rng_state
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
+    from flowtrain.checkpoint.background import BackgroundWriter
     from flowtrain.checkpoint.protocol import CheckpointableEngine
 
 log = get_logger("flowtrain.checkpoint")
@@ -21,13 +22,18 @@ log = get_logger("flowtrain.checkpoint")
 
 def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = None,
                 client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                exclude_frozen_parameters: bool = False) -> str:
+                exclude_frozen_parameters: bool = False,
+                writer: BackgroundWriter | None = None) -> str:
     """Writes the parameters, optimizer, scheduler, loss scaler, counters, dataloader position
-    and random generators; every rank must call it, and writes only what it holds."""
+    and random generators; every rank must call it, and writes only what it holds. With a
+    ``writer`` (checkpoint.async_save) it returns once the state is in host memory, after
+    waiting for the previous save; the writer's thread writes and publishes it."""
     # torch.distributed.checkpoint is imported on the first save or load, not with the engine
     from flowtrain.checkpoint.save import FORMAT, snapshot, write
 
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if writer is not None:
+        writer.wait()
     tensors, description = snapshot(engine, exclude_frozen_parameters)
     shared = None
     if engine.global_rank == 0:
@@ -50,10 +56,46 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
             "client_state": client_state or {},
         }
     per_rank = {"rng": rng_state(), "rank": engine.global_rank}
+    if writer is None:
+        path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
+                    barrier=engine.job_barrier, save_latest=save_latest,
+                    write_tensors=lambda directory: write(tensors, directory))
+        return str(path)
+    staged = writer.stage(tensors)
+    group = writer.process_group()
     path = save(save_dir, tag, rank=engine.global_rank, shared=shared, per_rank=per_rank,
                 barrier=engine.job_barrier, save_latest=save_latest,
-                write_tensors=lambda directory: write(tensors, directory))
+                write_tensors=lambda directory: write(staged, directory, group),
+                run_later=lambda rest: writer.start(tag, rest))
     return str(path)
+
+
+def auto_resume(engine: CheckpointableEngine) -> tuple[str | None, dict[str, Any] | None]:
+    """``checkpoint.auto_resume``: loads the latest complete checkpoint of the config's
+    ``checkpoint.save_dir``; (None, None), a fresh start, when it holds none yet. Every rank
+    calls it, and every rank must see the same checkpoint (a shared file system)."""
+    from flowtrain.checkpoint.dcp_io import all_gather_objects
+
+    directory = engine.config.checkpoint.save_dir
+    if not engine.config.checkpoint.auto_resume or directory is None:
+        return None, None
+    path = resolve(directory, None)
+    seen = all_gather_objects(str(path) if path is not None else None)
+    if len(set(seen)) > 1:
+        found = ", ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(seen))
+        raise CheckpointError(f"checkpoint.auto_resume: the ranks see different latest "
+                              f"checkpoints in checkpoint.save_dir {directory!r} ({found}); "
+                              f"save_dir must be on a file system every rank shares")
+    if path is None:
+        if engine.global_rank == 0:
+            log.info("checkpoint.auto_resume: no checkpoint in checkpoint.save_dir yet; "
+                     "starting fresh", save_dir=str(directory), console=True)
+        return None, None
+    loaded, client_state = load_engine(engine, directory)
+    if engine.global_rank == 0:
+        log.info(f"checkpoint.auto_resume: resumed from {loaded} at step "
+                 f"{engine.global_steps}", console=True)
+    return loaded, client_state
 
 
 def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = None,

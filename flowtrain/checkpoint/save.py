@@ -259,7 +259,9 @@ def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def write(state_dict: dict[str, Any], directory: Path) -> None:
-    """DCP's save of ``snapshot``'s state dict into ``directory``; every rank calls it."""
+def write(state_dict: dict[str, Any], directory: Path, process_group: Any = None) -> None:
+    """DCP's save of ``snapshot``'s state dict into ``directory`` (its collectives on
+    ``process_group``, the default group when None); every rank calls it."""
     with quiet():
-        dcp.save(state_dict, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+        dcp.save(state_dict, checkpoint_id=str(directory), process_group=process_group,
+                 no_dist=not dist.is_initialized())

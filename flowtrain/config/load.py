@@ -290,6 +290,10 @@ def _check_sections(cfg: FlowtrainConfig, ctx: AutoContext,
     if pipe.schedule != "interleaved" and pipe.virtual_stages > 1:
         problems.append(f"pipeline.virtual_stages {pipe.virtual_stages} needs pipeline.schedule "
                         f"'interleaved', not {pipe.schedule!r}")
+    if cfg.checkpoint.auto_resume and not cfg.checkpoint.save_dir:
+        problems.append("checkpoint.auto_resume true needs checkpoint.save_dir, the directory "
+                        "the script saves its checkpoints into (where the latest one is "
+                        "loaded from at initialize); set it, or auto_resume false")
     if cfg.optimizer is not None:
         canon = canonical_optimizer(cfg.optimizer.type)
         if canon is None:

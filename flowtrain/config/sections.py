@@ -119,6 +119,17 @@ class CheckpointConfig(Section):
     load_universal: Bool = False
     use_node_local_storage: Bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    # Not DeepSpeed keys (its engine knows no checkpoint directory of its own):
+    # "save_dir", the directory the script saves into, which save_checkpoint() uses when
+    # called without one; "auto_resume", initialize loads the latest complete checkpoint
+    # there (a fresh start when there is none yet), so that a job restarted by `flowtrain
+    # launch --max-restarts` resumes though its script never calls load_checkpoint;
+    # "async_save", save_checkpoint returns once the state is copied to host memory and a
+    # background thread writes it (still atomic: 'latest' moves after the write completes;
+    # the host copy, kept from one save to the next, costs what this rank's part weighs).
+    save_dir: Annotated[str | None, Str(optional=True)] = None
+    auto_resume: Bool = False
+    async_save: Bool = False
 
 
 class DataTypesConfig(Section):

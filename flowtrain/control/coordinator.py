@@ -284,7 +284,8 @@ class Coordinator:
             parts = await router.recv_multipart()
             identity, frame_parts = parts[0], parts[1:]
             try:
-                frame = self.codec.decode(frame_parts)
+                frame = self.codec.decode(
+                    frame_parts, origin=identity.decode("utf-8", "backslashreplace"))
             except FrameRejected as rejection:
                 self.rejected.record_rejection(rejection, identity)
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -30,7 +31,10 @@ MAX_CONTAINER_ITEMS = 1_000_000
 MIN_SECRET_BYTES = 16
 MAC_BYTES = hashlib.sha256().digest_size
 
-REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version")
+REJECT_REASONS = ("unsigned", "bad_signature", "malformed", "unknown_version", "replayed")
+# How far below a sender's highest sequence number a frame may arrive and still be taken once
+# (frames can overtake each other when a sender's queue is full); older ones are replays.
+REPLAY_WINDOW = 1024
 
 
 def limit_frames(socket: Any) -> None:
@@ -161,7 +165,12 @@ class FrameCodec:
     def __init__(self, secret: bytes, sender: str) -> None:
         self._mac = hmac.new(check_secret(secret), digestmod=hashlib.sha256)
         self.sender = sender
-        self._seq = itertools.count(1)
+        # Numbered from the wall clock in nanoseconds, not from 1: a sender started again
+        # under the same name (a restarted or replacement rank) numbers above everything its
+        # predecessor sent, so its frames are new and its predecessor's, replayed, are not.
+        # (Hosts' clocks need only agree to within the predecessor's lifetime.)
+        self._seq = itertools.count(time.time_ns())
+        self._seen = ReplayGuard()
 
     def _sign(self, payload: bytes) -> bytes:
         # Copying a keyed HMAC skips re-deriving the key pads for every frame.
@@ -190,8 +199,11 @@ class FrameCodec:
             ) from exc
         return [payload, self._sign(payload)]
 
-    def decode(self, parts: list[bytes]) -> Frame:
-        """Verifies and unpacks ``[payload, mac]``; raises FrameRejected and nothing else."""
+    def decode(self, parts: list[bytes], origin: str | None = None) -> Frame:
+        """Verifies and unpacks ``[payload, mac]``; raises FrameRejected and nothing else.
+        ``origin``: the name of the socket it came from, which must be the signed sender (the
+        check comes before the replay check, so a frame signed under another sender's name
+        cannot move that sender's sequence numbers)."""
         if len(parts) != 2:
             raise FrameRejected("unsigned", f"expected 2 parts [payload, mac], got {len(parts)}")
         payload, mac = bytes(parts[0]), bytes(parts[1])
@@ -225,7 +237,14 @@ class FrameCodec:
             raise FrameRejected(
                 "malformed", f"payload is not one msgpack object: {type(exc).__name__}: {exc}"
             ) from None
-        return _check_message(message)
+        frame = _check_message(message)
+        if origin is not None and frame.sender != origin:
+            raise FrameRejected(
+                "malformed", f"{frame.kind} signed by {frame.sender!r} arrived from socket "
+                             f"{origin!r}; both must be the sender's name"
+            )
+        self._seen.check(frame)
+        return frame
 
     def encode_published(self, topic: str, body: dict) -> list[bytes]:
         """``[topic, payload, mac]`` for a PUB socket; the topic is repeated in the signed body."""
@@ -249,6 +268,35 @@ class FrameCodec:
                 f"but was sent under topic {topic!r}",
             )
         return frame
+
+
+class ReplayGuard:
+    """Takes each (sender, sequence number) once: a frame at or below a sender's highest
+    number that was already seen, or more than ``REPLAY_WINDOW`` below it, is a replay (a
+    captured frame sent again, which its valid signature alone would let through)."""
+
+    def __init__(self) -> None:
+        self._highest: dict[str, int] = {}
+        self._recent: dict[str, set[int]] = {}  # numbers seen within the window
+
+    def check(self, frame: Frame) -> None:
+        """Records ``frame``'s number; FrameRejected("replayed") if it was taken before."""
+        sender, seq = frame.sender, frame.seq
+        highest = self._highest.get(sender)
+        recent = self._recent.setdefault(sender, set())
+        if highest is not None and seq <= highest:
+            if seq <= highest - REPLAY_WINDOW or seq in recent:
+                raise FrameRejected(
+                    "replayed",
+                    f"{frame.kind} from {sender!r} numbered {seq} was already received (or is "
+                    f"older than the last {REPLAY_WINDOW} of its frames); a captured frame "
+                    f"sent again",
+                )
+        else:
+            self._highest[sender] = highest = seq
+        recent.add(seq)
+        if len(recent) > 2 * REPLAY_WINDOW:  # amortised: the set stays within 2 windows
+            self._recent[sender] = {n for n in recent if n > highest - REPLAY_WINDOW}
 
 
 def _check_message(message: Any) -> Frame:

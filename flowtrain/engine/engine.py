@@ -564,7 +564,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     def destroy(self) -> None:
         """Stops the engine's actors, removes its hooks and closes its data channel, so another
-        engine can be built in the same process."""
+        engine can be built in the same process; then waits for a checkpoint still being
+        written (which needs none of them) and raises its error, if it failed."""
         self.buckets.remove_hooks()
         refs = ([self.reducer] if self.reducer is not None else []) + \
             [ref for point in self.stages.at.values() for ref in point]
@@ -581,6 +582,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        self.wait_for_checkpoint()
 
 
 def _param_names(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[str]:

@@ -15,6 +15,7 @@ from flowtrain.checkpoint.checkpointer import load_engine, save_engine
 from flowtrain.checkpoint.protocol import Stateful
 
 if TYPE_CHECKING:
+    from flowtrain.checkpoint.background import BackgroundWriter
     from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.dataloader import DistributedLoader
@@ -219,13 +220,35 @@ class EngineSurface:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+    # Set by flowtrain.initialize when checkpoint.auto_resume loaded a checkpoint: its path and
+    # the client_state saved with it (what load_checkpoint would have returned); else None.
+    resumed_checkpoint: str | None = None
+    resumed_client_state: dict[str, Any] | None = None
+    # checkpoint.async_save's writer, made at the first save
+    checkpoint_writer: BackgroundWriter | None = None
+
+    def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None,
                         client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
-        and random generators atomically; every rank must call it."""
-        return save_engine(self, save_dir, tag, client_state, save_latest,
-                           exclude_frozen_parameters)
+        and random generators atomically (into the config's checkpoint.save_dir when
+        ``save_dir`` is not given); every rank must call it."""
+        directory = save_dir if save_dir is not None else self.config.checkpoint.save_dir
+        if directory is None:
+            raise ValueError("save_checkpoint needs a directory: pass save_dir, or set "
+                             "checkpoint.save_dir in the config")
+        if self.config.checkpoint.async_save and self.checkpoint_writer is None:
+            from flowtrain.checkpoint.background import BackgroundWriter
+
+            self.checkpoint_writer = BackgroundWriter()
+        return save_engine(self, directory, tag, client_state, save_latest,
+                           exclude_frozen_parameters, writer=self.checkpoint_writer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Returns once the checkpoint being written in the background (checkpoint.async_save)
+        is published; raises its error if that save failed. At once without one."""
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.wait()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -233,6 +256,7 @@ class EngineSurface:
                         custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
         """Loads a checkpoint saved by ``save_checkpoint``; returns (path, client_state), or
         (None, None) when ``load_dir`` holds none, as DeepSpeed does."""
+        self.wait_for_checkpoint()  # it may be the checkpoint being written
         return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
                            load_lr_scheduler_states, load_module_only, custom_load_fn)
 

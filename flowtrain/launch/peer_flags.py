@@ -68,7 +68,8 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
                        help="torchrun: one node, rendezvous on this host (the default)")
     peers.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", default=None,
                        metavar="N", help="torchrun: restart the job after a failure up to N "
-                       "times (one node), resuming from the last checkpoint the script loads")
+                       "times (one node), resuming from the last checkpoint the script loads (or "
+                       "the config's checkpoint.auto_resume loads)")
     peers.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
                        metavar="NAME", help="torchrun: static or c10d (a TCP store)")
     peers.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",

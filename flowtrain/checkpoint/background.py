@@ -1,0 +1,133 @@
+"""Asynchronous checkpoint saves (``checkpoint.async_save``): the tensors are copied to host
+memory on the training thread, then one background thread writes the files and publishes the
+checkpoint; at most one save is in flight, and the next save, a load or ``destroy`` waits
+for it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as TensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+from flowtrain.checkpoint.dcp_io import quiet
+from flowtrain.checkpoint.manifest import CheckpointError
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.checkpoint")
+
+# How long a save (or a load, or destroy) waits for the previous background write. A write
+# that takes longer is stuck (a rank gone, a hung file system): its barriers time out at 300 s.
+WAIT_TIMEOUT = 600.0
+
+
+class BackgroundWriter:
+    """One engine's background checkpoint writes: host-memory copies of the tensors (reused
+    from one save to the next, since only one save is in flight), the writer thread, and a
+    process group of its own, so that the write's collectives never interleave with
+    training's."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._tag: str | None = None
+        self._error: BaseException | None = None
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._group: Any = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float = WAIT_TIMEOUT) -> None:
+        """Returns once the previous save is published; raises its error, if it failed."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise CheckpointError(f"the background write of checkpoint {self._tag!r} has "
+                                      f"not finished after {timeout:g} s (a rank gone or the "
+                                      f"file system stuck); its 'latest' was not moved")
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def process_group(self) -> Any:
+        """A gloo group over every rank for the write's collectives (made on the first save,
+        when every rank is here), or None without torch.distributed."""
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            from flowtrain import comm
+
+            self._group = dist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=comm.DEFAULT_TIMEOUT))
+        return self._group
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with every tensor (and every local shard of a ShardedTensor) copied
+        into host memory, so training may change the originals while the write runs."""
+        staged: dict[str, Any] = {}
+        copied_from_gpu = False
+        for key, value in state_dict.items():
+            if isinstance(value, ShardedTensor):
+                copied_from_gpu |= any(s.tensor.is_cuda for s in value.local_shards())
+                staged[key] = self._stage_sharded(key, value)
+            elif torch.is_tensor(value):
+                copied_from_gpu |= value.is_cuda
+                staged[key] = self._copy(key, 0, value)
+            else:
+                staged[key] = value
+        if copied_from_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        return staged
+
+    def _copy(self, key: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get((key, index))
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                 pin_memory=tensor.is_cuda)
+            self._buffers[(key, index)] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        return buffer
+
+    def _stage_sharded(self, key: str, value: ShardedTensor) -> ShardedTensor:
+        """The same sharded tensor over host copies of its local shards: every rank's shards
+        are described as on the CPU, where every rank now holds them."""
+        def on_host(meta: ShardMetadata) -> ShardMetadata:
+            rank = meta.placement.rank() if meta.placement is not None else 0
+            return ShardMetadata(list(meta.shard_offsets), list(meta.shard_sizes),
+                                 f"rank:{rank}/cpu")
+
+        shards = [TensorShard(self._copy(key, i, s.tensor), on_host(s.metadata))
+                  for i, s in enumerate(value.local_shards())]
+        meta = value.metadata()
+        described = ShardedTensorMetadata([on_host(m) for m in meta.shards_metadata],
+                                          meta.size, meta.tensor_properties)
+        with quiet():
+            return ShardedTensor._init_from_local_shards_and_global_metadata(shards, described)
+
+    def start(self, tag: str, work: Callable[[], None]) -> None:
+        """Runs ``work`` (the rest of the save of ``tag``) on the writer thread. Not a daemon:
+        the interpreter waits for it at exit, so a script that ends right after a save
+        still publishes it."""
+        if self.busy:
+            raise RuntimeError(f"checkpoint {self._tag!r} is still being written; wait() first")
+        self._tag, self._error = tag, None
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # kept for wait(), which raises it on this rank
+                self._error = exc
+                log.error("background checkpoint write failed; 'latest' still names the "
+                          "previous checkpoint", tag=tag, error=str(exc))
+
+        self._thread = threading.Thread(target=run, name=f"flowtrain-checkpoint-{tag}")
+        self._thread.start()
