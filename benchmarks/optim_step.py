@@ -21,6 +21,11 @@ from gpt import GPT, GPTConfig  # noqa: E402
 HP = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _race(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     for fn in impls.values():  # warm: compile, page in, allocate state
         fn()
@@ -28,8 +33,10 @@ def _race(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list
     times: dict[str, list[float]] = {k: [] for k in impls}
     for _ in range(rounds):
         for k, fn in impls.items():  # alternate so drift hits every implementation alike
+            _sync()
             t0 = time.perf_counter()
             fn()
+            _sync()
             times[k].append(time.perf_counter() - t0)
     return times
 
@@ -40,7 +47,7 @@ def _engine(args: argparse.Namespace, precision: str) -> tuple[object, torch.nn.
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=8, n_embd=args.n_embd)
-    model = GPT(config)
+    model = GPT(config).to(args.device)
     cfg: dict = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 0.0,
                  "steps_per_print": 10**9,
                  "optimizer": {"type": "AdamW", "params": {"lr": HP["lr"],
@@ -50,29 +57,42 @@ def _engine(args: argparse.Namespace, precision: str) -> tuple[object, torch.nn.
     engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg)
     batch = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1),
-                          generator=torch.Generator().manual_seed(1))
+                          generator=torch.Generator().manual_seed(1)).to(args.device)
     _, loss = engine(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
     engine.backward(loss)  # gradients in the engine's buckets; no step: they stay
     return engine, model
 
 
-def _torch_optimizers(stepped: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+def _torch_optimizers(stepped: list[torch.Tensor]) -> dict[str, torch.optim.Optimizer]:
     """torch AdamW on fp32 copies of what the engine steps, gradients copied, each tensor its
     own allocation as in a plain torch training loop."""
-    out: dict[str, Callable[[], object]] = {}
+    out: dict[str, torch.optim.Optimizer] = {}
     for name, kw in (("torch fused", {"fused": True}), ("torch foreach", {"foreach": True})):
         params = [torch.nn.Parameter(p.detach().clone()) for p in stepped]
         for q, p in zip(params, stepped):
             q.grad = p.grad.detach().clone()
-        out[name] = torch.optim.AdamW(params, **HP, **kw).step
+        out[name] = torch.optim.AdamW(params, **HP, **kw)
     return out
 
 
 def bench_step(args: argparse.Namespace, precision: str) -> dict[str, list[float]]:
-    engine, _ = _engine(args, precision)
+    engine, model = _engine(args, precision)
     opt = engine.optimizer
     stepped = [p for g in opt.param_groups for p in g["params"]]
-    return _race({"flowtrain": opt.step, **_torch_optimizers(stepped)}, args.rounds)
+    optimizers = _torch_optimizers(stepped)
+    peers: dict[str, Callable[[], object]] = {k: o.step for k, o in optimizers.items()}
+    if precision != "fp32":
+        # flowtrain's step also writes the half-precision model; torch's needs a copy after
+        fused = optimizers["torch fused"]
+        masters = [p for g in fused.param_groups for p in g["params"]]
+        halves = [p.detach().clone() for p in model.parameters()]
+
+        def fused_and_copy() -> None:
+            fused.step()
+            torch._foreach_copy_(halves, masters)
+
+        peers["torch fused + model copy"] = fused_and_copy
+    return _race({"flowtrain": opt.step, **peers}, args.rounds)
 
 
 def bench_unscale_norm(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -83,13 +103,19 @@ def bench_unscale_norm(args: argparse.Namespace) -> dict[str, list[float]]:
     engine, model = _engine(args, "fp16")
     master = engine.master
     half = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-    found = torch.zeros(1)
+    found = torch.zeros(1, device=args.device)
     # torch unscales in place: alternating 1/1024 and 1024 keeps the values where they were
-    scales = [torch.full((1,), 1.0 / 1024), torch.full((1,), 1024.0)]
+    scales = [torch.full((1,), 1.0 / 1024, device=args.device),
+              torch.full((1,), 1024.0, device=args.device)]
     fp32_grads = [g.float() for g in half]  # torch AMP's gradients: fp32, one per parameter
 
     def flowtrain_unscale() -> object:
-        return master.load_grads(engine.buckets, 1024.0)
+        overflow = master.load_grads(engine.buckets, 1024.0)
+        if overflow is None:  # before issue 21 the check was a separate pass
+            from flowtrain.precision import has_inf_or_nan
+
+            overflow = has_inf_or_nan(engine.buckets.flat)
+        return overflow
 
     def torch_unscale() -> object:
         scales.reverse()
@@ -124,20 +150,21 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=96, help="vocabulary size")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences in the backward")
     ap.add_argument("--rounds", type=int, default=31, help="alternating timed rounds")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"],
                     choices=["fp32", "bf16", "fp16"], help="the engine's precision(s)")
     args = ap.parse_args()
     import cuda_numba
 
     cuda_numba.warm_up()
-    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"device: {args.device}   torch threads: {torch.get_num_threads()}")
     for precision in args.precision:
         times = bench_step(args, precision)
         n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len,
                                                  n_layer=args.n_layer, n_head=8,
                                                  n_embd=args.n_embd)).parameters())
         _report(f"optimizer step inside the engine, {precision}, {n / 1e6:.2f}M parameters",
-                times, [("flowtrain", "torch fused"), ("flowtrain", "torch foreach")])
+                times, [("flowtrain", peer) for peer in times if peer != "flowtrain"])
     _report("fp16 unscale + overflow check, and grad norm", bench_unscale_norm(args),
             [("flowtrain unscale", "torch unscale"), ("flowtrain norm", "torch norm")])
 
