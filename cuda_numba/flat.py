@@ -46,6 +46,7 @@ class GroupPlan:
 
     key: Hashable
     runs: list[Run]
+    members: tuple[int, ...] = ()  # ids of the stepped parameters, in memory order
     steps: torch.Tensor | None = None  # every stepped parameter's step count, one flat tensor
 
 
@@ -164,6 +165,11 @@ def plan_runs(params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, dict[
 
 def _make_run(members: list[torch.Tensor], state: Mapping[torch.Tensor, dict[str, Any]],
               keys: Sequence[str], tag: Any, copies: Mapping[torch.Tensor, torch.Tensor]) -> Run:
+    copy = copies.get(members[0])
+    if len(members) == 1:  # the tensors themselves: no view to make
+        p = members[0]
+        return Run(members=[p], numel=p.numel(), tag=tag, param=p,
+                   state={k: state[p][k] for k in keys}, model_out=copy)
     numel = sum(p.numel() for p in members)
 
     def view(t: torch.Tensor) -> torch.Tensor:
@@ -173,7 +179,6 @@ def _make_run(members: list[torch.Tensor], state: Mapping[torch.Tensor, dict[str
                                f"not fit the storage of its first tensor")
         return v
 
-    copy = copies.get(members[0])
     return Run(members=list(members), numel=numel, tag=tag, param=view(members[0]),
                state={k: view(state[members[0]][k]) for k in keys},
                model_out=None if copy is None else view(copy))

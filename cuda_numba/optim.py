@@ -66,10 +66,15 @@ class _Fused(torch.optim.Optimizer):
                 _check_grad(type(self).__name__, p)
                 live.append(p)
         live = flat.memory_order(live)
-        plan = flat.GroupPlan(key, [])
+        members = tuple(id(p) for p in live)
+        # Gradients that move every step (a loop that frees them) change the key but not the
+        # parameters: their state is laid out already, so only the runs are planned again.
+        laid_out = plan is not None and plan.members == members
+        plan = flat.GroupPlan(key, [], members, plan.steps if laid_out and plan else None)
         tags = self._tags(live, group, plan)
         keys = self._state_keys(group)
-        flat.flatten_state(self.state, live, keys)
+        if not laid_out:
+            flat.flatten_state(self.state, live, keys)
         plan.runs = flat.plan_runs(live, self.state, keys, tags, self._model_copies)
         self._plans[index] = plan
         return plan
@@ -136,8 +141,10 @@ class FusedAdam(_Fused):
               plan: flat.GroupPlan) -> list[Any]:
         # torch keeps step as a float32 CPU tensor per parameter; so do we (views of one flat
         # tensor), for state_dict parity. A run's members share one count, its tag.
-        plan.steps, counts = flat.flatten_steps(self.state, params)
-        return counts
+        if plan.steps is None:
+            plan.steps, counts = flat.flatten_steps(self.state, params)
+            return counts
+        return [int(c) for c in plan.steps.tolist()]
 
     def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
         run.tag += 1
