@@ -26,6 +26,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# wall clock by default; --clock cpu takes this process's CPU time instead, which a machine
+# shared with other jobs disturbs far less (meaningful with one thread each:
+# OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1, where no thread waits for another)
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
+
+
 def _race(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     for fn in impls.values():  # warm: compile, page in, allocate state
         fn()
@@ -34,10 +40,10 @@ def _race(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list
     for _ in range(rounds):
         for k, fn in impls.items():  # alternate so drift hits every implementation alike
             _sync()
-            t0 = time.perf_counter()
+            t0 = CLOCK[0]()
             fn()
             _sync()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(CLOCK[0]() - t0)
     return times
 
 
@@ -153,11 +159,16 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"],
                     choices=["fp32", "bf16", "fp16"], help="the engine's precision(s)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall clock, or this process's CPU time (see CLOCK)")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
     import cuda_numba
 
     cuda_numba.warm_up()
-    print(f"device: {args.device}   torch threads: {torch.get_num_threads()}")
+    print(f"device: {args.device}   torch threads: {torch.get_num_threads()}   "
+          f"clock: {args.clock}")
     for precision in args.precision:
         times = bench_step(args, precision)
         n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len,
