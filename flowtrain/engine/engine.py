@@ -519,10 +519,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _zero_grads(self) -> None:
         if self.zero is not None:
             self.zero.zero_grads()
-        self.buckets.zero_()
-        if self.master is not None:
-            for flat in self.master.flat:
-                flat.zero_()
+        self.buckets.zero_()  # (the fp32 master gradients are overwritten whole each step)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes gradients in place (the buckets stay the gradients' memory)."""
