@@ -251,13 +251,31 @@ def _unscale_block(g, o, inv, kind):
     return acc
 
 
+@njit(inline="always", **_opts)
+def _unscale_block_in_place(g, inv):
+    # _unscale_block on one array: with two that are the same memory LLVM's run-time overlap
+    # test picks its scalar loop, several times slower.
+    # (compiled for the uint16 signature too, where unscale_check never calls it)
+    acc = _U32(0)
+    for j in range(g.shape[0]):
+        x = _load(g, j, 2)
+        g[j] = x * inv
+        acc = max(acc, f32_as_u32(x) & _U32(0x7F800000))
+    return acc
+
+
 def _unscale_check(grad, grad_kind, out, inv_scale):
     n = grad.shape[0]
     inv = np.float32(inv_scale)
     nb = (n + BLOCK - 1) // BLOCK
     bad = np.zeros(nb, np.uint32)
-    # one loop per kind so the fp16/bf16 widening has no per-element kind test
-    if grad_kind == 1:
+    # one loop per kind so the fp16/bf16 widening has no per-element kind test; an empty
+    # out means "in place" (float32 grads only: see unscale_check)
+    if out.shape[0] == 0 and n > 0:
+        for b in prange(nb):
+            lo = b * BLOCK
+            bad[b] = _unscale_block_in_place(grad[lo:min(lo + BLOCK, n)], inv)
+    elif grad_kind == 1:
         for b in prange(nb):
             lo = b * BLOCK
             hi = min(lo + BLOCK, n)
@@ -370,7 +388,12 @@ def sgd(param, grad, grad_kind, momentum_buf, model_out, out_kind, lr, momentum,
       weight_decay, nesterov, first_step, inv_scale)
 
 
+_IN_PLACE = np.empty(0, np.float32)
+
+
 def unscale_check(grad, grad_kind, out, inv_scale):
+    if grad_kind == 0 and grad.shape[0] and out.ctypes.data == grad.ctypes.data:
+        out = _IN_PLACE
     k = _unscale_par if _parallel(grad.shape[0]) else _unscale_ser
     return bool(k(grad, grad_kind, out, inv_scale))
 

@@ -1,20 +1,46 @@
 """torch.optim.Optimizer front-ends over the fused kernels: FusedAdam (Adam/AdamW), FusedLion,
-FusedSGD; state keys match torch's so state_dicts load both ways. One kernel call per param.
+FusedSGD; state keys match torch's so state_dicts load both ways. The state is laid out flat
+(``cuda_numba.flat``), so parameters that lie end to end in memory with their gradients (an
+engine bucket, a ZeRO shard) are stepped by one kernel call; any others one by one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from . import ops
+from . import flat, ops
 
 
 class _Fused(torch.optim.Optimizer):
-    """The loop every fused optimizer shares: closure, groups, params with a grad; subclasses
-    update one parameter in ``_update``."""
+    """The loop every fused optimizer shares: closure, groups, a plan of runs per group;
+    subclasses name their state (``_state_keys``, ``_tags``) and step one run (``_update``)."""
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._model_copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._plans: dict[int, flat.GroupPlan] = {}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_model_copies", {})
+        self._plans = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._plans = {}  # the loaded state is laid out afresh at the next step
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self.__dict__.setdefault("_plans", {})
+
+    def write_model_copies(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """For mixed precision: after each step, write every (fp32 param -> fp16/bf16 model
+        tensor) pair's rounded new value in the same pass as the update."""
+        self._model_copies = dict(pairs)
+        self._plans = {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -22,25 +48,67 @@ class _Fused(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, _grad(type(self).__name__, p), self.state[p], group)
+        for index, group in enumerate(self.param_groups):
+            plan = self._plan(index, group)
+            if not self._step_group(plan, group):
+                # a gradient moved without the layout key noticing: plan from scratch
+                self._step_group(self._plan(index, group, force=True), group)
         return loss
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                group: dict[str, Any]) -> None:
+    def _plan(self, index: int, group: dict[str, Any], force: bool = False) -> flat.GroupPlan:
+        key = flat.layout_key(group["params"])
+        plan = self._plans.get(index)
+        if plan is not None and plan.key == key and not force:
+            return plan
+        live = []
+        for p in group["params"]:
+            if p.grad is not None:
+                _check_grad(type(self).__name__, p)
+                live.append(p)
+        live = flat.memory_order(live)
+        members = tuple(id(p) for p in live)
+        # Gradients that move every step (a loop that frees them) change the key but not the
+        # parameters: their state is laid out already, so only the runs are planned again.
+        laid_out = plan is not None and plan.members == members
+        plan = flat.GroupPlan(key, [], members, plan.steps if laid_out and plan else None)
+        tags = self._tags(live, group, plan)
+        keys = self._state_keys(group)
+        if not laid_out:
+            flat.flatten_state(self.state, live, keys)
+        plan.runs = flat.plan_runs(live, self.state, keys, tags, self._model_copies)
+        self._plans[index] = plan
+        return plan
+
+    def _step_group(self, plan: flat.GroupPlan, group: dict[str, Any]) -> bool:
+        """Steps every run of the plan; False (nothing stepped) when a gradient view no
+        longer fits, which only a stale plan can cause."""
+        grads = [run.grad() for run in plan.runs]
+        if any(g is None for g in grads):
+            return False
+        for run, grad in zip(plan.runs, grads):
+            assert grad is not None
+            self._update(run, grad, group)
+        if plan.steps is not None:
+            plan.steps.add_(1)
+        return True
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _tags(self, params: Sequence[torch.Tensor], group: dict[str, Any],
+              plan: flat.GroupPlan) -> list[Any]:
+        """Per parameter, the value a run must share (None: nothing)."""
+        return [None] * len(params)
+
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
 
-def _grad(opt: str, p: torch.Tensor) -> torch.Tensor:
+def _check_grad(opt: str, p: torch.Tensor) -> None:
     g = p.grad
-    if g is None:  # the step passes only parameters that have a grad
-        raise RuntimeError(f"{opt}: param of shape {tuple(p.shape)} has no grad")
-    if g.is_sparse:
+    if g is not None and g.is_sparse:
         raise RuntimeError(f"{opt}: param of shape {tuple(p.shape)} has a sparse grad; "
                            "only dense grads are supported")
-    return g if g.is_contiguous() else g.contiguous()
 
 
 class FusedAdam(_Fused):
@@ -58,12 +126,6 @@ class FusedAdam(_Fused):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, adamw=adamw,
                                       bias_correction=bias_correction))
-        self._model_copies: dict[torch.Tensor, torch.Tensor] = {}
-
-    def write_model_copies(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """For mixed precision: after each step, write every (fp32 param -> fp16/bf16 model
-        tensor) pair's rounded new value in the same pass as the update."""
-        self._model_copies = dict(pairs)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -72,19 +134,24 @@ class FusedAdam(_Fused):
             for k in ("adamw", "bias_correction"):
                 group.setdefault(k, self.defaults[k])
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                group: dict[str, Any]) -> None:
-        if len(state) == 0:
-            # torch keeps step as a float32 CPU tensor; so do we, for state_dict parity
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        state["step"] += 1
-        ops.adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
-                      betas=group["betas"], eps=group["eps"],
-                      weight_decay=group["weight_decay"], step=int(state["step"].item()),
-                      adamw=group["adamw"], bias_correction=group["bias_correction"],
-                      model_out=self._model_copies.get(p))
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _tags(self, params: Sequence[torch.Tensor], group: dict[str, Any],
+              plan: flat.GroupPlan) -> list[Any]:
+        # torch keeps step as a float32 CPU tensor per parameter; so do we (views of one flat
+        # tensor), for state_dict parity. A run's members share one count, its tag.
+        if plan.steps is None:
+            plan.steps, counts = flat.flatten_steps(self.state, params)
+            return counts
+        return [int(c) for c in plan.steps.tolist()]
+
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        run.tag += 1
+        ops.adam_step(run.param, grad, run.state["exp_avg"], run.state["exp_avg_sq"],
+                      lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                      weight_decay=group["weight_decay"], step=run.tag, adamw=group["adamw"],
+                      bias_correction=group["bias_correction"], model_out=run.model_out)
 
 
 class FusedLion(_Fused):
@@ -96,12 +163,13 @@ class FusedLion(_Fused):
             raise ValueError(f"FusedLion: lr is {lr}; expected >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                group: dict[str, Any]) -> None:
-        if len(state) == 0:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        ops.lion_step(p, grad, state["exp_avg"], lr=group["lr"], betas=group["betas"],
-                      weight_decay=group["weight_decay"])
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        ops.lion_step(run.param, grad, run.state["exp_avg"], lr=group["lr"],
+                      betas=group["betas"], weight_decay=group["weight_decay"],
+                      model_out=run.model_out)
 
 
 class FusedSGD(_Fused):
@@ -115,13 +183,19 @@ class FusedSGD(_Fused):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                group: dict[str, Any]) -> None:
-        buf = state.get("momentum_buffer")
-        first = buf is None and group["momentum"] != 0
-        if first:
-            buf = state["momentum_buffer"] = torch.empty_like(
-                p, memory_format=torch.contiguous_format)
-        ops.sgd_step(p, grad, buf, lr=group["lr"], momentum=group["momentum"],
-                     dampening=group["dampening"], weight_decay=group["weight_decay"],
-                     nesterov=group["nesterov"], first_step=first)
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _tags(self, params: Sequence[torch.Tensor], group: dict[str, Any],
+              plan: flat.GroupPlan) -> list[Any]:
+        # torch seeds the momentum buffer with the first gradient: whether this is a
+        # parameter's first momentum step is known before its (zeroed) buffer is laid out
+        return [group["momentum"] != 0 and self.state[p].get("momentum_buffer") is None
+                for p in params]
+
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        ops.sgd_step(run.param, grad, run.state.get("momentum_buffer"), lr=group["lr"],
+                     momentum=group["momentum"], dampening=group["dampening"],
+                     weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                     first_step=run.tag, model_out=run.model_out)
+        run.tag = False

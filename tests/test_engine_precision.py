@@ -190,3 +190,31 @@ def test_fused_adam_writes_the_half_model_copy_in_its_pass(module_world1: Any,
         assert torch.equal(p.detach(), m.detach().to(p.dtype))  # the model is the rounded master
         # ... and it moved, except the layer the model never uses
         assert torch.equal(p.detach(), b) == name.startswith("unused."), name
+
+
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 10}}])
+def test_the_optimizer_steps_each_bucket_in_one_kernel_call(
+        module_world1: Any, precision: dict[str, Any], monkeypatch: Any) -> None:
+    """The engine lays parameters (and fp32 master weights) out flat in the buckets' layout, so
+    FusedAdam finds one run per bucket: one kernel call each, model copy included."""
+    from cuda_numba import optim
+
+    engine, model = _engine(precision)
+    calls: list[int] = []
+    real = optim.ops.adam_step
+
+    def spy(param: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        calls.append(param.numel())
+        real(param, *args, **kwargs)
+
+    monkeypatch.setattr(optim.ops, "adam_step", spy)
+    for step in range(2):
+        _train_step(engine, step)
+    sizes = [b.numel for b in engine.plan.buckets]
+    assert calls == sizes * 2
+    stepped = engine.master.master if engine.master is not None else list(model.parameters())
+    for bucket in engine.plan.buckets:  # every parameter of a bucket in one storage
+        ptrs = {stepped[s.index].untyped_storage().data_ptr() for s in bucket.slots}
+        ptrs |= {engine.trainable[s.index].untyped_storage().data_ptr() + 1 for s in bucket.slots}
+        assert len(ptrs) == 2

@@ -103,3 +103,156 @@ def test_loads_torch_adamw_state():
     _run(opt, ours, 1, seed=4)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- flat layout
+
+def _flat_params(seed=0):
+    """Parameters and gradients laid out as the engine lays out a bucket: views of one flat
+    buffer each, in order."""
+    values = _params(seed)  # the same numbers as _params(seed), laid out flat
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    weights, grads = torch.empty(total), torch.zeros(total)
+    params, off = [], 0
+    for s, v in zip(SHAPES, values):
+        n = torch.Size(s).numel()
+        p = torch.nn.Parameter(weights.narrow(0, off, n).view(s))
+        p.data.copy_(v.data)
+        p.grad = grads.narrow(0, off, n).view(s)
+        params.append(p)
+        off += n
+    return params
+
+
+def _run_in_place(opt, params, steps, seed=1):
+    # writes the new gradients into the existing (flat) grad tensors, as the engine's buckets
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad.copy_(torch.randn(p.shape, generator=gen))
+        opt.step()
+
+
+def _count_calls(monkeypatch, name):
+    from cuda_numba import optim
+
+    calls = []
+    real = getattr(optim.ops, name)
+
+    def spy(param, *args, **kwargs):
+        calls.append(param.numel())
+        return real(param, *args, **kwargs)
+
+    monkeypatch.setattr(optim.ops, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_flat_params_step_in_one_call_and_match_torch(adamw, monkeypatch):
+    calls = _count_calls(monkeypatch, "adam_step")
+    ours, ref = _flat_params(), _params()
+    hp = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
+    opt = FusedAdam(ours, adamw=adamw, **hp)
+    _run_in_place(opt, ours, 6)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    _run(cls(ref, foreach=False, **hp), ref, 6)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    total = sum(p.numel() for p in ours)
+    assert calls == [total] * 6  # one kernel call per step for the whole run
+    # the state is one flat buffer per key, each parameter's a view; steps counted per param
+    m = [opt.state[p]["exp_avg"] for p in ours]
+    assert all(t.untyped_storage().data_ptr() == m[0].untyped_storage().data_ptr() for t in m)
+    assert [opt.state[p]["step"].item() for p in ours] == [6.0] * len(ours)
+
+
+def test_flat_sgd_and_lion_match_references(monkeypatch):
+    calls = _count_calls(monkeypatch, "sgd_step")
+    ours, ref = _flat_params(), _params()
+    hp = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+    _run_in_place(FusedSGD(ours, **hp), ours, 5)
+    _run(torch.optim.SGD(ref, foreach=False, **hp), ref, 5)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 5
+    # Lion: flat against the per-parameter path (checked against its formula above)
+    flat, loose = _flat_params(), _params()
+    _run_in_place(FusedLion(flat, lr=1e-3, weight_decay=0.1), flat, 4)
+    _run(FusedLion(loose, lr=1e-3, weight_decay=0.1), loose, 4)
+    for a, b in zip(flat, loose):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_runs_break_where_memory_does_not_follow(monkeypatch):
+    """One gradient outside the flat buffer and a parameter without a gradient: still
+    torch's numbers, in one call per run of parameters that do follow each other."""
+    calls = _count_calls(monkeypatch, "adam_step")
+    ours, ref = _flat_params(), _params()
+    ours[1].grad = torch.zeros(SHAPES[1])  # its own memory: breaks the run
+    ours.append(torch.nn.Parameter(torch.ones(4)))  # never gets a gradient
+    ref.append(torch.nn.Parameter(torch.ones(4)))
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    _run_in_place(opt, ours[:-1], 4)
+    _run(torch.optim.AdamW(ref[:-1], lr=1e-2, weight_decay=0.1, foreach=False), ref[:-1], 4)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ours[-1] not in opt.state
+    # (7,) | (33, 5) | (1,) with the empty (0,) and then (64, 3, 2), which follow each other
+    assert calls == [7, 165, 1 + 384] * 4
+
+
+def test_fresh_gradients_every_step(monkeypatch):
+    """A plain torch loop frees and re-allocates gradients every step: the plan follows them."""
+    ours, ref = _flat_params(), _params()
+    opt = FusedAdam(ours, lr=1e-2)
+    tref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, foreach=False)
+    _run(opt, ours, 3)  # assigns new gradient tensors each step
+    _run(tref, ref, 3)
+    _run_in_place(opt, ours, 2, seed=7)
+    _run(tref, ref, 2, seed=7)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flat_model_copies_written_in_the_same_call(dtype, monkeypatch):
+    calls = _count_calls(monkeypatch, "adam_step")
+    ours = _flat_params()
+    total = sum(p.numel() for p in ours)
+    model_flat = torch.zeros(total, dtype=dtype)
+    copies, off = [], 0
+    for p in ours:
+        copies.append(model_flat.narrow(0, off, p.numel()).view(p.shape))
+        off += p.numel()
+    opt = FusedAdam(ours, lr=1e-2)
+    opt.write_model_copies(zip(ours, copies))
+    _run_in_place(opt, ours, 2)
+    assert calls == [total, total]
+    for p, c in zip(ours, copies):
+        torch.testing.assert_close(c, p.detach().to(dtype), rtol=0, atol=0)
+
+
+def test_flat_state_dict_both_ways_with_torch():
+    """A flat-laid-out FusedAdam loads torch's AdamW state (per-parameter tensors) and torch
+    loads ours; training goes on with the same numbers."""
+    ref = _params()
+    topt = torch.optim.AdamW(ref, lr=2e-3, weight_decay=0.1, foreach=False)
+    _run(topt, ref, 3)
+    ours = _flat_params()
+    for a, b in zip(ours, ref):
+        a.data.copy_(b.data)
+    opt = FusedAdam(ours, lr=2e-3, weight_decay=0.1)
+    opt.load_state_dict(copy.deepcopy(topt.state_dict()))
+    _run(topt, ref, 3, seed=3)
+    _run_in_place(opt, ours, 3, seed=3)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    sd = opt.state_dict()
+    assert sorted(sd["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert sd["state"][1]["exp_avg"].shape == SHAPES[1]
+    assert sd["state"][1]["step"].item() == 6 and sd["state"][1]["step"].dim() == 0
+    topt.load_state_dict(copy.deepcopy(sd))
+    _run(topt, ref, 2, seed=4)
+    _run_in_place(opt, ours, 2, seed=4)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

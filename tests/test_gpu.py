@@ -70,6 +70,125 @@ def test_cuda_unscale_check_and_norm_match_torch() -> None:
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("copy_dtype", [None, torch.float16, torch.bfloat16])
+def test_cuda_flat_optimizers_step_a_run_in_one_call(copy_dtype: torch.dtype | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters and gradients laid out flat on the GPU (as engine buckets are): FusedAdam,
+    FusedSGD and FusedLion step all of them in one CUDA kernel call, with torch's numbers
+    (Lion: the per-parameter path's), the half-precision model copy written in the same call."""
+    from cuda_numba import optim
+
+    shapes = [(7,), (333, 65), (1,), (0,), (64, 3, 2), (1000,)]
+    total = sum(torch.Size(s).numel() for s in shapes)
+
+    def flat_params(seed: int) -> list[torch.nn.Parameter]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        weights = torch.randn(total, device="cuda", generator=gen)
+        grads = torch.zeros(total, device="cuda")
+        out, off = [], 0
+        for s in shapes:
+            n = torch.Size(s).numel()
+            p = torch.nn.Parameter(weights.narrow(0, off, n).view(s))
+            p.grad = grads.narrow(0, off, n).view(s)
+            out.append(p)
+            off += n
+        return out
+
+    calls: list[int] = []
+    for name in ("adam_step", "sgd_step", "lion_step"):
+        real = getattr(optim.ops, name)
+        monkeypatch.setattr(optim.ops, name, lambda p, *a, _real=real, **k: (
+            calls.append(p.numel()), _real(p, *a, **k))[1])
+    cases = [(lambda ps: optim.FusedAdam(ps, lr=1e-2, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)),
+             (lambda ps: optim.FusedSGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+              lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                         foreach=False))]
+    for make_ours, make_ref in cases:
+        ours, ref = flat_params(0), [torch.nn.Parameter(p.detach().clone())
+                                     for p in flat_params(0)]
+        opt, ropt = make_ours(ours), make_ref(ref)
+        copies = torch.zeros(total, device="cuda", dtype=copy_dtype or torch.float32)
+        if copy_dtype is not None:
+            views = [copies.narrow(0, o, p.numel()).view(p.shape) for o, p in
+                     zip(torch.tensor([0] + [p.numel() for p in ours]).cumsum(0).tolist(), ours)]
+            opt.write_model_copies(zip(ours, views))
+        calls.clear()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(4):
+            for a, b in zip(ours, ref):
+                g = torch.randn(a.shape, device="cuda", generator=gen)
+                a.grad.copy_(g)
+                b.grad = g.clone()
+            opt.step()
+            ropt.step()
+        torch.cuda.synchronize()
+        assert calls == [total] * 4
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if copy_dtype is not None:
+            flat_weights = torch.cat([p.detach().reshape(-1) for p in ours])
+            torch.testing.assert_close(copies, flat_weights.to(copy_dtype), rtol=0, atol=0)
+    flat, loose = flat_params(2), [torch.nn.Parameter(p.detach().clone().contiguous())
+                                   for p in flat_params(2)]
+    for params in (flat, loose):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optim.FusedLion(params, lr=1e-3, weight_decay=0.1).step()
+    for a, b in zip(flat, loose):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_engine_half_precision_on_the_gpu(tmp_path: Path, precision: str) -> None:
+    """fp16/bf16 through the engine on the GPU: the master gradients unscaled and checked by
+    the CUDA kernel in one pass per bucket, one FusedAdam call per bucket, and the losses
+    tracking fp32's."""
+    script = tmp_path / "half.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, flowtrain
+        from cuda_numba import optim
+
+        def run(precision):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                        torch.nn.Linear(256, 1)).cuda()
+            cfg = {{"train_micro_batch_size_per_gpu": 32, "gradient_clipping": 1.0,
+                   "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}}}}
+            if precision != "fp32":
+                cfg[precision] = {{"enabled": True}}
+            if precision == "fp16":
+                cfg["fp16"]["initial_scale_power"] = 8
+            engine, *_ = flowtrain.initialize(model=model, config=cfg,
+                                              model_parameters=model.parameters())
+            calls, real = [], optim.ops.adam_step
+            optim.ops.adam_step = lambda p, *a, **k: (calls.append(p.numel()), real(p, *a, **k))
+            g = torch.Generator(device="cuda").manual_seed(1)
+            losses = []
+            for _ in range(12):
+                x = torch.randn(32, 64, device="cuda", generator=g)
+                y = torch.randn(32, 1, device="cuda", generator=g)
+                dtype = next(engine.module.parameters()).dtype
+                loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+                engine.backward(loss); engine.step()
+                losses.append(loss.item())
+            optim.ops.adam_step = real
+            steps = 12 - engine.skipped_steps
+            assert calls == [b.numel for b in engine.plan.buckets] * steps, calls
+            engine.destroy()
+            return losses
+
+        base, half = run("fp32"), run("{precision}")
+        for a, b in zip(half, base):
+            assert abs(a - b) <= 0.05 * max(1.0, abs(b)), (half, base)
+        print("GPU HALF OK")
+    """))
+    env = rank_env(0, 1, free_port())
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0 and "GPU HALF OK" in proc.stdout, proc.stderr[-4000:]
+
+
 def test_engine_trains_on_the_gpu(tmp_path: Path) -> None:
     script = tmp_path / "step.py"
     script.write_text(textwrap.dedent("""

@@ -150,6 +150,20 @@ def test_unscale_flags_exactly_when_bad(gdtype, n, bad):
     assert cn.unscale_and_check(torch.empty(0, dtype=gdtype), torch.empty(0), 2.0) is False
 
 
+@pytest.mark.parametrize("n", [1, 7, 1023, 1024, 100_003])
+def test_unscale_in_place_matches_torch_amp(n):
+    """out is grad (the in-place kernel): torch's _amp_foreach_non_finite_check_and_unscale_
+    gives the same values and the same flag."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1000
+    ref, found = g.clone(), torch.zeros(1)
+    assert cn.unscale_and_check(g, g, 1 / 3) is False
+    torch._amp_foreach_non_finite_check_and_unscale_([ref], found, torch.full((1,), 1 / 3))
+    assert found.item() == 0.0
+    torch.testing.assert_close(g, ref, rtol=0, atol=0)
+    g[n - 1] = math.nan
+    assert cn.unscale_and_check(g, g, 1.0) is True
+
+
 def test_unscale_large_finite_values_are_not_flagged():
     g = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0])
     assert cn.unscale_and_check(g, torch.empty(3), 1.0) is False

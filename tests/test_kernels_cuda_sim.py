@@ -27,6 +27,7 @@ EXPECTED = [
     "lion_vs_reference",
     "sgd_vs_torch",
     "size_zero_and_argument_checks",
+    "flat_run_of_params_in_one_call",
 ]
 
 _cache = {}

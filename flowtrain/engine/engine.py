@@ -16,7 +16,7 @@ from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.health import Health
-from flowtrain.engine.mixed import MasterWeights, clip_, total_grad_norm
+from flowtrain.engine.mixed import MasterWeights, clip_, lay_out_flat, total_grad_norm
 from flowtrain.engine.parts import EngineParts
 from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
 from flowtrain.engine.stages import (
@@ -257,8 +257,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                               pad_to=self.world_size if self.zero_stage else 1,
                               transient=self.transient)
         buckets.install_hooks()
-        if self.master is not None:
-            self.master.layout_grads(buckets)
+        if not self.zero_stage:  # ZeRO lays parameters out flat itself
+            lay_out_flat(buckets, self.master)
         return buckets
 
     def _settle_bucket_order(self) -> None:
@@ -444,12 +444,12 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _optimizer_step(self) -> bool:
         if self.zero is not None:
             return self._zero_step()
-        if self.master is not None:
-            self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
-            grads = self.master.flat
+        if self.master is not None:  # unscaled and checked in one pass per bucket
+            bad = self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
+            overflow, grads = self.precision == "fp16" and bad, self.master.flat
         else:
             grads = self.buckets.buffers()
-        overflow = self.precision == "fp16" and has_inf_or_nan(self.buckets.flat)
+            overflow = self.precision == "fp16" and has_inf_or_nan(grads)
         if self.model_parallel and self.precision == "fp16":
             overflow = self._across_model(float(overflow), dist.ReduceOp.MAX) > 0
         self.loss_scaler.update(overflow)
@@ -524,10 +524,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
     def _zero_grads(self) -> None:
         if self.zero is not None:
             self.zero.zero_grads()
-        self.buckets.zero_()
-        if self.master is not None:
-            for flat in self.master.flat:
-                flat.zero_()
+        self.buckets.zero_()  # (the fp32 master gradients are overwritten whole each step)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes gradients in place (the buckets stay the gradients' memory)."""

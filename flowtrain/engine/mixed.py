@@ -1,5 +1,6 @@
 """fp32 master weights for fp16/bf16 training: the optimizer steps fp32 copies whose gradients
-are the reduced half-precision buckets, unscaled in one pass per bucket."""
+are the reduced half-precision buckets, unscaled in one pass per bucket; and the flat layout of
+parameters per bucket that lets a fused optimizer step a whole bucket in one kernel call."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cuda_numba import unscale_and_check
 from flowtrain.engine.buckets import GradBuckets
 
 
@@ -23,24 +25,38 @@ class MasterWeights:
         self.master = [torch.nn.Parameter(p.detach().clone().float()) for p in self.model_params]
         self.flat: list[torch.Tensor] = []
         self.fused_copy = False
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(master, model tensor) pairs a fused optimizer writes after each step."""
+        return list(zip(self.master, (p.data for p in self.model_params)))
 
     def layout_grads(self, buckets: GradBuckets) -> None:
-        """(Re)creates the fp32 gradient buffers in the buckets' layout."""
+        """(Re)lays the master weights and their fp32 gradients out in the buckets' layout: one
+        flat buffer of each per bucket, every master parameter and its ``.grad`` a view."""
         self.flat = []
         for bucket in buckets.plan:
-            flat = torch.zeros(bucket.numel, dtype=torch.float32,
-                               device=buckets.buffer(bucket.index).device)
+            device = buckets.buffer(bucket.index).device
+            weights = torch.empty(bucket.numel, dtype=torch.float32, device=device)
+            flat = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
             self.flat.append(flat)
             for slot in bucket.slots:
-                self.master[slot.index].grad = flat.narrow(0, slot.offset,
-                                                           slot.numel).view(slot.shape)
+                master = self.master[slot.index]
+                view = weights.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                view.copy_(master.detach())
+                master.data = view
+                master.grad = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        if self.fused_copy and self.optimizer is not None:  # the copies moved with the layout
+            point_optimizer_at(self.optimizer, [g["params"] for g in self.optimizer.param_groups],
+                               self.copies())
 
-    def load_grads(self, buckets: GradBuckets, loss_scale: float) -> None:
-        """master grad = reduced half grad / loss_scale, bucket by bucket."""
+    def load_grads(self, buckets: GradBuckets, loss_scale: float) -> bool:
+        """master grad = reduced half grad / loss_scale, in one pass per bucket that also
+        checks it: returns True when any gradient holds an inf or NaN."""
+        overflow = False
         for master, half in zip(self.flat, buckets.buffers()):
-            master.copy_(half)
-            if loss_scale != 1.0:
-                master.mul_(1.0 / loss_scale)
+            overflow |= unscale_and_check(half, master, 1.0 / loss_scale)
+        return overflow
 
     def copy_to_model(self) -> None:
         with torch.no_grad():
@@ -60,8 +76,8 @@ class MasterWeights:
                                      "parameter of the model")
                 replaced.append(self.master[i])
             groups.append(replaced)
-        self.fused_copy = point_optimizer_at(
-            optimizer, groups, list(zip(self.master, (p.data for p in self.model_params))))
+        self.fused_copy = point_optimizer_at(optimizer, groups, self.copies())
+        self.optimizer = optimizer
         if optimizer.state:
             moved = {}
             for p, state in optimizer.state.items():
@@ -81,6 +97,23 @@ class MasterWeights:
             for m, t in zip(self.master, tensors):
                 m.copy_(t)
         self.copy_to_model()
+
+
+def lay_out_flat(buckets: GradBuckets, master: MasterWeights | None) -> None:
+    """Re-homes every parameter as a view into one flat buffer per bucket, in the buckets'
+    layout (and the master weights with it), so parameters, gradients and optimizer state of a
+    bucket lie end to end and a fused optimizer steps the bucket in one kernel call. Values
+    are unchanged; parameters that are not contiguous keep their own memory."""
+    for bucket, grads in zip(buckets.plan, buckets.buffers()):
+        weights = torch.empty(bucket.numel, dtype=grads.dtype, device=grads.device)
+        for slot in bucket.slots:
+            param = buckets.params[slot.index]
+            if param.is_contiguous():
+                view = weights.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                view.copy_(param.detach())
+                param.data = view
+    if master is not None:
+        master.layout_grads(buckets)
 
 
 def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: Sequence[Sequence[torch.Tensor]],

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cuda_numba import unscale_and_check
 from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.mixed import point_optimizer_at
@@ -258,15 +259,19 @@ class ZeroOptimizer:
         if self.offloader is not None:
             self.offloader.step(self, sources, coef)
         else:
-            grads = []
+            kept = []
             for master, src in zip(self.master, sources):
                 if not self._persistent_grads:
-                    master.grad = src.float() if src.dtype != torch.float32 else src.clone()
-                if master.grad is None:  # set just above, or kept since __init__
+                    # the fp32 copy and the unscale/clip multiply in one pass per shard
+                    grad = torch.empty(src.shape, dtype=torch.float32, device=src.device)
+                    unscale_and_check(src, grad, coef)
+                    master.grad = grad
+                elif master.grad is None:  # kept since __init__
                     raise RuntimeError("a ZeRO master shard has no gradient at the step")
-                grads.append(master.grad)
-            if coef != 1.0:
-                torch._foreach_mul_(grads, coef)
+                else:
+                    kept.append(master.grad)
+            if coef != 1.0 and kept:
+                torch._foreach_mul_(kept, coef)
             self._stepped_optimizer().step()
             if not self._persistent_grads:
                 for master in self.master:

@@ -432,6 +432,61 @@ def _():
     return f"{count} configs x 5 steps"
 
 
+# ------------------------------------------------------------------ flat runs
+
+@check("flat_run_of_params_in_one_call")
+def _():
+    """What cuda_numba.optim hands the kernels for a run of parameters laid out flat: views at
+    an offset inside larger buffers (bucket, master weights, state, model copy). One adam call
+    over the run equals torch AdamW per parameter; the elements around the run stay untouched;
+    the bucket's unscale and sum of squares over the same view match torch."""
+    shapes, lead, tail = [(5,), (3, 4), (1,), (9,)], 3, 4
+    run = sum(int(np.prod(s)) for s in shapes)
+    total = lead + run + tail
+    p0 = torch.randn(total, generator=torch.Generator().manual_seed(3))
+    ref = [torch.nn.Parameter(t.clone().view(s)) for t, s in
+           zip(p0[lead:lead + run].split([int(np.prod(s)) for s in shapes]), shapes)]
+    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    p, m, v = dev(p0.numpy()), dev(np.zeros(total, np.float32)), dev(np.zeros(total, np.float32))
+    mo = dev(np.full(total, 0x1234, np.uint16))
+    bucket_kind = 2
+    for step in range(1, 4):
+        g = make_grad(total, bucket_kind, 40 + step, scale=8.0)
+        bucket = dev(to_arr(g, bucket_kind))
+        master_grad = cuda.device_array(total, np.float32)
+        flag = dev(np.zeros(1, np.int32))
+        K.unscale_check(bucket[lead:lead + run], bucket_kind, master_grad[lead:lead + run],
+                        0.125, flag)
+        if int(flag.copy_to_host()[0]) != 0:
+            raise AssertionError("a finite bucket raised the overflow flag")
+        want = g[lead:lead + run] * 0.125
+        assert_close("unscaled run", master_grad.copy_to_host()[lead:lead + run], want, 0, 0)
+        part = cuda.device_array(K.sum_squares_blocks(run), np.float64)
+        K.sum_squares(bucket[lead:lead + run], bucket_kind, part)
+        sq = float(part.copy_to_host().sum())
+        if abs(sq - float((g[lead:lead + run].double() ** 2).sum())) > 1e-9 * sq:
+            raise AssertionError(f"sum of squares over the run: {sq!r}")
+        for r, gr in zip(ref, want.split([r.numel() for r in ref])):
+            r.grad = gr.view(r.shape).clone()
+        opt.step()
+        K.adam(p[lead:lead + run], master_grad[lead:lead + run], 0, m[lead:lead + run],
+               v[lead:lead + run], mo[lead:lead + run], 2, 1e-2, 0.9, 0.999, 1e-8, 0.1,
+               1 - 0.9 ** step, 1 - 0.999 ** step, 1.0, True)
+    got = p.copy_to_host()
+    want_p = torch.cat([r.detach().reshape(-1) for r in ref])
+    worst = assert_close("run params", got[lead:lead + run], want_p, 1e-5, 1e-6)
+    assert_close("exp_avg", m.copy_to_host()[lead:lead + run],
+                 torch.cat([opt.state[r]["exp_avg"].reshape(-1) for r in ref]), 1e-5, 1e-7)
+    assert_bits("model copy", mo.copy_to_host()[lead:lead + run],
+                bits(torch.from_numpy(got[lead:lead + run].copy()), 2))
+    untouched = np.concatenate([np.arange(lead), np.arange(lead + run, total)])
+    if not (np.array_equal(got[untouched], p0.numpy()[untouched])
+            and np.all(mo.copy_to_host()[untouched] == 0x1234)
+            and not m.copy_to_host()[untouched].any()):
+        raise AssertionError("the kernels wrote outside the run's view")
+    return f"{len(shapes)} params, {run} elements at offset {lead}; max |diff| {worst:.3g}"
+
+
 # ------------------------------------------------------------------ edge cases
 
 @check("size_zero_and_argument_checks")
