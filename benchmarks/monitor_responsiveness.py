@@ -29,7 +29,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowtrain.control.protocol import FrameCodec  # noqa: E402
+from flowtrain.control.protocol import FrameCodec, encrypt_server  # noqa: E402
 from flowtrain.telemetry import encode, topic_of  # noqa: E402
 from tui.app import MonitorApp  # noqa: E402
 from tui.rank_order import TableOptions, rank_rows  # noqa: E402
@@ -83,6 +83,7 @@ class Publisher(threading.Thread):
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, 1_000_000)
+        encrypt_server(self.socket, SECRET)  # as the coordinator's PUB is
         self.socket.bind("tcp://127.0.0.1:*")
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = FrameCodec(SECRET, "coordinator")

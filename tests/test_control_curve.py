@@ -1,7 +1,9 @@
-"""The control plane's optional CurveZMQ encryption (issue 18): with it, what a rank sends the
+"""The control plane's CurveZMQ encryption (issue 18): with it, what a rank sends the
 coordinator crosses the wire unreadable (a TCP relay in between sees the bytes; without
 encryption the same bytes show the value in the clear, so the check can fail), a client that
-does not encrypt cannot join, and `flowtrain launch --encrypt-control` runs a job."""
+does not encrypt cannot join, and `flowtrain launch --encrypt-control` runs a job. The
+telemetry PUB socket always encrypts: a local subscriber without the job secret reads nothing
+(reliability finding 7), one with it reads every record."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from typing import Any
 
 import anyio
 import pytest
+import zmq
+import zmq.asyncio
 from anyio.abc import SocketStream
 
 from flowtrain.control import ControlClient, Coordinator
-from flowtrain.control.protocol import curve_server_keys
+from flowtrain.control.protocol import curve_server_keys, encrypt_client
 from helpers import DATA, LAUNCH, launcher_env
 
 SECRET = b"curve-test-secret-0123456789abcdef"
@@ -78,6 +82,39 @@ async def test_a_client_that_does_not_encrypt_cannot_join() -> None:
         with pytest.raises(ConnectionError, match="both encrypt the control plane or neither does"):
             await client.serve()
         assert not coordinator.ranks()[0].joined
+        tg.cancel_scope.cancel()
+
+
+async def _first_record(sub: zmq.asyncio.Socket, client: ControlClient) -> list[bytes] | None:
+    """What ``sub`` receives within 2 s while ``client`` keeps publishing (None: nothing)."""
+    with anyio.move_on_after(2.0):
+        while True:
+            await client.publish("metrics", {"loss": 0.5})
+            with anyio.move_on_after(0.1):
+                return list(await sub.recv_multipart())
+    return None
+
+
+@pytest.mark.parametrize("has_secret", [False, True])
+async def test_telemetry_reaches_only_holders_of_the_secret(has_secret: bool) -> None:
+    coordinator = Coordinator(world_size=1, secret=SECRET)
+    async with anyio.create_task_group() as tg:
+        await tg.start(coordinator.serve)
+        client = ControlClient(endpoint=coordinator.endpoint, secret=SECRET, rank=0,
+                               world_size=1, connect_timeout=5.0)
+        await tg.start(client.serve)
+        context = zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        try:
+            if has_secret:
+                encrypt_client(sub, SECRET)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(coordinator.pub_endpoint)
+            got = await _first_record(sub, client)
+            assert (got is not None) == has_secret
+        finally:
+            sub.close(linger=0)
+            context.term()
         tg.cancel_scope.cancel()
 
 

@@ -34,6 +34,7 @@ from flowtrain.control import (
     RankFinished,
     RankJoined,
 )
+from flowtrain.control.protocol import encrypt_client
 from flowtrain.errors import RankAborted, RankFailure
 from helpers import REPO, free_port
 
@@ -206,6 +207,7 @@ async def test_telemetry_reaches_a_subscriber_and_verifies() -> None:
         context = zmq.asyncio.Context()
         sub = context.socket(zmq.SUB)
         try:
+            encrypt_client(sub, SECRET)  # the PUB socket is a CurveZMQ server
             sub.setsockopt(zmq.SUBSCRIBE, b"metrics")
             sub.connect(coordinator.pub_endpoint)
             parts = None

@@ -140,8 +140,10 @@ class Coordinator:
     ) -> None:
         """``on_telemetry`` gets every schema record the coordinator publishes (the recorder and
         the launcher's progress line hang there); ``job_record`` is published when it starts.
-        ``encrypt``: both sockets are CurveZMQ servers with a key pair derived from the secret
-        (``protocol.curve_server_keys``), for jobs whose hosts talk over untrusted networks."""
+        The PUB socket is always a CurveZMQ server with a key pair derived from the secret
+        (``protocol.curve_server_keys``), so only holders of the secret can subscribe;
+        ``encrypt`` makes the ROUTER one too, for jobs whose hosts talk over untrusted
+        networks."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         check_heartbeat(heartbeat_interval, heartbeat_misses)
@@ -183,9 +185,11 @@ class Coordinator:
             pub.setsockopt(zmq.LINGER, 0)
             limit_frames(router)
             limit_frames(pub)
+            # the telemetry (losses, learning rates, step times) is for the job's holders of
+            # the secret only, so PUB always encrypts; the ROUTER does when asked
+            encrypt_server(pub, self._secret)
             if self.encrypt:
                 encrypt_server(router, self._secret)
-                encrypt_server(pub, self._secret)
             # Unroutable sends raise EHOSTUNREACH instead of vanishing silently.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # Protocol heartbeats drop dead TCP connections; app-level beats decide who is stuck.

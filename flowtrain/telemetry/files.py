@@ -224,21 +224,14 @@ def _started(run: Path) -> tuple[float, str]:
     return started, run.name
 
 
-# endpoints whose live file said the publisher encrypts (CurveZMQ): a Subscriber made for one
-# without saying encrypts too
-ENCRYPTED_ENDPOINTS: set[str] = set()
-
-
-def write_live_endpoint(run_dir: str | os.PathLike[str], endpoint: str, secret: bytes,
-                        encrypted: bool = False) -> Path:
+def write_live_endpoint(run_dir: str | os.PathLike[str], endpoint: str, secret: bytes) -> Path:
     """Tells local subscribers (``flowtrain monitor``) where the running job publishes. The
     secret signs control frames, so the file is readable by its owner only."""
     path = Path(run_dir) / LIVE_FILE
     tmp = path.with_name(f".{LIVE_FILE}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"endpoint": endpoint, "secret": secret.hex(), "pid": os.getpid(),
-                   "curve": encrypted}, f)
+        json.dump({"endpoint": endpoint, "secret": secret.hex(), "pid": os.getpid()}, f)
     os.replace(tmp, path)
     return path
 
@@ -249,8 +242,6 @@ def live_endpoint(run_dir: str | os.PathLike[str]) -> tuple[str, bytes] | None:
     path = Path(run_dir) / LIVE_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("curve") is True:
-            ENCRYPTED_ENDPOINTS.add(str(data["endpoint"]))
         return str(data["endpoint"]), bytes.fromhex(data["secret"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

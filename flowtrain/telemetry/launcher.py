@@ -191,8 +191,7 @@ class JobTelemetry:
         self.coordinator = coordinator
         endpoint = coordinator.pub_endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
         try:
-            write_live_endpoint(self.run_dir, endpoint, secret,
-                                encrypted=bool(getattr(coordinator, "encrypt", False)))
+            write_live_endpoint(self.run_dir, endpoint, secret)
         except OSError:
             pass  # the monitor cannot attach live; it can still replay the recording
 

@@ -17,7 +17,6 @@ from flowtrain.control.protocol import (
     encrypt_client,
     limit_frames,
 )
-from flowtrain.telemetry.files import ENCRYPTED_ENDPOINTS
 from flowtrain.telemetry.schema import TOPIC_PREFIX, TOPICS, Record, TelemetryError, validate
 
 COORDINATOR_SENDER = "coordinator"  # who signs published frames (flowtrain.control.coordinator)
@@ -34,9 +33,9 @@ class Subscriber:
     """
 
     def __init__(self, endpoint: str, secret: bytes,
-                 topics: Iterable[str] = (TOPIC_PREFIX,), encrypt: bool | None = None) -> None:
-        """``encrypt``: the publisher is a CurveZMQ server; None: as the live endpoint file
-        read for ``endpoint`` said (``files.live_endpoint``)."""
+                 topics: Iterable[str] = (TOPIC_PREFIX,)) -> None:
+        """The coordinator's PUB socket is a CurveZMQ server whose key follows from the job
+        secret (``Coordinator``): the subscriber connects as its client."""
         topics = list(topics)
         for topic in topics:
             if not isinstance(topic, str) or not topic.startswith(TOPIC_PREFIX[:-1]):
@@ -50,8 +49,7 @@ class Subscriber:
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         limit_frames(self._socket)
-        if encrypt or (encrypt is None and endpoint in ENCRYPTED_ENDPOINTS):
-            encrypt_client(self._socket, secret)
+        encrypt_client(self._socket, secret)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         if endpoint.startswith("tcp://[") or endpoint.count(":") > 2:
             self._socket.setsockopt(zmq.IPV6, 1)
