@@ -26,6 +26,7 @@ from tui_helpers import (
     BIG_SLOW,
     BIG_STUCK,
     RANKS_PER_NODE,
+    StillSource,
     big_records,
     big_step_s,
     replay,
@@ -43,21 +44,6 @@ def big_state() -> RunState:
     for record in big_records():
         state.apply(record)
     return state
-
-
-class StillSource:
-    """A source with nothing more to say: the state the app is given is all there is."""
-
-    paused = False
-
-    async def run(self, state: RunState) -> None:
-        return None
-
-    def set_paused(self, paused: bool) -> None:
-        self.paused = paused
-
-    def describe(self) -> str:
-        return "test"
 
 
 # ----------------------------------------------------------------------------- the threshold

@@ -13,6 +13,7 @@ from tui.plots import PlotsView, SeriesPlot, StepTimeHistogram
 from tui.state import MEMORY, RunState
 from tui_helpers import (
     BIG_RANKS,
+    StillSource,
     big_records,
     big_step_s,
     synthetic_records,
@@ -32,19 +33,6 @@ def test_each_series_is_the_mean_over_the_ranks_of_each_complete_step() -> None:
                     for s in sorted({r["step"] for r in steps})]
         assert state.history(name) == [(s, pytest.approx(v)) for s, v in expected], name
     assert state.history(MEMORY) == [(s, 512 << 20) for s, _ in state.history("loss")]
-
-
-class StillSource:
-    paused = False
-
-    async def run(self, state: RunState) -> None:
-        return None
-
-    def set_paused(self, paused: bool) -> None:
-        self.paused = paused
-
-    def describe(self) -> str:
-        return "test"
 
 
 async def test_the_plots_view_draws_every_series_with_axes_and_the_step_time_spread() -> None:

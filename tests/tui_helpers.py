@@ -18,6 +18,7 @@ from flowtrain.telemetry import encode
 from tui.app import MonitorApp
 from tui.rank_table import RankTable
 from tui.source import ReplaySource
+from tui.state import RunState
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 # A real 2-rank run recorded by the telemetry tests (tests/make_telemetry_run.py).
@@ -27,6 +28,21 @@ SIZE = (120, 34)
 T0 = 1_800_000_000.0
 LAST_STEP = 12
 TOTAL_STEPS = 20
+
+
+class StillSource:
+    """A source with nothing more to say: the state the app is given is all there is."""
+
+    paused = False
+
+    async def run(self, state: RunState) -> None:
+        return None
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+
+    def describe(self) -> str:
+        return "test"
 
 
 def make_record(kind: str, rank: int, t: float, **fields: Any) -> dict[str, Any]:

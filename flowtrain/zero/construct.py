@@ -34,7 +34,7 @@ from flowtrain import comm
 _lock = threading.Lock()
 _depth = 0  # nested Init blocks: the wrappers come off when the outermost one exits
 _wrapped: dict[type, Callable[..., None]] = {}
-_cast: list[torch.dtype | None] = [None]
+_dtype: torch.dtype | None = None  # Init's dtype= for the partitions
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -157,7 +157,7 @@ def _owner(cls: type) -> type | None:
 def _after_init(module: torch.nn.Module) -> None:
     for p in module._parameters.values():
         if p is not None and not is_partitioned(p) and getattr(p, "ds_tensor", None) is None:
-            partition(p, _cast[0])
+            partition(p, _dtype)
 
 
 def _wrap(cls: type) -> None:
@@ -191,19 +191,19 @@ def _subclasses(root: type) -> list[type]:
 
 
 def enter(dtype: torch.dtype | None) -> None:
-    global _depth
+    global _depth, _dtype
     with _lock:
         _depth += 1
         if _depth > 1:
             return
-        _cast[0] = dtype
+        _dtype = dtype
         for cls in [torch.nn.Module, *_subclasses(torch.nn.Module)]:
             if "__init__" in cls.__dict__ and cls not in _wrapped:
                 _wrap(cls)
 
 
 def leave() -> None:
-    global _depth
+    global _depth, _dtype
     with _lock:
         _depth -= 1
         if _depth:
@@ -211,4 +211,4 @@ def leave() -> None:
         for cls, original in _wrapped.items():
             cls.__init__ = original  # type: ignore[misc]
         _wrapped.clear()
-        _cast[0] = None
+        _dtype = None

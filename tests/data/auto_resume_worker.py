@@ -20,13 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import flowtrain
+from restart_worker import batch  # the same data as the restart test's
 
 CKPT_EVERY = 10
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
 def main() -> None:
