@@ -8,6 +8,7 @@ shard by shard) the async save holds the same tensors as a sync save."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -168,3 +169,15 @@ def test_one_write_in_flight_and_a_bounded_wait() -> None:
     with pytest.raises(OSError, match="disk gone"):
         writer.wait()
     writer.wait()  # the error is raised once
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values here")
+def test_background_write_runs_at_lowest_priority_and_training_does_not() -> None:
+    seen: list[int] = []
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = BackgroundWriter()
+    writer.start("t", lambda: seen.append(os.getpriority(os.PRIO_PROCESS,
+                                                          threading.get_native_id())))
+    writer.wait(30)
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -5,6 +5,7 @@ for it."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -122,6 +123,7 @@ class BackgroundWriter:
         self._tag, self._error = tag, None
 
         def run() -> None:
+            lower_priority()
             try:
                 work()
             except BaseException as exc:  # kept for wait(), which raises it on this rank
@@ -131,3 +133,17 @@ class BackgroundWriter:
 
         self._thread = threading.Thread(target=run, name=f"flowtrain-checkpoint-{tag}")
         self._thread.start()
+
+
+def lower_priority() -> None:
+    """Makes the calling thread the lowest CPU priority (nice 19): the write serializes and
+    copies on host cores that training also uses (data loading, a CPU rank's compute), and a
+    training step should pre-empt it rather than share the core. Linux gives each thread its
+    own nice value (it is keyed by the thread's id); where that is not so, the write runs at
+    the process's priority."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
