@@ -47,8 +47,26 @@ _FA3_H100_FWD_FULL_128 = (467, 565, 625, 638, 646, 648)
 _CAUSAL_SHARE = tuple(c / f for c, f in zip(_FA3_H100_FWD[128], _FA3_H100_FWD_FULL_128))
 
 
+# FlashAttention in Triton (the HazyResearch kernel MPT runs as attn_impl "triton"): the FA2
+# paper (arXiv 2307.08691 Sec. 4.1, A100) finds FA2 1.3-1.5x faster in the forward pass and
+# about 2x in the backward. The backward does 2.5x the forward's FLOPs at no higher a rate, so
+# it takes at least 2.5/3.5 of FA2's time: the Triton kernel's forward+backward takes
+# 0.29 x 1.4 + 0.71 x 2 = 1.83x FA2's. Both kernels use Ampere's mma instructions, so the
+# ratio is taken to hold on Hopper too.
+_TRITON_SLOWDOWN = (1 - 2.5 / 3.5) * 1.4 + 2.5 / 3.5 * 2.0
+_TRITON_SOURCE = ("FA2's curve / 1.83: arXiv 2307.08691 Sec. 4.1 (A100): FA2 is 1.3-1.5x "
+                  "faster than FlashAttention in Triton forward and ~2x backward; backward is "
+                  "at least 2.5/3.5 of the time; taken to hold on Hopper (both kernels use "
+                  "Ampere's mma)")
+
+
+def _triton(fa2: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
+    return {d: tuple(v / _TRITON_SLOWDOWN for v in rates) for d, rates in fa2.items()}
+
+
 def _attention_a100() -> dict[str, dict[int, tuple[tuple[float, float], ...]]]:
-    return {"flash2": {d: _fraction(tuple(zip(_SEQS, v)), 312.0) for d, v in _FA2_A100.items()}}
+    return {kernel: {d: _fraction(tuple(zip(_SEQS, v)), 312.0) for d, v in rates.items()}
+            for kernel, rates in (("flash2", _FA2_A100), ("flash-triton", _triton(_FA2_A100)))}
 
 
 def _attention_h100() -> dict[str, dict[int, tuple[tuple[float, float], ...]]]:
@@ -61,6 +79,8 @@ def _attention_h100() -> dict[str, dict[int, tuple[tuple[float, float], ...]]]:
     sustained = 989.4 * _HOPPER_BURST / _HOPPER_SUSTAINED
     return {"flash2": {d: _fraction(tuple(zip(_SEQS, v)), sustained)
                        for d, v in _FA2_H100.items()},
+            "flash-triton": {d: _fraction(tuple(zip(_SEQS, v)), sustained)
+                             for d, v in _triton(_FA2_H100).items()},
             "flash3": {d: _fraction(tuple(zip(_SEQS, v)), sustained) for d, v in fa3.items()}}
 
 
@@ -148,6 +168,7 @@ def _a100(memory_efficiency: float, memory_source: str,
             "gemm_efficiency": f"{_AZURE}/ND_A100_v4_results.md cuBLASLt FP16: 8192^3 253.7, "
                                "16384^3 256.5 TFLOP/s of 312 = 0.82 (the longest GEMM holds "
                                "its rate: A100 is not power-limited here)",
+            "attention.flash-triton": _TRITON_SOURCE,
             "attention": f"{_FA}/flash2_a100_fwd_bwd_benchmark.png: causal fwd+bwd TFLOP/s "
                          "by seq len, head dim 64 and 128",
             "memory_efficiency": memory_source,
@@ -202,6 +223,7 @@ def _hopper(all_reduce: tuple[tuple[float, float], ...], memory_efficiency: floa
                                "(8192^3 BF16 797.5, 4096^3 788.7: the longest GEMMs are "
                                f"power-limited); FP8: its MAMF 1402.6 of 1979 (0.709, {_STAS}) "
                                "limited in the same ratio (0.70 / 0.806); H200 the same",
+            "attention.flash-triton": _TRITON_SOURCE,
             "attention": f"{_FA}/flash2_h100_fwd_bwd_benchmark.png (FA2 causal fwd+bwd) and "
                          "flash3_fp16_fwd.png (FA3 causal forward); FA3 backward (hd64, hd128) "
                          "from the FA3 paper's figures (arXiv 2407.08608), timed there without "

@@ -11,7 +11,7 @@ from typing import Any
 
 from sims.profile_fields import ProfileError, check_curve, check_fields, check_int, check_number
 
-ATTENTION_KERNELS = ("flash2", "flash3")
+ATTENTION_KERNELS = ("flash2", "flash3", "flash-triton")
 RANGED = ("gemm_efficiency", "memory_efficiency", "network_efficiency", "overlap_slowdown")
 COLLECTIVE_CURVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -26,7 +26,8 @@ class GpuKernels:
       ``gemm_k_overhead`` the inner-dimension length a tile's prologue and epilogue cost (a
       GEMM of inner size k runs at k / (k + it) of that);
       ``kernel_overhead_s`` the fixed time a kernel costs besides its work (ramp-up and tail).
-    - ``attention``: per kernel ("flash2", "flash3"), head dim -> [(seq, fraction of peak)], the
+    - ``attention``: per kernel ("flash2", "flash3", "flash-triton": FlashAttention in
+      Triton, MPT's attn_impl "triton"), head dim -> [(seq, fraction of peak)], the
       forward+backward rate of a causal flash-attention kernel counted as the kernel's authors
       count (causal halves the FLOPs, backward is 2.5x forward).
     - ``memory_efficiency``: the fraction of nominal HBM bandwidth a streaming kernel reaches.

@@ -348,7 +348,7 @@ def tp_collectives_per_layer(r: RankShape, kind: str) -> int:
     return 4 if r.recompute == "full" else 2
 
 
-ATTENTION = ("flash2", "flash3", "unfused")
+ATTENTION = ("flash2", "flash3", "flash-triton", "unfused")
 ELEMENTWISE = ("fused", "eager")
 
 

@@ -67,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_opts.add_argument("--cp", type=int, default=None, metavar="N",
                           help="context-parallel ranks (counted within the data-parallel "
                                "ones; each holds 1/N of every sequence)")
-    run_opts.add_argument("--attention", choices=("flash2", "flash3", "unfused"),
-                          help="attention kernel (default: the GPU profile's)")
+    run_opts.add_argument("--attention", choices=("flash2", "flash3", "flash-triton", "unfused"),
+                          help="attention kernel (default: the GPU profile's); flash-triton "
+                               "is FlashAttention in Triton (MPT's attn_impl triton)")
     run_opts.add_argument("--tp-overlap", action="store_true",
                           help="tensor-parallel collectives overlapped with the GEMMs")
     run_opts.add_argument("--fp8", action="store_true", help="fp8 GEMMs (Transformer Engine)")

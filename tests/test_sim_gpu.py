@@ -399,3 +399,15 @@ def test_fsdp_copies_lengthen_the_passes_by_their_bytes() -> None:
     extra = compute("fsdp1") - compute("fsdp")
     assert extra == pytest.approx((18 - 14) * params / rate - segments * kern.kernel_overhead_s,
                                   rel=1e-6)
+
+
+def test_triton_flash_attention_runs_fa2s_rate_over_the_papers_slowdown() -> None:
+    """FlashAttention in Triton (MPT's attn_impl "triton") at FA2's rate divided by the
+    forward/backward slowdowns the FA2 paper measured (1.4x forward, 2x backward, backward
+    2.5/3.5 of the work): every point of every curve, on Ampere and Hopper."""
+    slowdown = (1 / 3.5) * 1.4 + (2.5 / 3.5) * 2.0
+    for gpu in (A100_80G, H100):
+        for dim, curve in gpu.attention["flash-triton"].items():
+            fa2 = dict(gpu.attention["flash2"][dim])
+            for seq, fraction in curve:
+                assert fraction == pytest.approx(fa2[seq] / slowdown, rel=1e-12)
