@@ -50,6 +50,12 @@ class Framework:
     loss: str = "fused"
     # what ZeRO 2-3 copies around its collectives (SHARD_COPIES)
     shard_copies: str = "none"
+    # sequence parallelism through torch's DTensor (torchtitan's SequenceParallel on
+    # [batch, seq, hidden] activations): the collectives gather and scatter along dim 0, so
+    # torch.distributed._functional_collectives copies every all-gather's output into the
+    # sequence layout (torch.cat of its chunks along dim 1) and every reduce-scatter's input out
+    # of it: a read and a write of the gathered activation around each one
+    sp_layout_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
@@ -132,8 +138,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("fsdp", "PyTorch FSDP2 (fully_shard: torchtitan, NeMo AutoModel): a unit per "
                       "transformer block, the next one prefetched, each gather copied out "
                       "into the parameters and the gradients copied into the reduce, the "
-                      "model's loss torch's eager cross-entropy", memory="fsdp",
-              fsdp_units=True, loss="eager", shard_copies="fsdp2"),
+                      "model's loss torch's eager cross-entropy; tensor and sequence "
+                      "parallelism through DTensor", memory="fsdp",
+              fsdp_units=True, loss="eager", shard_copies="fsdp2", sp_layout_copies=True),
     Framework("fsdp1", "PyTorch FSDP1 and FairScale FSDP (metaseq): flat parameters, a unit "
                        "per transformer block, the next one prefetched, the flat gradient "
                        "built, cast and pre-divided before its reduce-scatter, the model's "

@@ -225,8 +225,14 @@ class StageCosts:
             if self.options.sequence_parallel:
                 # an all-gather and a reduce-scatter move an all-reduce's bytes, at their own
                 # bus bandwidth (on Hopper the ring's: NVLink SHARP serves only all-reduce)
-                return sum(gpu_costs.intra_node_seconds(op, nbytes, self.tp, self.kernels)
-                           for op in ("all_gather", "reduce_scatter"))
+                seconds = sum(gpu_costs.intra_node_seconds(op, nbytes, self.tp, self.kernels)
+                              for op in ("all_gather", "reduce_scatter"))
+                if get_framework(self.options.framework).sp_layout_copies and \
+                        not self.options.tp_overlap:
+                    # each collective's layout copy reads and writes the gathered activation
+                    seconds += 2 * 2 * nbytes / (self.hw.memory_bandwidth *
+                                                 self.kernels.memory_efficiency)
+                return seconds
             return gpu_costs.intra_node_seconds("all_reduce", nbytes, self.tp, self.kernels)
         return costs.collective_seconds("all_reduce", nbytes, self.tp, self.hw, nodes=1)
 

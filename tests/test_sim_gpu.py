@@ -411,3 +411,30 @@ def test_triton_flash_attention_runs_fa2s_rate_over_the_papers_slowdown() -> Non
             fa2 = dict(gpu.attention["flash2"][dim])
             for seq, fraction in curve:
                 assert fraction == pytest.approx(fa2[seq] / slowdown, rel=1e-12)
+
+
+def test_dtensor_sequence_parallel_copies_the_gathered_activation_around_each_collective(
+        ) -> None:
+    """torchtitan's SequenceParallel (the "fsdp" framework) pays a read and a write of the
+    gathered activation around each all-gather and reduce-scatter along the sequence; Megatron
+    gathers along dim 0 and pays none; async TP (tp_overlap) does not take that path."""
+    from flowtrain.config import load_config
+    from flowtrain.plan.workload import Layout, Workload
+    from sims.models import get_model
+    from sims.planner import _stage_costs
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}},
+                      world_size=1, check_supported=False)
+    work = Workload.from_model(get_model("llama2-7b", 2048), cfg.precision)
+    hw = get_profile("h100-x8")
+    kern = hw.kernels
+    assert kern is not None
+
+    def one(framework: str, overlap: bool = False) -> float:
+        options = SimOptions(framework=framework, sequence_parallel=True, tp_overlap=overlap)
+        costs = _stage_costs(0, cfg, Layout(1, 8, tp=8), hw, options, work.params)
+        return float(costs.collective_seconds_tp(64e6))
+
+    copies = 2 * 2 * 64e6 / (hw.memory_bandwidth * kern.memory_efficiency)
+    assert one("fsdp") - one("megatron-core") == pytest.approx(copies, rel=1e-9)
+    assert one("fsdp", overlap=True) == pytest.approx(one("megatron-core"), rel=1e-12)
