@@ -4,6 +4,8 @@ source. A100 figures serve both memory sizes except HBM streaming; H200 computes
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from sims.gpu_kernels import GpuKernels
 
 GB = 1e9
@@ -60,7 +62,7 @@ _TRITON_SOURCE = ("FA2's curve / 1.83: arXiv 2307.08691 Sec. 4.1 (A100): FA2 is 
                   "Ampere's mma)")
 
 
-def _triton(fa2: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
+def _triton(fa2: Mapping[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
     return {d: tuple(v / _TRITON_SLOWDOWN for v in rates) for d, rates in fa2.items()}
 
 
