@@ -67,6 +67,11 @@ class Kind:
     TELEMETRY = "TELEMETRY"
     ABORT = "ABORT"
     BYE = "BYE"
+    # --peer-recovery: a rank's vote on committing its step, the coordinator's verdict, and a
+    # new membership (generation) of the data-parallel group
+    COMMIT = "COMMIT"
+    COMMIT_RESULT = "COMMIT_RESULT"
+    RECONFIGURE = "RECONFIGURE"
 
     ALL = frozenset(
         {
@@ -83,6 +88,9 @@ class Kind:
             TELEMETRY,
             ABORT,
             BYE,
+            COMMIT,
+            COMMIT_RESULT,
+            RECONFIGURE,
         }
     )
 

@@ -5,6 +5,7 @@ BucketReducer reduces each bucket while backward goes on."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -138,17 +139,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         self.channel = None
+        # launch --peer-recovery: the group may lose and regain ranks without a restart
+        self.peer = self._peer_group()
+        self.step_dropped = False  # the last step() dropped its step (a rank was lost)
+        if self.peer is not None:
+            self._order_settled = True  # a replacement builds the same buckets without asking
         if self.world_size > 1:
-            self.channel = self._open_channel(config.flowtrain.data_channel)
-            reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
-                                    comm_dtype=self.comm_dtype,
-                                    predivide=config.gradient_predivide_factor,
-                                    prescale=config.prescale_gradients, stages=self.stages,
-                                    channel=self.channel,
-                                    shards=self.zero.grad_shards if self.zero is not None and
-                                    self.zero.scattered else None)
-            self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
-            self._reducer_actor = reducer
+            # shared memory would wait on a dead peer: gloo's connections see it close
+            self.channel = None if self.peer is not None else \
+                self._open_channel(config.flowtrain.data_channel)
+            self._spawn_reducer()
 
         # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
         self._run_dir = os.environ.get(RUN_DIR) or None
@@ -172,6 +172,112 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 seed=config.flowtrain.seed or 0)
 
     # -- setup helpers --------------------------------------------------------------------------
+
+    def _spawn_reducer(self) -> None:
+        config = self.config
+        peer = self.peer
+        reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
+                                comm_dtype=self.comm_dtype,
+                                predivide=config.gradient_predivide_factor,
+                                prescale=config.prescale_gradients, stages=self.stages,
+                                channel=self.channel,
+                                shards=self.zero.grad_shards if self.zero is not None and
+                                self.zero.scattered else None,
+                                interrupt=(lambda: peer.interrupt) if peer is not None else None)
+        self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
+        self._reducer_actor = reducer
+
+    def _peer_group(self) -> Any:
+        """The process's PeerGroup under ``launch --peer-recovery`` (data parallelism with
+        ZeRO stage 0 only), else None."""
+        from flowtrain import peer_recovery
+
+        if not peer_recovery.enabled() or not dist.is_initialized():
+            return None
+        if self.zero_stage or self.model_parallel or self.grid is not None:
+            raise ValueError(f"flowtrain launch --peer-recovery recovers data-parallel replicas "
+                             f"with ZeRO stage 0; this engine has ZeRO stage {self.zero_stage}"
+                             f"{' and model parallelism' if self.model_parallel else ''}: "
+                             f"use --max-restarts (restart from a checkpoint) instead")
+        return peer_recovery.group()
+
+    def _peer_drop(self, verdict: dict[str, Any], error: str | None) -> None:
+        """The coordinator dropped this step (a rank was lost while it ran): nothing of it is
+        kept; the survivors re-form the group and the script redoes the step."""
+        assert self.peer is not None
+        self.step_dropped = True
+        self.peer.dropped_steps += 1
+        self._losses.clear()
+        self._zero_grads()
+        self.micro_steps -= self.config.grad_accum
+        log.warning("step dropped: the group lost a rank; re-forming it",
+                    step=self.global_steps + 1, reduce_error=error, members=verdict.get("members"),
+                    generation=verdict.get("generation"))
+        self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=False)
+
+    def _peer_reform(self, generation: int, members: list[int], *, joined: bool) -> None:
+        """Moves the engine onto the generation's process group; when replacement ranks
+        joined, the lowest member sends them the model and the training state."""
+        assert self.peer is not None
+        if self.reducer is not None:
+            self._runtime.stop_actor(self.reducer.name)
+            self.reducer = None
+        self.peer.reform(generation, members)
+        self._adopt_group()
+        if joined:
+            self._broadcast_model()
+            self._peer_sync_state(load=False)
+
+    def _adopt_group(self) -> None:
+        self.world_size = dist.get_world_size()
+        self.global_rank = dist.get_rank()
+        self.dp_rank = dist.get_rank()
+        self._parts = dataclasses.replace(self._parts, world_size=self.world_size,
+                                          dp_rank=self.dp_rank)
+        self.health.parts = self._parts
+        if self.world_size > 1:
+            self._spawn_reducer()
+
+    def peer_state(self) -> dict[str, Any]:
+        """What a replacement rank takes from a healthy peer besides the weights."""
+        scaler = self.loss_scaler
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict()
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict")
+            else None,
+            "loss_scaler": scaler.state_dict() if hasattr(scaler, "state_dict") else None,
+            "counters": {"global_steps": self.global_steps,
+                         "global_samples": self.global_samples,
+                         "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps},
+        }
+
+    def _peer_sync_state(self, load: bool) -> None:
+        """The group's rank 0 (the lowest member) broadcasts ``peer_state()``; a replacement
+        (``load``) takes it, the other survivors hold the same values already."""
+        payload: list[Any] = [self.peer_state() if self.dp_rank == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        if self.dp_rank == 0 or not load:
+            return
+        state = payload[0]
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["lr_scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if state["loss_scaler"] is not None and hasattr(self.loss_scaler, "load_state_dict"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for name, value in state["counters"].items():
+            setattr(self, name, value)
+        log.warning("took the model and training state from a peer",
+                    global_steps=self.global_steps, generation=self.peer.generation
+                    if self.peer is not None else None)
+
+    def peer_join(self) -> None:
+        """A replacement rank, once its engine and scheduler exist (``initialize``): takes
+        the training state from the lowest member (the weights came in the constructor)."""
+        from flowtrain import peer_recovery
+
+        if self.peer is not None and peer_recovery.joining():
+            self._peer_sync_state(load=True)
 
     @property
     def _runtime(self) -> Any:
@@ -406,11 +512,18 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        self.step_dropped = False
+        verdict: dict[str, Any] | None = None
         if self.reducer is not None and not self._no_sync:
             with self.timer.span("comm", names.COMM_WAIT):
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
             self.timer.record_spans(report.spans)
+            if self.peer is not None:
+                verdict = self.peer.should_commit(self.global_steps, report.error is None)
+                if not verdict.get("commit"):
+                    self._peer_drop(verdict, report.error)
+                    return
         elif self.stages["bucket_full"] or self.stages["after_reduce"]:
             # One rank has no reducer; the stages still see every bucket, in the same order.
             for index, grad in enumerate(self.buckets.buffers()):
@@ -440,6 +553,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         every = self.config.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(loss, lr, every)
+        if verdict is not None and verdict.get("joined"):
+            # replacement ranks enter the group after this committed step
+            self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=True)
 
     def _optimizer_step(self) -> bool:
         if self.zero is not None:

@@ -1,0 +1,169 @@
+"""Peer recovery (``flowtrain launch --peer-recovery``): data-parallel replicas that survive a
+lost rank go on without a restart, as torchft's do.
+
+Every optimizer step ends with a commit vote on the control plane (``ControlClient.vote``): the
+coordinator answers once every member of the current *generation* voted, and answers "drop" at
+once when a member is lost (the launcher saw its process die, or killed it as stuck). A dropped
+step is dropped on every survivor (gradients zeroed, the step counter not moved, the optimizer
+not stepped), so the script redoes it; the survivors then leave the broken process group and
+form a fresh default group among themselves (a new TCPStore hosted by the lowest surviving
+rank, its address passed through the coordinator's key/value store). A replacement rank
+started later by the launcher says HELLO, waits, and enters the group after the next committed
+step: the survivors and it form the next generation's group, and the lowest member broadcasts
+the weights, the optimizer's and scheduler's state and the step counters to it (no disk).
+
+Ranks keep their launch rank as their control-plane identity (``RANK``); their rank in the
+process group is their index among the sorted members. With fewer replicas each step averages
+fewer micro-batches (the global batch shrinks with the group, as torchft's does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from flowtrain import env as fenv
+from flowtrain.log import get_logger
+
+log = get_logger("flowtrain.peer_recovery")
+
+VOTE_TIMEOUT = 600.0  # seconds a commit vote may wait for the other members (a slow step)
+JOIN_TIMEOUT = 600.0  # seconds a replacement waits to be let into the group
+GROUP_TIMEOUT = 120.0  # seconds the members of a new group have to meet in its store
+
+
+def enabled() -> bool:
+    """This rank was started with ``flowtrain launch --peer-recovery``."""
+    return os.environ.get(fenv.PEER_RECOVERY) == "1"
+
+
+def joining() -> bool:
+    """This rank is a replacement for a lost one."""
+    return enabled() and os.environ.get(fenv.PEER_JOIN) == "1"
+
+
+class PeerGroup:
+    """This rank's membership of the data-parallel group, one generation after another."""
+
+    def __init__(self, rank: Any) -> None:
+        self.rank = rank  # flowtrain.runtime.rank.Rank
+        self.generation = 0
+        self.members = list(range(rank.env.world_size))
+        # set (on the rank's loop) when a newer generation is announced: a reduce waiting on a
+        # collective with a lost member gives up instead of waiting for the backend's timeout
+        self.interrupt = asyncio.Event()
+        self._announced: dict[str, Any] | None = None
+        self._join = threading.Event()
+        self.dropped_steps = 0
+        control = rank.control
+        control.on_reconfigure = self._on_reconfigure
+        # a RECONFIGURE that came before this object existed
+        early = getattr(control, "last_reconfigure", None)
+        if early is not None:
+            self._on_reconfigure(early)
+
+    # -- on the rank's loop ------------------------------------------------------------------
+
+    def _on_reconfigure(self, body: dict[str, Any]) -> None:
+        generation = int(body.get("generation", 0))
+        if generation <= self.generation:
+            return
+        self._announced = dict(body)
+        log.warning("new generation of the group announced", generation=generation,
+                    members=body.get("members"), reason=body.get("reason"))
+        if body.get("join"):
+            self._join.set()
+        else:
+            self.interrupt.set()
+
+    # -- on the training thread --------------------------------------------------------------
+
+    def should_commit(self, step: int, ok: bool) -> dict[str, Any]:
+        """Votes on committing ``step`` (the engine's step counter before it); the verdict."""
+        control = self.rank.control
+        return dict(self.rank.runtime.call(control.vote, self.generation, step, ok,
+                                           VOTE_TIMEOUT, timeout=VOTE_TIMEOUT + 5))
+
+    def wait_to_join(self) -> dict[str, Any]:
+        """A replacement: waits until the coordinator lets it into the group; the generation."""
+        started = time.monotonic()
+        if not self._join.wait(JOIN_TIMEOUT):
+            raise TimeoutError(f"rank {self.rank.env.rank} waited {JOIN_TIMEOUT:g} s to join the "
+                               f"survivors' group and was not let in")
+        body = self._announced or {}
+        log.info("let into the group", generation=body.get("generation"),
+                 members=body.get("members"), waited_s=round(time.monotonic() - started, 3))
+        return body
+
+    def reform(self, generation: int, members: list[int]) -> None:
+        """Leaves the current default process group (a member may be dead) and forms the
+        generation's group of ``members`` (launch ranks) as the new default group."""
+        started = time.monotonic()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        me = self.rank.env.rank
+        members = sorted(int(m) for m in members)
+        index = members.index(me)
+        key = f"flowtrain/peer/{generation}/store"
+        timeout = timedelta(seconds=GROUP_TIMEOUT)
+        if index == 0:
+            host = self._host()
+            store = dist.TCPStore(host, 0, len(members), True, timeout, wait_for_workers=False)
+            self.rank.kv_set(key, f"{host}|{store.port}")
+        else:
+            address = str(self.rank.kv_get(key, timeout=GROUP_TIMEOUT))
+            host, port = address.rsplit("|", 1)
+            store = dist.TCPStore(host, int(port), len(members), False, timeout)
+        dist.init_process_group("gloo", store=store, rank=index, world_size=len(members),
+                                timeout=timedelta(seconds=float(
+                                    os.environ.get("FLOWTRAIN_COLLECTIVE_TIMEOUT", 600))))
+        self.generation = generation
+        self.members = members
+        fresh = asyncio.Event()
+        announced = self._announced
+        if announced is not None and int(announced.get("generation", 0)) > generation \
+                and not announced.get("join"):
+            fresh.set()  # a newer generation was announced meanwhile: this one is already over
+        self.interrupt = fresh
+        log.warning("process group re-formed", generation=generation, members=members,
+                    group_rank=index, seconds=round(time.monotonic() - started, 3))
+
+    def _host(self) -> str:
+        addr = self.rank.env.master_addr
+        from flowtrain.comm import _is_loopback
+
+        return addr if _is_loopback(addr) else socket.getfqdn()
+
+
+_group: PeerGroup | None = None
+_lock = threading.Lock()
+
+
+def group() -> PeerGroup:
+    """The process's PeerGroup (made on first use; starts the rank)."""
+    global _group
+    from flowtrain.runtime.rank import current_rank
+
+    with _lock:
+        if _group is None:
+            _group = PeerGroup(current_rank())
+        return _group
+
+
+def join_distributed() -> None:
+    """A replacement rank's ``init_distributed``: joins the survivors' group when the
+    coordinator lets it in (after their next committed step). Exits the process (code 0) when
+    the job finished before that."""
+    peers = group()
+    body = peers.wait_to_join()
+    if body.get("finished"):
+        log.warning("the job finished before this replacement could join; nothing to do")
+        raise SystemExit(0)
+    peers.reform(int(body["generation"]), [int(m) for m in body["members"]])
