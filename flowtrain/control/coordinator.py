@@ -400,6 +400,7 @@ class Coordinator:
             _log().warning("rank joined again", rank=rank, host=state.host, pid=state.pid)
             return
         _log().info("rank joined", rank=rank, host=state.host, pid=state.pid)
+        self._release_joiners()
         self._rank_telemetry(event_record(
             "rank_joined", f"rank {rank} joined from {state.host or '?'} (pid {state.pid})",
             rank=rank, data={"host": state.host, "pid": state.pid,
@@ -507,14 +508,7 @@ class Coordinator:
         _log().info("rank finished", rank=rank)
         self._rank_telemetry(event_record("rank_finished", f"rank {rank} finished", rank=rank))
         self._emit(RankFinished(rank=rank))
-        if self.peer_recovery and self._joining and \
-                all(self._states[m].finished for m in self.members):
-            # the members are done: a replacement still waiting to join has nothing to do
-            for waiting in sorted(self._joining):
-                self._send(waiting, Kind.RECONFIGURE, {
-                    "generation": self.generation + 1, "members": [], "join": True,
-                    "finished": True, "reason": "the job finished before this rank could join"})
-            self._joining.clear()
+        self._release_joiners()
         if not self._all_finished_reported and all(s.finished for s in self._states.values()):
             self._all_finished_reported = True
             self._emit(AllFinished())
@@ -596,6 +590,19 @@ class Coordinator:
             "rank_lost", f"rank {rank} lost ({reason}); {len(self.members)} ranks go on",
             rank=rank, data={"members": sorted(self.members), "generation": self.generation + 1}))
         self._new_generation(f"rank {rank} lost: {reason}", verdicts=True)
+
+    def _release_joiners(self) -> None:
+        """Once every member has finished, a replacement still waiting to join has nothing
+        to do: it is told so (and exits)."""
+        if not self.peer_recovery or not self._joining or \
+                not all(self._states[m].finished for m in self.members):
+            return
+        for waiting in sorted(self._joining):
+            if self._states[waiting].joined:
+                self._send(waiting, Kind.RECONFIGURE, {
+                    "generation": self.generation + 1, "members": [], "join": True,
+                    "finished": True, "reason": "the job finished before this rank could join"})
+        self._joining.clear()
 
     def _new_generation(self, reason: str, *, verdicts: bool) -> None:
         """Opens the next generation with the current members: pending votes (if
