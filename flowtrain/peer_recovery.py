@@ -62,6 +62,9 @@ class PeerGroup:
         self._announced: dict[str, Any] | None = None
         self._join = threading.Event()
         self.dropped_steps = 0
+        # the group rank that holds the training state a replacement takes: the lowest
+        # member that is not itself a replacement
+        self.source = 0
         control = rank.control
         control.on_reconfigure = self._on_reconfigure
         # a RECONFIGURE that came before this object existed
@@ -102,9 +105,11 @@ class PeerGroup:
                  members=body.get("members"), waited_s=round(time.monotonic() - started, 3))
         return body
 
-    def reform(self, generation: int, members: list[int]) -> None:
+    def reform(self, generation: int, members: list[int], joined: list[int] | None = None
+               ) -> None:
         """Leaves the current default process group (a member may be dead) and forms the
-        generation's group of ``members`` (launch ranks) as the new default group."""
+        generation's group of ``members`` (launch ranks) as the new default group;
+        ``joined``: the replacements among them, which take the state of ``source``."""
         started = time.monotonic()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -126,6 +131,8 @@ class PeerGroup:
                                     os.environ.get("FLOWTRAIN_COLLECTIVE_TIMEOUT", 600))))
         self.generation = generation
         self.members = members
+        healthy = [m for m in members if m not in set(joined or ())]
+        self.source = members.index(healthy[0]) if healthy else 0
         fresh = asyncio.Event()
         announced = self._announced
         if announced is not None and int(announced.get("generation", 0)) > generation \
@@ -166,4 +173,11 @@ def join_distributed() -> None:
     if body.get("finished"):
         log.warning("the job finished before this replacement could join; nothing to do")
         raise SystemExit(0)
-    peers.reform(int(body["generation"]), [int(m) for m in body["members"]])
+    peers.reform(int(body["generation"]), [int(m) for m in body["members"]],
+                 [int(m) for m in body.get("joined", [])])
+
+
+def state_source() -> int:
+    """The group rank a model broadcast comes from: 0, or under --peer-recovery the lowest
+    member that is not a replacement."""
+    return _group.source if _group is not None else 0

@@ -20,7 +20,7 @@ from torch import nn
 from helpers import DATA, launch
 
 WORKER = DATA / "peer_recovery_worker.py"
-STEPS, KILL_AT, KILLED = 70, 30, 2
+STEPS, KILL_AT = 70, 30
 # per step: the replacement (started 1 s after the loss; a new Python importing torch takes a
 # few seconds more here) joins some 15-30 steps after the kill, well before the end
 SLEEP_S = "0.2"
@@ -70,23 +70,28 @@ def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path) -> None:
+# rank 0 also hosts the first group's TCPStore; a replacement rank 0 is the lowest member of
+# the new group yet must take the state from a survivor
+@pytest.mark.parametrize("killed", [2, 0])
+def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, killed: int
+                                                             ) -> None:
+    survivors = [r for r in range(3) if r != killed]
     out = tmp_path / "out"
-    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(KILLED), SLEEP_S,
+    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S,
            run_dir=tmp_path / "run", timeout=110,
            extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
     procs = _records(out)
 
     # the survivors are the processes they started as, with steps 1..N once each
-    for rank in (0, 1):
+    for rank in survivors:
         assert len(procs[rank]) == 1, f"rank {rank} was restarted: {[p for p, _ in procs[rank]]}"
         steps = [r["step"] for r in procs[rank][0][1] if r["event"] == "step"]
         assert steps == list(range(1, STEPS + 1))
         dropped = [r["step"] for r in procs[rank][0][1] if r["event"] == "dropped"]
         assert dropped and all(s == KILL_AT + 1 for s in dropped)
 
-    # rank 2: the first process died after step 30; its replacement joined later
-    (first_pid, first), (second_pid, second) = procs[KILLED]
+    # the first process of the killed rank died after step 30; its replacement joined later
+    (first_pid, first), (second_pid, second) = procs[killed]
     assert first_pid != second_pid
     assert [r["step"] for r in first if r["event"] == "step"] == list(range(1, KILL_AT + 1))
     joined = second[0]
@@ -96,7 +101,7 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path) -> 
     assert [r["step"] for r in second if r["event"] == "step"] == \
         list(range(join_step + 1, STEPS + 1))
 
-    survivor = {r["step"]: r for r in procs[0][0][1] if r["event"] == "step"}
+    survivor = {r["step"]: r for r in procs[survivors[0]][0][1] if r["event"] == "step"}
     # the survivors went on within 10 s of the kill (the killed rank's last step record)
     killed_at = first[-1]["t"]
     recovered_in = survivor[KILL_AT + 1]["t"] - killed_at
@@ -111,7 +116,7 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path) -> 
     # the group of each step: 3 ranks, 2 from step 31, 3 again after the join
     members = {s: r["members"] for s, r in survivor.items()}
     assert members[KILL_AT] == [0, 1, 2]
-    assert members[KILL_AT + 1] == [0, 1]
+    assert members[KILL_AT + 1] == survivors
     assert members[join_step + 1] == [0, 1, 2]
 
     reference = _reference_losses(members)

@@ -659,6 +659,7 @@ class Coordinator:
             for rank_ in joining:
                 self._send(rank_, Kind.RECONFIGURE, {
                     "generation": self.generation, "members": members, "join": True,
+                    "joined": joining,
                     "reason": f"replacement joining after step {step + 1}"})
         for member in sorted(self.members - set(joining)):
             self._send(member, Kind.COMMIT_RESULT, body)

@@ -213,16 +213,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         log.warning("step dropped: the group lost a rank; re-forming it",
                     step=self.global_steps + 1, reduce_error=error, members=verdict.get("members"),
                     generation=verdict.get("generation"))
-        self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=False)
+        self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=[])
 
-    def _peer_reform(self, generation: int, members: list[int], *, joined: bool) -> None:
+    def _peer_reform(self, generation: int, members: list[int], *, joined: list[int]) -> None:
         """Moves the engine onto the generation's process group; when replacement ranks
         joined, the lowest member sends them the model and the training state."""
         assert self.peer is not None
         if self.reducer is not None:
             self._runtime.stop_actor(self.reducer.name)
             self.reducer = None
-        self.peer.reform(generation, members)
+        self.peer.reform(generation, members, joined)
         self._adopt_group()
         if joined:
             self._broadcast_model()
@@ -253,11 +253,14 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         }
 
     def _peer_sync_state(self, load: bool) -> None:
-        """The group's rank 0 (the lowest member) broadcasts ``peer_state()``; a replacement
-        (``load``) takes it, the other survivors hold the same values already."""
-        payload: list[Any] = [self.peer_state() if self.dp_rank == 0 else None]
-        dist.broadcast_object_list(payload, src=0)
-        if self.dp_rank == 0 or not load:
+        """The state source (the lowest member that is no replacement) broadcasts
+        ``peer_state()``; a replacement (``load``) takes it, the other survivors hold the same
+        values already."""
+        assert self.peer is not None
+        source = self.peer.source
+        payload: list[Any] = [self.peer_state() if self.dp_rank == source else None]
+        dist.broadcast_object_list(payload, src=source)
+        if self.dp_rank == source or not load:
             return
         state = payload[0]
         self.optimizer.load_state_dict(state["optimizer"])
@@ -302,7 +305,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
         if self.world_size == 1:
             return
-        src = self.grid.dp_ranks[0] if self.grid is not None else 0
+        from flowtrain import peer_recovery
+
+        # under --peer-recovery a replacement may be group rank 0: the source is a survivor
+        src = self.grid.dp_ranks[0] if self.grid is not None else peer_recovery.state_source()
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.is_partitioned(tensor):
@@ -555,7 +561,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._log_step(loss, lr, every)
         if verdict is not None and verdict.get("joined"):
             # replacement ranks enter the group after this committed step
-            self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=True)
+            self._peer_reform(int(verdict["generation"]), list(verdict["members"]),
+                              joined=list(verdict["joined"]))
 
     def _optimizer_step(self) -> bool:
         if self.zero is not None:
