@@ -1,6 +1,6 @@
-"""`flowtrain launch --peer-recovery` with real processes: ZeRO-0 on 3 ranks, rank 2 SIGKILLed
-after step 30. The survivors (same processes) drop the step in flight, re-form the group and go
-on within seconds; the launcher's replacement for rank 2 joins some steps later with the
+"""`flowtrain launch --peer-recovery` with real processes: ZeRO-0 on 3 ranks, one rank SIGKILLed
+(or frozen) after step 30. The survivors (same processes) drop the step in flight, re-form the
+group and go on within seconds; the launcher's replacement joins some steps later with the
 survivors' weights and optimizer state bit for bit; every rank ends with the same weights;
 every survivor records steps 1..N once each; and each committed step's losses match a
 single-process reference that averages the gradients of the same members on the same data."""
@@ -71,13 +71,14 @@ def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 # rank 0 also hosts the first group's TCPStore; a replacement rank 0 is the lowest member of
-# the new group yet must take the state from a survivor
-@pytest.mark.parametrize("killed", [2, 0])
-def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, killed: int
-                                                             ) -> None:
+# the new group yet must take the state from a survivor; a frozen rank (SIGSTOP) is found by
+# its missing heartbeats (5 s here) and killed by the launcher
+@pytest.mark.parametrize(("killed", "how"), [(2, "KILL"), (0, "KILL"), (1, "STOP")])
+def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, killed: int,
+                                                             how: str) -> None:
     survivors = [r for r in range(3) if r != killed]
     out = tmp_path / "out"
-    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S,
+    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, how,
            run_dir=tmp_path / "run", timeout=110,
            extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
     procs = _records(out)

@@ -5,7 +5,7 @@ OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer s
 replacement rank first writes a "joined" line with the state it took from its peer. The first
 process of KILL_RANK SIGKILLs itself after step KILL_AT.
 
-argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL (default) or STOP, a frozen rank]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     out, steps, kill_at, kill_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         int(sys.argv[4])
     sleep_s = float(sys.argv[5])
+    sig = signal.SIGSTOP if sys.argv[6:] == ["STOP"] else signal.SIGKILL
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
     model = make_model()
@@ -84,7 +85,7 @@ def main() -> None:
         record(event="step", step=engine.global_steps, loss=float(loss.detach()), members=members,
                weights=digest(params), optim=digest(optimizer_tensors(optimizer)))
         if not replacement and rank == kill_rank and engine.global_steps == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         time.sleep(sleep_s)
     record(event="done", step=engine.global_steps, weights=digest(params))
     log.close()
