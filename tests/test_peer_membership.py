@@ -102,3 +102,31 @@ async def test_a_replacement_after_the_end_is_told_to_go() -> None:
         await anyio.sleep(0.2)
         assert replacement.last_reconfigure is not None
         assert replacement.last_reconfigure["finished"] is True
+
+
+def _launch_config(*flags: str, tmp_path: Any) -> Any:
+    import argparse
+
+    from flowtrain.launch.args import add_launch_arguments, resolve
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    argv = [*flags, str(script)]
+    return resolve(parser.parse_args(argv), argv)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_launcher_flags(tmp_path: Any, anyio_backend: str) -> None:
+    from flowtrain.launch.hostfile import LaunchInputError
+
+    cfg = _launch_config("--nproc-per-node", "3", "--peer-recovery", "--max-restarts", "2",
+                         "--peer-respawn-delay", "1.5", tmp_path=tmp_path)
+    assert cfg.peer_recovery and cfg.max_restarts == 2 and cfg.peer_respawn_delay == 1.5
+    assert not _launch_config(tmp_path=tmp_path).peer_recovery
+    with pytest.raises(LaunchInputError, match="one node"):
+        _launch_config("--peer-recovery", "--nnodes", "2", "--master-addr", "127.0.0.1",
+                       "--master-port", "29911", tmp_path=tmp_path)
+    with pytest.raises(LaunchInputError, match="--peer-respawn-delay"):
+        _launch_config("--peer-recovery", "--peer-respawn-delay", "-1", tmp_path=tmp_path)

@@ -628,6 +628,12 @@ class Coordinator:
             self._send(rank, Kind.COMMIT_RESULT, {"commit": False, "generation": self.generation,
                                                   "members": members})
             return
+        others = {other: sorted(v) for other, v in self._votes.items() if other != step}
+        if others:
+            # members of one generation always vote on the same step; this one would wait
+            # until the vote times out on the rank
+            _log().error("ranks of one generation vote on different steps", rank=rank,
+                         step=step, others=others, generation=self.generation)
         votes = self._votes.setdefault(step, {})
         votes[rank] = ok
         if not self.members <= set(votes):
