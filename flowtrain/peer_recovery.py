@@ -8,9 +8,10 @@ step is dropped on every survivor (gradients zeroed, the step counter not moved,
 not stepped), so the script redoes it; the survivors then leave the broken process group and
 form a fresh default group among themselves (a new TCPStore hosted by the lowest surviving
 rank, its address passed through the coordinator's key/value store). A replacement rank
-started later by the launcher says HELLO, waits, and enters the group after the next committed
-step: the survivors and it form the next generation's group, and the lowest member broadcasts
-the weights, the optimizer's and scheduler's state and the step counters to it (no disk).
+started later by the launcher does the slow part of its start first (imports, kernel warm-up),
+says it is ready (JOIN), and enters the group after the next committed step: the survivors and
+it form the next generation's group, and the lowest surviving member broadcasts the weights,
+the optimizer's and scheduler's state and the step counters to it (no disk).
 
 Ranks keep their launch rank as their control-plane identity (``RANK``); their rank in the
 process group is their index among the sorted members. With fewer replicas each step averages
@@ -164,11 +165,36 @@ def group() -> PeerGroup:
         return _group
 
 
+def _prepare() -> None:
+    """What ``initialize`` would do after the group is formed and that needs no group:
+    imports, and the fused Adam kernel's compile (or load from numba's cache). The survivors
+    wait for the replacement from the moment it asks to join until it has built its engine,
+    so it does the slow part first."""
+    started = time.monotonic()
+    import flowtrain.checkpoint.checkpointer  # noqa: F401
+    import flowtrain.config.hf  # noqa: F401
+    import flowtrain.engine.engine  # noqa: F401
+    import flowtrain.optimizers  # noqa: F401
+    import flowtrain.profiling  # noqa: F401
+    import flowtrain.schedulers  # noqa: F401
+    import flowtrain.telemetry  # noqa: F401
+
+    try:
+        import cuda_numba
+
+        cuda_numba.warm_up(("adam",))  # Adam and AdamW, the usual choice
+    except Exception as exc:  # noqa: BLE001 - only a head start; initialize warms up again
+        log.debug("no kernel warm-up before joining", error=repr(exc))
+    log.info("ready to join", seconds=round(time.monotonic() - started, 3))
+
+
 def join_distributed() -> None:
     """A replacement rank's ``init_distributed``: joins the survivors' group when the
     coordinator lets it in (after their next committed step). Exits the process (code 0) when
     the job finished before that."""
+    _prepare()
     peers = group()
+    peers.rank.runtime.call(peers.rank.control.request_join)
     body = peers.wait_to_join()
     if body.get("finished"):
         log.warning("the job finished before this replacement could join; nothing to do")

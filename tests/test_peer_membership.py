@@ -75,12 +75,12 @@ async def test_a_replacement_joins_after_the_next_committed_step() -> None:
         coordinator.member_lost(1, "killed by SIGKILL")
         await anyio.sleep(0.1)
         replacement, _ = await start_client(tg, coordinator, 1, 2)
-        joins: list[dict] = []
-        replacement.on_reconfigure = joins.append
+        # connected but not ready: a step commits without it
+        verdict = await clients[0].vote(1, 3, True, timeout=5)
+        assert verdict["commit"] is True and "joined" not in verdict
+        await replacement.request_join()
         await anyio.sleep(0.1)
-        if replacement.last_reconfigure is not None and not joins:
-            joins.append(replacement.last_reconfigure)
-        assert joins == []  # let in only at a step boundary
+        assert replacement.last_reconfigure is None  # let in only at a step boundary
         verdict = await clients[0].vote(1, 4, True, timeout=5)
         assert verdict["commit"] is True
         assert verdict["joined"] == [1] and verdict["members"] == [0, 1]
@@ -99,6 +99,7 @@ async def test_a_replacement_after_the_end_is_told_to_go() -> None:
         await clients[0].close()
         await anyio.sleep(0.1)
         replacement, _ = await start_client(tg, coordinator, 1, 2)
+        await replacement.request_join()
         await anyio.sleep(0.2)
         assert replacement.last_reconfigure is not None
         assert replacement.last_reconfigure["finished"] is True

@@ -221,6 +221,10 @@ class ControlClient:
             raise waiter.error
         return dict(waiter.value)
 
+    async def request_join(self) -> None:
+        """--peer-recovery: this replacement rank is ready to enter the group."""
+        await self._send(Kind.JOIN, {})
+
     async def route(self, to_rank: int, body: dict) -> None:
         if not 0 <= to_rank < self.world_size:
             raise ValueError(f"to_rank must be in 0..{self.world_size - 1}, got {to_rank}")

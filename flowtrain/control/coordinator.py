@@ -350,6 +350,11 @@ class Coordinator:
             )
         elif kind == Kind.BYE:
             self._on_bye(rank)
+        elif kind == Kind.JOIN and self.peer_recovery and rank not in self.members:
+            self._joining.add(rank)
+            _log().warning("replacement rank ready; it enters the group after the next step",
+                           rank=rank, generation=self.generation)
+            self._release_joiners()
         elif kind == Kind.COMMIT and self.peer_recovery:
             self._on_commit(rank, _field(body, "generation", int, kind),
                             _field(body, "step", int, kind), bool(body.get("ok")))
@@ -381,13 +386,13 @@ class Coordinator:
         state = self._states[rank]
         rejoin = state.joined
         if self.peer_recovery and state.lost:
-            # a replacement for a lost rank: it joins the group at the next committed step
+            # a replacement for a lost rank: it enters the group at the first committed step
+            # after it says it is ready (JOIN)
             state.lost = state.failed = state.stuck = state.finished = False
             state.status = {}
-            self._joining.add(rank)
             rejoin = False
-            _log().warning("replacement rank joined; it enters the group at the next step",
-                           rank=rank, generation=self.generation)
+            _log().warning("replacement rank joined the control plane", rank=rank,
+                           generation=self.generation)
         state.joined = True
         state.host = str(body.get("host", ""))
         state.pid = body.get("pid", 0) if isinstance(body.get("pid"), int) else 0
@@ -400,7 +405,6 @@ class Coordinator:
             _log().warning("rank joined again", rank=rank, host=state.host, pid=state.pid)
             return
         _log().info("rank joined", rank=rank, host=state.host, pid=state.pid)
-        self._release_joiners()
         self._rank_telemetry(event_record(
             "rank_joined", f"rank {rank} joined from {state.host or '?'} (pid {state.pid})",
             rank=rank, data={"host": state.host, "pid": state.pid,

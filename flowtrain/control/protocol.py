@@ -72,6 +72,7 @@ class Kind:
     COMMIT = "COMMIT"
     COMMIT_RESULT = "COMMIT_RESULT"
     RECONFIGURE = "RECONFIGURE"
+    JOIN = "JOIN"  # a replacement rank is ready to enter the group
 
     ALL = frozenset(
         {
@@ -91,6 +92,7 @@ class Kind:
             COMMIT,
             COMMIT_RESULT,
             RECONFIGURE,
+            JOIN,
         }
     )
 
