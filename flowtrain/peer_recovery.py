@@ -167,10 +167,14 @@ def group() -> PeerGroup:
 
 def _prepare() -> None:
     """What ``initialize`` would do after the group is formed and that needs no group:
-    imports, and the fused Adam kernel's compile (or load from numba's cache). The survivors
+    imports (torch._dynamo, which building an optimizer imports, the slowest), and the fused
+    Adam kernel's compile (or load from numba's cache). The survivors
     wait for the replacement from the moment it asks to join until it has built its engine,
     so it does the slow part first."""
     started = time.monotonic()
+    # torch.optim's Optimizer.__init__ imports torch._dynamo on first use: seconds
+    import torch._dynamo  # noqa: F401
+
     import flowtrain.checkpoint.checkpointer  # noqa: F401
     import flowtrain.config.hf  # noqa: F401
     import flowtrain.engine.engine  # noqa: F401

@@ -20,9 +20,9 @@ from torch import nn
 from helpers import DATA, launch
 
 WORKER = DATA / "peer_recovery_worker.py"
-STEPS, KILL_AT = 70, 30
-# per step: the replacement (started 1 s after the loss; a new Python importing torch takes a
-# few seconds more here) joins some 15-30 steps after the kill, well before the end
+STEPS, KILL_AT, WAIT_FROM = 70, 30, 50
+# per step; from step 50 on the survivors step slowly until the replacement (started 1 s after
+# the loss; a new Python importing torch takes some seconds more) is in
 SLEEP_S = "0.2"
 
 
@@ -79,6 +79,7 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, kil
     survivors = [r for r in range(3) if r != killed]
     out = tmp_path / "out"
     launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, how,
+           str(WAIT_FROM),
            run_dir=tmp_path / "run", timeout=110,
            extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
     procs = _records(out)

@@ -3,9 +3,11 @@ parallelism on data keyed by (step, launch rank), looping on ``engine.global_ste
 the engine drops is redone. Each process appends one JSON line per committed step to
 OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer state); a
 replacement rank first writes a "joined" line with the state it took from its peer. The first
-process of KILL_RANK SIGKILLs itself after step KILL_AT.
+process of KILL_RANK SIGKILLs itself after step KILL_AT. From step WAIT_FROM on, ranks of a
+group short of a member step slowly (0.5 s) until the replacement is in: a replacement still
+importing torch on a loaded machine joins about then instead of after the last step.
 
-argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL (default) or STOP, a frozen rank]
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL or STOP (a frozen rank)] [WAIT_FROM]
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def main() -> None:
     out, steps, kill_at, kill_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         int(sys.argv[4])
     sleep_s = float(sys.argv[5])
-    sig = signal.SIGSTOP if sys.argv[6:] == ["STOP"] else signal.SIGKILL
+    sig = signal.SIGSTOP if sys.argv[6:7] == ["STOP"] else signal.SIGKILL
+    wait_from = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
     model = make_model()
@@ -86,7 +90,8 @@ def main() -> None:
                weights=digest(params), optim=digest(optimizer_tensors(optimizer)))
         if not replacement and rank == kill_rank and engine.global_steps == kill_at:
             os.kill(os.getpid(), sig)
-        time.sleep(sleep_s)
+        short = len(engine.peer.members) < world
+        time.sleep(0.5 if wait_from and engine.global_steps >= wait_from and short else sleep_s)
     record(event="done", step=engine.global_steps, weights=digest(params))
     log.close()
 
