@@ -106,14 +106,48 @@ class PeerGroup:
                  members=body.get("members"), waited_s=round(time.monotonic() - started, 3))
         return body
 
-    def reform(self, generation: int, members: list[int], joined: list[int] | None = None
-               ) -> None:
+    def next_generation(self, timeout: float = GROUP_TIMEOUT) -> dict[str, Any]:
+        """Waits until the coordinator announces a generation after this one (a member was
+        lost); its RECONFIGURE body. TimeoutError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            body = self._announced
+            if body is not None and int(body.get("generation", 0)) > self.generation \
+                    and not body.get("join"):
+                return body
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank.env.rank}: no new generation of the group "
+                                   f"announced within {timeout:g} s")
+            time.sleep(0.02)
+
+    def superseded(self) -> bool:
+        """A generation after this one was announced (a member was lost meanwhile)."""
+        body = self._announced
+        return body is not None and int(body.get("generation", 0)) > self.generation \
+            and not body.get("join")
+
+    def broadcast(self, tensor: Any, src: int, what: str) -> None:
+        """``dist.broadcast`` on the training thread that gives up (GroupChanged) when a newer
+        generation is announced: a member lost during a replacement's state transfer would
+        otherwise hold the others in it until the group's timeout."""
+        work = dist.broadcast(tensor, src=src, async_op=True)
+        deadline = time.monotonic() + GROUP_TIMEOUT
+        while not work.is_completed():
+            if self.superseded():
+                raise GroupChanged(f"{what}: a member of the group was lost")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within {GROUP_TIMEOUT:g} s")
+            time.sleep(0.0005)
+        work.wait()
+
+    def reform(self, generation: int, members: list[int], joined: list[int] | None = None,
+               abandon: bool = False) -> None:
         """Leaves the current default process group (a member may be dead) and forms the
         generation's group of ``members`` (launch ranks) as the new default group;
         ``joined``: the replacements among them, which take the state of ``source``."""
         started = time.monotonic()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _leave_group(abandon)
         me = self.rank.env.rank
         members = sorted(int(m) for m in members)
         index = members.index(me)
@@ -127,6 +161,15 @@ class PeerGroup:
             address = str(self.rank.kv_get(key, timeout=GROUP_TIMEOUT))
             host, port = address.rsplit("|", 1)
             store = dist.TCPStore(host, int(port), len(members), False, timeout)
+        # Every member arrives before the group is built: building it waits for the others
+        # holding the GIL (this rank's heartbeats would stop)
+        store.add("arrived", 1)
+        deadline = time.monotonic() + GROUP_TIMEOUT
+        while store.add("arrived", 0) < len(members):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {generation} of the group: not every member of "
+                                   f"{members} arrived within {GROUP_TIMEOUT:g} s")
+            time.sleep(0.002)
         dist.init_process_group("gloo", store=store, rank=index, world_size=len(members),
                                 timeout=timedelta(seconds=float(
                                     os.environ.get("FLOWTRAIN_COLLECTIVE_TIMEOUT", 600))))
@@ -148,6 +191,34 @@ class PeerGroup:
         from flowtrain.comm import _is_loopback
 
         return addr if _is_loopback(addr) else socket.getfqdn()
+
+
+def _leave_group(abandon: bool = False) -> None:
+    """Destroys the default process group; or, with ``abandon``, drops it without shutting it
+    down (kept referenced, never destroyed): a collective of it may be stuck on a member that
+    gave up on it, and destroying (or torch's _abort_process_group) would wait for that work
+    holding the GIL."""
+    if not abandon:
+        dist.destroy_process_group()
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    _abandoned.append(c10d._get_default_group())
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+_abandoned: list[Any] = []  # process groups left behind with work stuck in them
+
+
+class GroupChanged(RuntimeError):
+    """A newer generation of the group was announced while this rank waited on the current
+    one."""
 
 
 _group: PeerGroup | None = None
@@ -205,6 +276,11 @@ def join_distributed() -> None:
         raise SystemExit(0)
     peers.reform(int(body["generation"]), [int(m) for m in body["members"]],
                  [int(m) for m in body.get("joined", [])])
+
+
+def current() -> PeerGroup | None:
+    """The process's PeerGroup, if one was made (never makes one)."""
+    return _group
 
 
 def state_source() -> int:

@@ -215,18 +215,31 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                     generation=verdict.get("generation"))
         self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=[])
 
-    def _peer_reform(self, generation: int, members: list[int], *, joined: list[int]) -> None:
+    def _peer_reform(self, generation: int, members: list[int], *, joined: list[int],
+                     abandon: bool = False) -> None:
         """Moves the engine onto the generation's process group; when replacement ranks
         joined, the lowest member sends them the model and the training state."""
         assert self.peer is not None
         if self.reducer is not None:
             self._runtime.stop_actor(self.reducer.name)
             self.reducer = None
-        self.peer.reform(generation, members, joined)
+        self.peer.reform(generation, members, joined, abandon)
         self._adopt_group()
-        if joined:
+        if not joined:
+            return
+        try:
             self._broadcast_model()
             self._peer_sync_state(load=False)
+        except RuntimeError as exc:  # GroupChanged too
+            # a replacement died while it was being sent the state: the coordinator announces
+            # the group without it (the weights here were not changed: the source's are the
+            # same); a survivor whose broadcasts went through meets the others at its next
+            # step, which the coordinator drops
+            announced = self.peer.next_generation()
+            log.warning("a replacement was lost while it joined; re-forming without it",
+                        error=str(exc)[:300], members=announced.get("members"))
+            self._peer_reform(int(announced["generation"]), list(announced["members"]),
+                              joined=[], abandon=True)
 
     def _adopt_group(self) -> None:
         self.world_size = dist.get_world_size()
@@ -256,13 +269,25 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         """The state source (the lowest member that is no replacement) broadcasts
         ``peer_state()``; a replacement (``load``) takes it, the other survivors hold the same
         values already."""
-        assert self.peer is not None
-        source = self.peer.source
-        payload: list[Any] = [self.peer_state() if self.dp_rank == source else None]
-        dist.broadcast_object_list(payload, src=source)
+        import io
+
+        peer = self.peer
+        assert peer is not None
+        source = peer.source
+        size = torch.zeros(1, dtype=torch.int64)
+        data = torch.empty(0, dtype=torch.uint8)
+        if self.dp_rank == source:
+            buffer = io.BytesIO()
+            torch.save(self.peer_state(), buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size[0] = data.numel()
+        peer.broadcast(size, source, "the training state's size")
+        if self.dp_rank != source:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        peer.broadcast(data, source, "the training state")
         if self.dp_rank == source or not load:
             return
-        state = payload[0]
+        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         if state["lr_scheduler"] is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -309,11 +334,15 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
         # under --peer-recovery a replacement may be group rank 0: the source is a survivor
         src = self.grid.dp_ranks[0] if self.grid is not None else peer_recovery.state_source()
+        peer = getattr(self, "peer", None) or peer_recovery.current()
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.is_partitioned(tensor):
                     continue  # zero.Init took rank 0's values when it partitioned it
-                dist.broadcast(tensor.data, src=src, group=self.dp_group)
+                if peer is not None:
+                    peer.broadcast(tensor.data, src, "the model broadcast to a replacement")
+                else:
+                    dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _open_channel(self, choice: str | None) -> Any:
         """The data channel the reduces go over (``flowtrain.shm.data_channel``)."""

@@ -4,10 +4,14 @@ the engine drops is redone. Each process appends one JSON line per committed ste
 OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer state); a
 replacement rank first writes a "joined" line with the state it took from its peer. The first
 process of KILL_RANK SIGKILLs itself after step KILL_AT. From step WAIT_FROM on, ranks of a
-group short of a member step slowly (0.5 s) until the replacement is in: a replacement still
+group short of a member step slowly (1.5 s) until the replacement is in: a replacement still
 importing torch on a loaded machine joins about then instead of after the last step.
 
-argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL or STOP (a frozen rank)] [WAIT_FROM]
+With SIGNAL JOINER the rank is SIGKILLed as with KILL, and its replacement SIGKILLs itself
+while it takes its state from its peers (after the weights, before the optimizer state).
+
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank) or JOINER]
+      [WAIT_FROM]
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
+    if replacement and sys.argv[6:7] == ["JOINER"]:
+        from flowtrain.engine.engine import FlowtrainEngine
+
+        def die(self: FlowtrainEngine) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FlowtrainEngine.peer_join = die  # type: ignore[method-assign]
     model = make_model()
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
@@ -91,7 +102,7 @@ def main() -> None:
         if not replacement and rank == kill_rank and engine.global_steps == kill_at:
             os.kill(os.getpid(), sig)
         short = len(engine.peer.members) < world
-        time.sleep(0.5 if wait_from and engine.global_steps >= wait_from and short else sleep_s)
+        time.sleep(1.5 if wait_from and engine.global_steps >= wait_from and short else sleep_s)
     record(event="done", step=engine.global_steps, weights=digest(params))
     log.close()
 
