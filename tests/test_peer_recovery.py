@@ -134,3 +134,39 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, kil
     events = [e["event"] for e in job["peer_recovery"]]
     assert events == ["rank_lost", "replacement_started"]
     print(f"recovered in {recovered_in:.2f} s; replacement joined after step {join_step}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_replacement_lost_during_its_state_transfer_leaves_the_survivors_going(
+        tmp_path: Path) -> None:
+    """The replacement dies after the weights and before the optimizer state: the survivors
+    give the transfer up, re-form without it and finish; nothing is counted twice."""
+    out = tmp_path / "out"
+    proc = launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), "2", SLEEP_S, "JOINER",
+                  "40", run_dir=tmp_path / "run", timeout=140,
+                  extra=["--peer-recovery", "--max-restarts", "1"])
+    assert "a replacement was lost while it joined" in proc.stdout + proc.stderr
+    procs = _records(out)
+    assert len(procs[2]) == 1  # the replacement wrote nothing: it died inside initialize
+    finals = set()
+    for rank in (0, 1):
+        assert len(procs[rank]) == 1
+        records = procs[rank][0][1]
+        assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, STEPS + 1))
+        assert records[-1]["event"] == "done"
+        finals.add(records[-1]["weights"])
+    assert len(finals) == 1
+    survivor = {r["step"]: r for r in procs[0][0][1] if r["event"] == "step"}
+    members = {s: r["members"] for s, r in survivor.items()}
+    assert all(members[s] == [0, 1] for s in range(KILL_AT + 1, STEPS + 1))
+    reference = _reference_losses(members)
+    for rank in (0, 1):
+        for r in procs[rank][0][1]:
+            if r["event"] == "step":
+                assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
+                                                  abs=1e-6)
+    job = json.loads((tmp_path / "run" / "job.json").read_text())
+    assert job["status"] == "succeeded"
+    assert [e["event"] for e in job["peer_recovery"]] == \
+        ["rank_lost", "replacement_started", "rank_lost"]
