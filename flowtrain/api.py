@@ -169,8 +169,16 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(engine.optimizer)
     engine.lr_scheduler = lr_scheduler
-    # after the scheduler exists: a resumed checkpoint restores its state too
-    engine.resumed_checkpoint, engine.resumed_client_state = auto_resume(engine)
+    from flowtrain import peer_recovery
+
+    if peer_recovery.joining():
+        # a replacement rank (launch --peer-recovery): the state comes from a healthy peer,
+        # not from a checkpoint
+        engine.peer_join()
+        engine.resumed_checkpoint, engine.resumed_client_state = None, None
+    else:
+        # after the scheduler exists: a resumed checkpoint restores its state too
+        engine.resumed_checkpoint, engine.resumed_client_state = auto_resume(engine)
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job

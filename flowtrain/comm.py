@@ -46,6 +46,12 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
     world_size; the MPI discovery flags mean nothing here)."""
     if dist.is_initialized():
         return str(dist.get_backend())
+    from flowtrain import peer_recovery
+
+    if peer_recovery.joining():
+        # a replacement for a lost rank (launch --peer-recovery): the survivors' group
+        peer_recovery.join_distributed()
+        return str(dist.get_backend())
     from flowtrain.slurm import apply as slurm_environment
 
     slurm_environment()  # a task of `srun python train.py`: its rank from SLURM, not rank 0 of 1

@@ -30,6 +30,11 @@ CONTROL_CURVE = "FLOWTRAIN_CONTROL_CURVE"  # "1": the control plane is CurveZMQ-
 # the world size of a restarted job's first attempt (flowtrain launch --max-restarts): after an
 # elastic shrink the config loader keeps that attempt's global batch
 FIRST_WORLD_SIZE = "FLOWTRAIN_FIRST_WORLD_SIZE"
+# flowtrain launch --peer-recovery: "1" in every rank (survivors of a lost rank re-form the
+# process group and go on without a restart); PEER_JOIN "1" in a replacement rank the launcher
+# started for a lost one (it joins the survivors' group and takes a healthy peer's state)
+PEER_RECOVERY = "FLOWTRAIN_PEER_RECOVERY"
+PEER_JOIN = "FLOWTRAIN_PEER_JOIN"
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_MISSES = 5
 

@@ -51,7 +51,7 @@ def test_the_pipeline_example_runs_on_two_ranks(tmp_path: Path) -> None:
             last = float(engine.train_batch(data_iter))
         print("README pipeline example: loss", first, "->", last, flush=True)
         # torn down as the project's other pipeline workers are: a pipeline job left to the
-        # interpreter's exit sometimes aborts there (reliability finding 5, still open)
+        # interpreter's exit aborted there before bootstrap.end_process (reliability finding 5)
         engine.destroy()
         """))
     proc = launch(2, script, run_dir=tmp_path / "run", timeout=150)

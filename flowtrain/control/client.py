@@ -119,6 +119,10 @@ class ControlClient:
         self._barrier_waiters: dict[str, _Waiter] = {}
         self._kv_waiters: dict[int, _Waiter] = {}
         self._requests = itertools.count(1)
+        # --peer-recovery: the pending commit vote, and who hears of a new generation
+        self._commit_waiter: _Waiter | None = None
+        self.on_reconfigure: Callable[[dict], None] | None = None
+        self.last_reconfigure: dict | None = None
 
     # ----------------------------------------------------------------- public API
 
@@ -197,6 +201,29 @@ class ControlClient:
         if waiter.error is not None:
             raise waiter.error
         return waiter.value
+
+    async def vote(self, generation: int, step: int, ok: bool, timeout: float) -> dict:
+        """--peer-recovery: this rank's vote on committing ``step``; returns the coordinator's
+        verdict ``{"commit": bool, "generation": int, "members": [...], ...}`` once every
+        member voted, or at once when the generation moved on (a member was lost)."""
+        if self._commit_waiter is not None:
+            raise RuntimeError(f"rank {self.rank} is already waiting on a commit vote")
+        waiter = self._commit_waiter = _Waiter()
+        try:
+            with anyio.move_on_after(timeout) as scope:
+                await self._send(Kind.COMMIT, {"generation": generation, "step": step, "ok": ok})
+                await waiter.event.wait()
+            if scope.cancelled_caught:
+                raise TimeoutError(f"commit vote on step {step}: no verdict within {timeout} s")
+        finally:
+            self._commit_waiter = None
+        if waiter.error is not None:
+            raise waiter.error
+        return dict(waiter.value)
+
+    async def request_join(self) -> None:
+        """--peer-recovery: this replacement rank is ready to enter the group."""
+        await self._send(Kind.JOIN, {})
 
     async def route(self, to_rank: int, body: dict) -> None:
         if not 0 <= to_rank < self.world_size:
@@ -351,6 +378,16 @@ class ControlClient:
                     "malformed", f"ROUTE with from={sender!r} and a {type(payload).__name__} body"
                 )
             return sender, payload
+        elif frame.kind == Kind.COMMIT_RESULT:
+            if self._commit_waiter is not None:
+                self._commit_waiter.resolve(body)
+        elif frame.kind == Kind.RECONFIGURE:
+            self.last_reconfigure = body
+            if self.on_reconfigure is not None:
+                try:
+                    self.on_reconfigure(body)
+                except Exception:
+                    _log().exception("on_reconfigure raised", rank=self.rank)
         elif frame.kind == Kind.ABORT:
             self._abort(str(body.get("reason", "the coordinator aborted the job")))
         else:
@@ -411,5 +448,6 @@ class ControlClient:
             _log().exception("on_abort raised", rank=self.rank)
 
     def _fail_waiters(self, error: BaseException) -> None:
-        for waiter in [*self._barrier_waiters.values(), *self._kv_waiters.values()]:
+        extra = [self._commit_waiter] if self._commit_waiter is not None else []
+        for waiter in [*self._barrier_waiters.values(), *self._kv_waiters.values(), *extra]:
             waiter.fail(error)

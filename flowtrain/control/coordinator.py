@@ -96,6 +96,7 @@ class RankState:
     finished: bool = False
     failed: bool = False  # reported a failure, or was declared stuck
     stuck: bool = False
+    lost: bool = False  # --peer-recovery: left out of the group; a replacement may join
 
 
 def identity_of(rank: int) -> bytes:
@@ -137,13 +138,17 @@ class Coordinator:
         on_telemetry: Callable[[Mapping[str, Any]], None] | None = None,
         job_record: Mapping[str, Any] | None = None,
         encrypt: bool = False,
+        peer_recovery: bool = False,
     ) -> None:
         """``on_telemetry`` gets every schema record the coordinator publishes (the recorder and
         the launcher's progress line hang there); ``job_record`` is published when it starts.
         The PUB socket is always a CurveZMQ server with a key pair derived from the secret
         (``protocol.curve_server_keys``), so only holders of the secret can subscribe;
         ``encrypt`` makes the ROUTER one too, for jobs whose hosts talk over untrusted
-        networks."""
+        networks. ``peer_recovery`` (``flowtrain launch --peer-recovery``): the coordinator
+        keeps the data-parallel group's membership in generations, answers each step's commit
+        votes (COMMIT) and, when a rank is lost (``member_lost``) or a replacement joins, tells
+        the members the next generation (RECONFIGURE)."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         check_heartbeat(heartbeat_interval, heartbeat_misses)
@@ -172,6 +177,11 @@ class Coordinator:
         self._kv_waiters: dict[str, list[tuple[int, Any]]] = {}  # key -> [(rank, req)]
         self._join_reported = False
         self._all_finished_reported = False
+        self.peer_recovery = peer_recovery
+        self.generation = 0
+        self.members: set[int] = set(range(world_size))
+        self._joining: set[int] = set()
+        self._votes: dict[int, dict[int, bool]] = {}  # step -> {rank: ok} of this generation
 
     # ----------------------------------------------------------------- public API
 
@@ -340,6 +350,14 @@ class Coordinator:
             )
         elif kind == Kind.BYE:
             self._on_bye(rank)
+        elif kind == Kind.JOIN and self.peer_recovery and rank not in self.members:
+            self._joining.add(rank)
+            _log().warning("replacement rank ready; it enters the group after the next step",
+                           rank=rank, generation=self.generation)
+            self._release_joiners()
+        elif kind == Kind.COMMIT and self.peer_recovery:
+            self._on_commit(rank, _field(body, "generation", int, kind),
+                            _field(body, "step", int, kind), bool(body.get("ok")))
         else:
             raise FrameRejected("malformed", f"a rank may not send {kind} frames")
 
@@ -367,6 +385,14 @@ class Coordinator:
             )
         state = self._states[rank]
         rejoin = state.joined
+        if self.peer_recovery and state.lost:
+            # a replacement for a lost rank: it enters the group at the first committed step
+            # after it says it is ready (JOIN)
+            state.lost = state.failed = state.stuck = state.finished = False
+            state.status = {}
+            rejoin = False
+            _log().warning("replacement rank joined the control plane", rank=rank,
+                           generation=self.generation)
         state.joined = True
         state.host = str(body.get("host", ""))
         state.pid = body.get("pid", 0) if isinstance(body.get("pid"), int) else 0
@@ -480,11 +506,13 @@ class Coordinator:
         if state.finished:
             return
         state.finished = True
+        self._joining.discard(rank)
         for key, waiters in list(self._kv_waiters.items()):
             self._kv_waiters[key] = [(r, req) for r, req in waiters if r != rank]
         _log().info("rank finished", rank=rank)
         self._rank_telemetry(event_record("rank_finished", f"rank {rank} finished", rank=rank))
         self._emit(RankFinished(rank=rank))
+        self._release_joiners()
         if not self._all_finished_reported and all(s.finished for s in self._states.values()):
             self._all_finished_reported = True
             self._emit(AllFinished())
@@ -500,7 +528,7 @@ class Coordinator:
             judge = now - previous <= 2 * self.heartbeat_interval
             previous = now
             for state in self._states.values():
-                if not state.joined or state.finished:
+                if not state.joined or state.finished or state.lost:
                     continue
                 self._send(state.rank, Kind.HEARTBEAT, {})
                 silence = now - state.last_seen
@@ -527,7 +555,8 @@ class Coordinator:
         ``limit`` while a peer has waited that long in a collective: the rank that has not
         reached it (its heartbeats, sent from another thread, still arrive). A barrier is not
         such a wait: scripts park the other ranks in one while a rank works alone."""
-        live = [s for s in self._states.values() if s.joined and not s.finished and not s.failed]
+        live = [s for s in self._states.values()
+                if s.joined and not s.finished and not s.failed and not s.lost]
         waiters = [s for s in live if float(s.status.get("waiting_s") or 0) > limit and
                    "barrier" not in str((s.status.get("pending") or [""])[0])]
         if not waiters:
@@ -544,6 +573,106 @@ class Coordinator:
                        f"{waited:.1f} s ({what}): its main thread has not moved from "
                        f"{st.get('main_where')} for {float(st['main_still_s']):.1f} s")
             self._declare_stuck(state, 0.0, message)
+
+    # ------------------------------------------------------------------ peer recovery
+
+    def member_lost(self, rank: int, reason: str) -> None:
+        """--peer-recovery: ``rank`` is gone (its process died, or the launcher killed it as
+        stuck). The step in flight is dropped: every pending commit vote is answered "drop",
+        and the survivors are told the next generation (RECONFIGURE), which also wakes those
+        waiting on a collective with the lost rank."""
+        state = self._states[rank]
+        state.lost = True
+        state.status = {}
+        self._joining.discard(rank)
+        if rank not in self.members:
+            return
+        self.members.discard(rank)
+        _log().warning("rank lost; the survivors re-form the group", rank=rank, reason=reason,
+                       members=sorted(self.members), generation=self.generation + 1)
+        self._rank_telemetry(event_record(
+            "rank_lost", f"rank {rank} lost ({reason}); {len(self.members)} ranks go on",
+            rank=rank, data={"members": sorted(self.members), "generation": self.generation + 1}))
+        self._new_generation(f"rank {rank} lost: {reason}", verdicts=True)
+
+    def _release_joiners(self) -> None:
+        """Once every member has finished, a replacement still waiting to join has nothing
+        to do: it is told so (and exits)."""
+        if not self.peer_recovery or not self._joining or \
+                not all(self._states[m].finished for m in self.members):
+            return
+        for waiting in sorted(self._joining):
+            if self._states[waiting].joined:
+                self._send(waiting, Kind.RECONFIGURE, {
+                    "generation": self.generation + 1, "members": [], "join": True,
+                    "finished": True, "reason": "the job finished before this rank could join"})
+        self._joining.clear()
+
+    def _new_generation(self, reason: str, *, verdicts: bool) -> None:
+        """Opens the next generation with the current members: pending votes (if
+        ``verdicts``) are answered "drop", and every member gets RECONFIGURE."""
+        self.generation += 1
+        members = sorted(self.members)
+        if verdicts:
+            for votes in self._votes.values():
+                for voter in votes:
+                    if voter in self.members:
+                        self._send(voter, Kind.COMMIT_RESULT, {
+                            "commit": False, "generation": self.generation, "members": members})
+        self._votes.clear()
+        for member in members:
+            self._send(member, Kind.RECONFIGURE, {"generation": self.generation,
+                                                  "members": members, "reason": reason,
+                                                  "join": False})
+
+    def _on_commit(self, rank: int, generation: int, step: int, ok: bool) -> None:
+        members = sorted(self.members)
+        if generation != self.generation or rank not in self.members:
+            # a vote of an older generation: its step was dropped when the generation moved on
+            self._send(rank, Kind.COMMIT_RESULT, {"commit": False, "generation": self.generation,
+                                                  "members": members})
+            return
+        others = {other: sorted(v) for other, v in self._votes.items() if other != step}
+        if others:
+            # members of one generation always vote on the same step; this one would wait
+            # until the vote times out on the rank
+            _log().error("ranks of one generation vote on different steps", rank=rank,
+                         step=step, others=others, generation=self.generation)
+        votes = self._votes.setdefault(step, {})
+        votes[rank] = ok
+        if not self.members <= set(votes):
+            return
+        del self._votes[step]
+        if not all(votes[m] for m in self.members):
+            # a collective failed without a lost rank: drop the step and re-form the group
+            failed = sorted(m for m in self.members if not votes[m])
+            self._new_generation(f"step {step} failed on ranks {failed}", verdicts=False)
+            for member in self.members:
+                self._send(member, Kind.COMMIT_RESULT, {
+                    "commit": False, "generation": self.generation, "members": members})
+            return
+        body: dict[str, Any] = {"commit": True, "generation": self.generation, "members": members}
+        joining = sorted(r for r in self._joining if self._states[r].joined)
+        if joining:
+            # the step is committed on every member; the replacements join after it
+            self._joining.clear()
+            self.generation += 1
+            self.members |= set(joining)
+            members = sorted(self.members)
+            body.update(generation=self.generation, members=members, joined=joining,
+                        step=step + 1)
+            _log().warning("replacement ranks enter the group", ranks=joining, members=members,
+                           generation=self.generation, after_step=step + 1)
+            self._rank_telemetry(event_record(
+                "rank_rejoined", f"ranks {joining} joined the group after step {step + 1}",
+                data={"members": members, "generation": self.generation}))
+            for rank_ in joining:
+                self._send(rank_, Kind.RECONFIGURE, {
+                    "generation": self.generation, "members": members, "join": True,
+                    "joined": joining,
+                    "reason": f"replacement joining after step {step + 1}"})
+        for member in sorted(self.members - set(joining)):
+            self._send(member, Kind.COMMIT_RESULT, body)
 
     def _declare_stuck(self, state: RankState, silence: float, message: str | None = None
                        ) -> None:

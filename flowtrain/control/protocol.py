@@ -67,6 +67,12 @@ class Kind:
     TELEMETRY = "TELEMETRY"
     ABORT = "ABORT"
     BYE = "BYE"
+    # --peer-recovery: a rank's vote on committing its step, the coordinator's verdict, and a
+    # new membership (generation) of the data-parallel group
+    COMMIT = "COMMIT"
+    COMMIT_RESULT = "COMMIT_RESULT"
+    RECONFIGURE = "RECONFIGURE"
+    JOIN = "JOIN"  # a replacement rank is ready to enter the group
 
     ALL = frozenset(
         {
@@ -83,6 +89,10 @@ class Kind:
             TELEMETRY,
             ABORT,
             BYE,
+            COMMIT,
+            COMMIT_RESULT,
+            RECONFIGURE,
+            JOIN,
         }
     )
 

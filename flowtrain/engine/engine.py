@@ -5,6 +5,7 @@ BucketReducer reduces each bucket while backward goes on."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -138,17 +139,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         self.channel = None
+        # launch --peer-recovery: the group may lose and regain ranks without a restart
+        self.peer = self._peer_group()
+        self.step_dropped = False  # the last step() dropped its step (a rank was lost)
+        if self.peer is not None:
+            self._order_settled = True  # a replacement builds the same buckets without asking
         if self.world_size > 1:
-            self.channel = self._open_channel(config.flowtrain.data_channel)
-            reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
-                                    comm_dtype=self.comm_dtype,
-                                    predivide=config.gradient_predivide_factor,
-                                    prescale=config.prescale_gradients, stages=self.stages,
-                                    channel=self.channel,
-                                    shards=self.zero.grad_shards if self.zero is not None and
-                                    self.zero.scattered else None)
-            self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
-            self._reducer_actor = reducer
+            # shared memory would wait on a dead peer: gloo's connections see it close
+            self.channel = None if self.peer is not None else \
+                self._open_channel(config.flowtrain.data_channel)
+            self._spawn_reducer()
 
         # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
         self._run_dir = os.environ.get(RUN_DIR) or None
@@ -173,6 +173,140 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     # -- setup helpers --------------------------------------------------------------------------
 
+    def _spawn_reducer(self) -> None:
+        config = self.config
+        peer = self.peer
+        reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
+                                comm_dtype=self.comm_dtype,
+                                predivide=config.gradient_predivide_factor,
+                                prescale=config.prescale_gradients, stages=self.stages,
+                                channel=self.channel,
+                                shards=self.zero.grad_shards if self.zero is not None and
+                                self.zero.scattered else None,
+                                interrupt=(lambda: peer.interrupt) if peer is not None else None)
+        self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
+        self._reducer_actor = reducer
+
+    def _peer_group(self) -> Any:
+        """The process's PeerGroup under ``launch --peer-recovery`` (data parallelism with
+        ZeRO stage 0 only), else None."""
+        from flowtrain import peer_recovery
+
+        if not peer_recovery.enabled() or not dist.is_initialized():
+            return None
+        if self.zero_stage or self.model_parallel or self.grid is not None:
+            raise ValueError(f"flowtrain launch --peer-recovery recovers data-parallel replicas "
+                             f"with ZeRO stage 0; this engine has ZeRO stage {self.zero_stage}"
+                             f"{' and model parallelism' if self.model_parallel else ''}: "
+                             f"use --max-restarts (restart from a checkpoint) instead")
+        return peer_recovery.group()
+
+    def _peer_drop(self, verdict: dict[str, Any], error: str | None) -> None:
+        """The coordinator dropped this step (a rank was lost while it ran): nothing of it is
+        kept; the survivors re-form the group and the script redoes the step."""
+        assert self.peer is not None
+        self.step_dropped = True
+        self.peer.dropped_steps += 1
+        self._losses.clear()
+        self._zero_grads()
+        self.micro_steps -= self.config.grad_accum
+        log.warning("step dropped: the group lost a rank; re-forming it",
+                    step=self.global_steps + 1, reduce_error=error, members=verdict.get("members"),
+                    generation=verdict.get("generation"))
+        self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=[])
+
+    def _peer_reform(self, generation: int, members: list[int], *, joined: list[int],
+                     abandon: bool = False) -> None:
+        """Moves the engine onto the generation's process group; when replacement ranks
+        joined, the lowest member sends them the model and the training state."""
+        assert self.peer is not None
+        if self.reducer is not None:
+            self._runtime.stop_actor(self.reducer.name)
+            self.reducer = None
+        self.peer.reform(generation, members, joined, abandon)
+        self._adopt_group()
+        if not joined:
+            return
+        try:
+            self._broadcast_model()
+            self._peer_sync_state(load=False)
+        except RuntimeError as exc:  # GroupChanged too
+            # a replacement died while it was being sent the state: the coordinator announces
+            # the group without it (the weights here were not changed: the source's are the
+            # same); a survivor whose broadcasts went through meets the others at its next
+            # step, which the coordinator drops
+            announced = self.peer.next_generation()
+            log.warning("a replacement was lost while it joined; re-forming without it",
+                        error=str(exc)[:300], members=announced.get("members"))
+            self._peer_reform(int(announced["generation"]), list(announced["members"]),
+                              joined=[], abandon=True)
+
+    def _adopt_group(self) -> None:
+        self.world_size = dist.get_world_size()
+        self.global_rank = dist.get_rank()
+        self.dp_rank = dist.get_rank()
+        self._parts = dataclasses.replace(self._parts, world_size=self.world_size,
+                                          dp_rank=self.dp_rank)
+        self.health.parts = self._parts
+        if self.world_size > 1:
+            self._spawn_reducer()
+
+    def peer_state(self) -> dict[str, Any]:
+        """What a replacement rank takes from a healthy peer besides the weights."""
+        scaler = self.loss_scaler
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict()
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict")
+            else None,
+            "loss_scaler": scaler.state_dict() if hasattr(scaler, "state_dict") else None,
+            "counters": {"global_steps": self.global_steps,
+                         "global_samples": self.global_samples,
+                         "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps},
+        }
+
+    def _peer_sync_state(self, load: bool) -> None:
+        """The state source (the lowest member that is no replacement) broadcasts
+        ``peer_state()``; a replacement (``load``) takes it, the other survivors hold the same
+        values already."""
+        import io
+
+        peer = self.peer
+        assert peer is not None
+        source = peer.source
+        size = torch.zeros(1, dtype=torch.int64)
+        data = torch.empty(0, dtype=torch.uint8)
+        if self.dp_rank == source:
+            buffer = io.BytesIO()
+            torch.save(self.peer_state(), buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size[0] = data.numel()
+        peer.broadcast(size, source, "the training state's size")
+        if self.dp_rank != source:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        peer.broadcast(data, source, "the training state")
+        if self.dp_rank == source or not load:
+            return
+        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["lr_scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if state["loss_scaler"] is not None and hasattr(self.loss_scaler, "load_state_dict"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for name, value in state["counters"].items():
+            setattr(self, name, value)
+        log.warning("took the model and training state from a peer",
+                    global_steps=self.global_steps, generation=self.peer.generation
+                    if self.peer is not None else None)
+
+    def peer_join(self) -> None:
+        """A replacement rank, once its engine and scheduler exist (``initialize``): takes
+        the training state from the lowest member (the weights came in the constructor)."""
+        from flowtrain import peer_recovery
+
+        if self.peer is not None and peer_recovery.joining():
+            self._peer_sync_state(load=True)
+
     @property
     def _runtime(self) -> Any:
         if self._rank is None:
@@ -196,12 +330,19 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
         if self.world_size == 1:
             return
-        src = self.grid.dp_ranks[0] if self.grid is not None else 0
+        from flowtrain import peer_recovery
+
+        # under --peer-recovery a replacement may be group rank 0: the source is a survivor
+        src = self.grid.dp_ranks[0] if self.grid is not None else peer_recovery.state_source()
+        peer = getattr(self, "peer", None) or peer_recovery.current()
         with torch.no_grad():
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.is_partitioned(tensor):
                     continue  # zero.Init took rank 0's values when it partitioned it
-                dist.broadcast(tensor.data, src=src, group=self.dp_group)
+                if peer is not None:
+                    peer.broadcast(tensor.data, src, "the model broadcast to a replacement")
+                else:
+                    dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
     def _open_channel(self, choice: str | None) -> Any:
         """The data channel the reduces go over (``flowtrain.shm.data_channel``)."""
@@ -406,11 +547,18 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        self.step_dropped = False
+        verdict: dict[str, Any] | None = None
         if self.reducer is not None and not self._no_sync:
             with self.timer.span("comm", names.COMM_WAIT):
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
             self.timer.record_spans(report.spans)
+            if self.peer is not None:
+                verdict = self.peer.should_commit(self.global_steps, report.error is None)
+                if not verdict.get("commit"):
+                    self._peer_drop(verdict, report.error)
+                    return
         elif self.stages["bucket_full"] or self.stages["after_reduce"]:
             # One rank has no reducer; the stages still see every bucket, in the same order.
             for index, grad in enumerate(self.buckets.buffers()):
@@ -440,6 +588,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         every = self.config.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(loss, lr, every)
+        if verdict is not None and verdict.get("joined"):
+            # replacement ranks enter the group after this committed step
+            self._peer_reform(int(verdict["generation"]), list(verdict["members"]),
+                              joined=list(verdict["joined"]))
 
     def _optimizer_step(self) -> bool:
         if self.zero is not None:

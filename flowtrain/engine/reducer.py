@@ -50,6 +50,12 @@ class ReduceReport:
     """What the reduces of one step did, for the throughput log and the span recorder."""
 
     spans: tuple[tuple[str, float, float], ...]  # (task name, launch time, done time)
+    # --peer-recovery: why this step's reduces failed (a lost peer); None when they finished
+    error: str | None = None
+
+
+class StepInterrupted(Exception):
+    """--peer-recovery: a newer generation of the group was announced while a reduce waited."""
 
 
 class BucketReducer(Actor):
@@ -66,8 +72,14 @@ class BucketReducer(Actor):
     def __init__(self, buckets: GradBuckets, *, world_size: int, comm_dtype: torch.dtype,
                  predivide: float = 1.0, prescale: bool = False, group: Any = None,
                  stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT,
-                 channel: Any = None, shards: list[torch.Tensor] | None = None) -> None:
+                 channel: Any = None, shards: list[torch.Tensor] | None = None,
+                 interrupt: Any = None) -> None:
+        """``interrupt`` (--peer-recovery): a callable giving the asyncio.Event set when the
+        group's membership changes; with it a failed or interrupted reduce does not fail the
+        actor: ``Flush`` reports it (``ReduceReport.error``) and the engine drops the step."""
         self.buckets = buckets
+        self.interrupt = interrupt
+        self._error: str | None = None
         # ZeRO stages 2-3: reduce-scatter each bucket and add the result into this rank's
         # gradient shard instead of all-reducing it (the shards accumulate over micro-batches).
         self.shards = shards
@@ -98,6 +110,21 @@ class BucketReducer(Actor):
 
     @handler
     async def ready(self, msg: BucketReady) -> None:
+        if self.interrupt is None:
+            return await self._take_ready(msg)
+        if self._error is not None:
+            return None  # the step is lost already: launch nothing more
+        try:
+            await self._take_ready(msg)
+        except Exception as exc:  # noqa: BLE001 - reported by Flush; the step is dropped
+            self._fail(exc)
+        return None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = f"{type(exc).__name__}: {exc}"[:500]
+
+    async def _take_ready(self, msg: BucketReady) -> None:
         self._step = msg.step
         self._micro_batch = msg.micro_batch
         self._ready[msg.index] = msg.buffer
@@ -132,8 +159,28 @@ class BucketReducer(Actor):
             except TimeoutError:
                 raise comm.CollectiveTimeout(f"{what} did not finish within "
                                              f"{self.timeout:g} s") from None
+        elif self.interrupt is not None:
+            await self._interruptible(comm.wait(work, what, self.timeout), what)
         else:
             await comm.wait(work, what, self.timeout)
+
+    async def _interruptible(self, waiting: Any, what: str) -> None:
+        """Awaits ``waiting`` unless the group's membership changes first (StepInterrupted):
+        a collective with a lost rank may never finish on its own."""
+        event = self.interrupt()
+        task = asyncio.ensure_future(waiting)
+        stop = asyncio.ensure_future(event.wait())
+        try:
+            done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task in done:
+            task.result()
+            return
+        task.cancel()
+        # the abandoned wait ends with the backend's error later: retrieved, not logged
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise StepInterrupted(f"{what}: the group's membership changed (a rank was lost)")
 
     @handler
     async def end_micro_batch(self, msg: EndMicroBatch) -> None:
@@ -145,9 +192,22 @@ class BucketReducer(Actor):
     async def flush(self, msg: Flush) -> ReduceReport:
         self._step = msg.step
         self._micro_batch = msg.micro_batch
-        await self._drain(final=True)
-        report = ReduceReport(tuple(self._spans))
+        if self.interrupt is None:
+            await self._drain(final=True)
+        else:
+            if self._error is None:
+                try:
+                    await self._drain(final=True)
+                except Exception as exc:  # noqa: BLE001 - reported; the step is dropped
+                    self._fail(exc)
+            if self._error is not None:
+                self._inflight.clear()
+                self._ready.clear()
+                self._task_names.clear()
+                self._next = 0
+        report = ReduceReport(tuple(self._spans), self._error)
         self._spans.clear()
+        self._error = None
         return report
 
     async def _drain(self, final: bool) -> None:

@@ -65,6 +65,11 @@ class LaunchConfig:
     encrypt_control: bool = False  # --encrypt-control: CurveZMQ on the control plane
     task_launcher: str | None = None
     task_launcher_args: list[str] = field(default_factory=list)
+    # --peer-recovery: a lost rank does not end the job; the survivors re-form the group and go
+    # on, and the launcher starts a replacement (up to max_restarts of them) that takes a
+    # healthy peer's state
+    peer_recovery: bool = False
+    peer_respawn_delay: float = 0.0  # seconds between a rank's loss and its replacement's start
 
     @property
     def mode(self) -> str:
@@ -122,6 +127,15 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="encrypt the control plane (CurveZMQ, keys derived from the job "
                    "secret) for jobs whose hosts talk over untrusted networks; frames are "
                    "signed either way")
+    p.add_argument("--peer-recovery", action="store_true",
+                   help="data-parallel (ZeRO 0) jobs on one node: when a rank dies the others "
+                   "drop the step in flight, re-form the process group among themselves and go "
+                   "on without a restart; with --max-restarts N the launcher starts up to N "
+                   "replacement ranks, which take the weights and optimizer state from a "
+                   "healthy peer (torchft-style fault tolerance)")
+    p.add_argument("--peer-respawn-delay", default="0", metavar="SECONDS",
+                   help="with --peer-recovery: seconds between a rank's loss and the start of "
+                   "its replacement (default: 0)")
     p.add_argument("--trace", action="store_true",
                    help="write a Chrome/Perfetto trace of the measured task spans to "
                    "<run dir>/trace.json when the job ends (as 'flowtrain trace' does)")
@@ -357,6 +371,20 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
                                f"by hand on each node (--nnodes/--node-rank) ends, naming the "
                                f"rank, with the last complete checkpoint intact; relaunch it "
                                f"and the script's load_checkpoint resumes from it")
+    peer = bool(ns.peer_recovery)
+    if peer and (hosts or nnodes > 1 or ns.control_endpoint or ns.no_python or
+                 getattr(ns, "task_launcher", None) or min_nodes is not None):
+        raise LaunchInputError("--peer-recovery works on one node (--nproc-per-node N) for now: "
+                               "it does not combine with --hostfile, --nnodes, --launcher or "
+                               "--no-python; use --max-restarts for those")
+    try:
+        respawn_delay = float(ns.peer_respawn_delay)
+    except (TypeError, ValueError):
+        raise LaunchInputError(f"--peer-respawn-delay must be a number of seconds, got "
+                               f"{ns.peer_respawn_delay!r}") from None
+    if not 0 <= respawn_delay < float("inf"):
+        raise LaunchInputError(f"--peer-respawn-delay must be 0 or more seconds, got "
+                               f"{ns.peer_respawn_delay!r}")
     if min_nodes is not None and not restarts:
         raise LaunchInputError("--nnodes MIN:MAX shrinks the job only when it restarts: add "
                                "--max-restarts N (each shrink is a restart)")
@@ -397,5 +425,5 @@ def resolve(ns: argparse.Namespace, argv: list[str]) -> LaunchConfig:
         declares_local_rank(target, ns.module), save_pid=ns.save_pid, max_restarts=restarts,
         log_level=ns.log_level, quiet=ns.quiet, echo_ranks=ns.echo_ranks,
         min_nodes=min_nodes if hosts else None, task_launcher=task_launcher,
-        task_launcher_args=task_args,
+        task_launcher_args=task_args, peer_recovery=peer, peer_respawn_delay=respawn_delay,
     )

@@ -181,5 +181,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Threads of this module's and the rank's that never run inside torch: harmless at finalization.
+SAFE_THREADS = frozenset({"flowtrain-sigterm-forward", "flowtrain-abort-watchdog"})
+
+
+def lingering_threads() -> list[str]:
+    """What could still return from torch while the interpreter finalizes: live threads other
+    than the main one and SAFE_THREADS, and the collectives flowtrain still waits on (their
+    completion callbacks run on the backend's threads)."""
+    names = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and t.name not in SAFE_THREADS]
+    comm = sys.modules.get("flowtrain.comm")
+    return names + (list(comm.pending()) if comm is not None else [])
+
+
+def end_process(code: int) -> None:
+    """Ends the rank with ``code``. A thread still inside a torch wait (a pipeline stage's
+    receive, a user's ``work.wait()``) that returns while the interpreter finalizes aborts the
+    process: torch takes the GIL back in a C++ destructor, and the thread exit Python forces
+    on it there becomes std::terminate ("terminate called without an active exception",
+    SIGABRT: reliability finding 5), so a finished run is reported failed. When such a thread
+    may be left, the exit handlers run and the output is flushed as at a normal exit, and the
+    process ends without finalizing the interpreter; otherwise it exits normally."""
+    left = lingering_threads()
+    if not left:
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -79,6 +79,9 @@ def _rank_env(cfg: LaunchConfig, base: dict[str, str], rd: RunDir, local_rank: i
         env.pop(CORES_ENV, None)
     if cfg.encrypt_control:
         env[fenv.CONTROL_CURVE] = "1"
+    if cfg.peer_recovery:
+        env[fenv.PEER_RECOVERY] = "1"
+    env.pop(fenv.PEER_JOIN, None)
     if endpoint:
         env[fenv.CONTROL_ENDPOINT] = endpoint
         env[fenv.JOB_SECRET] = secret.hex()
@@ -131,7 +134,8 @@ def run_launch(cfg: LaunchConfig) -> int:
     # the user's own umask back (Child.umask), for their checkpoints and outputs.
     user_umask = os.umask(0o077)
     try:
-        if cfg.max_restarts == 0:
+        if cfg.max_restarts == 0 or cfg.peer_recovery:
+            # --peer-recovery: --max-restarts counts replacement ranks, not job restarts
             return _run_launch(cfg, user_umask)
         return _with_restarts(cfg, user_umask)
     finally:
@@ -291,7 +295,8 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
                            heartbeat_interval=cfg.heartbeat_interval,
                            heartbeat_misses=cfg.heartbeat_misses, join_timeout=cfg.join_timeout,
                            on_event=on_event, on_telemetry=telemetry.on_record,
-                           job_record=telemetry.job_record, encrypt=cfg.encrypt_control)
+                           job_record=telemetry.job_record, encrypt=cfg.encrypt_control,
+                           peer_recovery=cfg.peer_recovery)
 
     def endpoint_for(coordinator: Any) -> str | None:
         if coordinator is None:
@@ -364,7 +369,10 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
                             watch_stdin=cfg.from_parent,
                             progress=telemetry.progress if telemetry else None,
                             on_exit=_exit_reporter(telemetry) if telemetry else None,
-                            on_end=end_telemetry if telemetry else None)
+                            on_end=end_telemetry if telemetry else None,
+                            replacements=cfg.max_restarts if cfg.peer_recovery else None,
+                            respawn_delay=cfg.peer_respawn_delay,
+                            error_file_of=rd.rank_error)
     supervisor.run()
     if supervisor.start_error:
         record.update(end_time=time.time(), status="failed", exit_code=2, root_cause=None)
@@ -382,6 +390,8 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
                   root_cause=asdict(outcome.root_cause.failure) if outcome.root_cause else None,
                   ranks=outcome.ranks, failures=[asdict(r.failure) for r in outcome.records],
                   lost_hosts=lost)
+    if cfg.peer_recovery:
+        record["peer_recovery"] = supervisor.peer_events
     rd.write_job(record)
     if telemetry is not None:
         _close_telemetry(telemetry, outcome)  # unless end_telemetry did

@@ -54,6 +54,7 @@ class Child:
     threads: list[threading.Thread] = field(default_factory=list)
     out_file: BinaryIO | None = None
     failed: bool = False  # its exit counts as a failure (set when the exit is seen)
+    lost: bool = False  # --peer-recovery: the job went on without it
 
     @property
     def alive(self) -> bool:
@@ -76,7 +77,9 @@ class Supervisor:
                  endpoint_for: Callable[[Any], str | None], watch_stdin: bool = False,
                  progress: Any = None,
                  on_exit: Callable[[Child, bool], None] | None = None,
-                 on_end: Callable[[], None] | None = None) -> None:
+                 on_end: Callable[[], None] | None = None,
+                 replacements: int | None = None, respawn_delay: float = 0.0,
+                 error_file_of: Callable[[int], Path] | None = None) -> None:
         self.grace_period = grace_period
         # flowtrain.telemetry.launcher.ProgressLine: rank output is written inside its hold()
         self.progress = progress
@@ -85,6 +88,13 @@ class Supervisor:
         # coordinator still serves: the job's outcome is known and can still be published.
         self.on_end = on_end
         self.make_coordinator = make_coordinator
+        # --peer-recovery (replacements not None): a lost rank does not end the job while a
+        # rank remains; the coordinator re-forms the group and up to ``replacements``
+        # replacement ranks are started, each ``respawn_delay`` s after a loss
+        self.replacements = replacements
+        self.respawn_delay = respawn_delay
+        self.error_file_of = error_file_of
+        self.peer_events: list[dict[str, Any]] = []  # losses and replacements, for job.json
         self.build_children = build_children
         self.endpoint_for = endpoint_for
         self.watch_stdin = watch_stdin
@@ -327,12 +337,22 @@ class Supervisor:
                         self.on_exit(child, self.is_failure(child))
                     except Exception:  # telemetry must not break supervision
                         log.exception("on_exit callback raised", child=child.label)
-                if self.is_failure(child):
-                    tg.start_soon(self._teardown, f"{child.label} {describe_exit(child)}")
+                if self.is_failure(child) or child.lost:
+                    reason = f"{child.label} {describe_exit(child)}"
+                    if not self._recover(child, reason, tg):
+                        tg.start_soon(self._teardown, reason)
             elif kind == "coordinator":
                 if isinstance(payload, RankFailed):
-                    tg.start_soon(self._teardown,
-                                  f"rank {payload.rank} failed: {payload.failure.message}")
+                    reason = f"rank {payload.rank} failed: {payload.failure.message}"
+                    lost = self._live_rank(payload.rank)
+                    if self.replacements is not None and lost is not None and \
+                            self.teardown_time is None and self._survivors(lost):
+                        # stuck or failing: end it; its exit hands it to _recover
+                        lost.lost = True
+                        self._signal(lost, signal.SIGKILL)
+                        self._forget_failure(payload.rank)
+                    else:
+                        tg.start_soon(self._teardown, reason)
                 elif isinstance(payload, JoinTimeout):
                     tg.start_soon(self._teardown, f"ranks {payload.missing} did not join in time")
             elif kind == "signal":
@@ -346,6 +366,76 @@ class Supervisor:
             elif kind == "parent":
                 self.parent_lost = True
                 tg.start_soon(self._teardown, "lost the launcher that started this node")
+
+    # ------------------------------------------------------------------ peer recovery
+
+    def _live_rank(self, rank: int) -> Child | None:
+        for child in self.children:
+            if child.rank == rank and child.alive:
+                return child
+        return None
+
+    def _survivors(self, lost: Child) -> list[Child]:
+        return [c for c in self.children if c.rank is not None and c is not lost and c.alive
+                and not c.lost]
+
+    def _forget_failure(self, rank: int) -> None:
+        """A lost rank the job goes on without is not the job's failure: its coordinator
+        failure record and error file are set aside (the latter as rank<N>.lost<k>.json)."""
+        from flowtrain.control.coordinator import RankFailed
+
+        self.coordinator_events = [(w, e) for w, e in self.coordinator_events
+                                   if not (isinstance(e, RankFailed) and e.rank == rank)]
+        if self.error_file_of is not None:
+            path = self.error_file_of(rank)
+            if path.exists():
+                with contextlib.suppress(OSError):
+                    path.replace(path.with_name(f"{path.stem}.lost{len(self.peer_events)}.json"))
+
+    def _recover(self, child: Child, reason: str, tg: Any) -> bool:
+        """--peer-recovery: goes on without ``child`` (a rank that died or was killed as lost)
+        when ranks remain; starts its replacement while the budget lasts. False: the job ends."""
+        if self.replacements is None or child.rank is None or self.teardown_time is not None \
+                or self.coordinator is None:
+            return False
+        survivors = self._survivors(child)
+        if not survivors:
+            return False
+        child.lost, child.failed = True, False
+        self._forget_failure(child.rank)
+        self.coordinator.member_lost(child.rank, describe_exit(child))
+        replace = self.replacements > 0
+        self.peer_events.append({"time": time.time(), "event": "rank_lost", "rank": child.rank,
+                                 "pid": child.pid, "reason": reason,
+                                 "survivors": sorted(c.rank for c in survivors
+                                                     if c.rank is not None),
+                                 "replacement": replace})
+        log.warning("rank lost; the others go on without a restart" +
+                    ("; starting a replacement" if replace else ""), console=True,
+                    rank=child.rank, reason=reason)
+        if replace:
+            self.replacements -= 1
+            tg.start_soon(self._replace, child)
+        return True
+
+    async def _replace(self, lost: Child) -> None:
+        await anyio.sleep(self.respawn_delay)
+        if self.teardown_time is not None or not any(
+                c.alive for c in self.children if c.rank is not None):
+            return
+        from flowtrain import env as fenv
+
+        env = dict(lost.env)
+        env[fenv.PEER_JOIN] = "1"
+        child = Child(label=lost.label, argv=list(lost.argv), env=env, out_path=lost.out_path,
+                      rank=lost.rank, host=lost.host, prefix=lost.prefix, echo=lost.echo,
+                      umask=lost.umask)
+        self.children.append(child)
+        self._spawn(child)
+        self.peer_events.append({"time": time.time(), "event": "replacement_started",
+                                 "rank": lost.rank, "pid": child.pid})
+        if child.spawn_error is not None:
+            self._on_exit(child, 127, time.time())
 
     async def _teardown(self, reason: str) -> None:
         if self.teardown_time is not None:

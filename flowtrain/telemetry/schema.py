@@ -22,7 +22,7 @@ MEM_KEYS = ("model_states", "parameters", "gradients", "optimizer_state", "proce
 # Event names flowtrain emits; any other non-empty name is valid too (custom stages may add).
 EVENTS = ("job_ended", "rank_joined", "rank_finished", "rank_failed", "rank_stuck",
           "rank_exited", "join_timeout", "skipped_step", "overflow", "checkpoint_saved",
-          "engine_started")
+          "engine_started", "rank_lost", "rank_rejoined")
 
 
 class TelemetryError(ValueError):

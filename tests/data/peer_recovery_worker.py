@@ -1,0 +1,111 @@
+"""Worker for tests/test_peer_recovery.py (``flowtrain launch --peer-recovery``): ZeRO-0 data
+parallelism on data keyed by (step, launch rank), looping on ``engine.global_steps`` so a step
+the engine drops is redone. Each process appends one JSON line per committed step to
+OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer state); a
+replacement rank first writes a "joined" line with the state it took from its peer. The first
+process of KILL_RANK SIGKILLs itself after step KILL_AT. From step WAIT_FROM on, ranks of a
+group short of a member step slowly (1.5 s) until the replacement is in: a replacement still
+importing torch on a loaded machine joins about then instead of after the last step.
+
+With SIGNAL JOINER the rank is SIGKILLed as with KILL, and its replacement SIGKILLs itself
+while it takes its state from its peers (after the weights, before the optimizer state).
+
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank) or JOINER]
+      [WAIT_FROM]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import flowtrain
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key in sorted(optimizer.state.get(p, {})):
+                value = optimizer.state[p][key]
+                out.append(value if torch.is_tensor(value) else torch.tensor(float(value)))
+    return out
+
+
+def main() -> None:
+    out, steps, kill_at, kill_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        int(sys.argv[4])
+    sleep_s = float(sys.argv[5])
+    sig = signal.SIGSTOP if sys.argv[6:7] == ["STOP"] else signal.SIGKILL
+    wait_from = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
+    if replacement and sys.argv[6:7] == ["JOINER"]:
+        from flowtrain.engine.engine import FlowtrainEngine
+
+        def die(self: FlowtrainEngine) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FlowtrainEngine.peer_join = die  # type: ignore[method-assign]
+    model = make_model()
+    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, optimizer, *_ = flowtrain.initialize(model=model,
+                                                 model_parameters=model.parameters(), config=cfg)
+    log = open(f"{out}.rank{rank}.pid{os.getpid()}.jsonl", "a")
+
+    def record(**fields: object) -> None:
+        log.write(json.dumps({"t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+        log.flush()
+
+    params = list(model.parameters())
+    if replacement:
+        record(event="joined", step=engine.global_steps, weights=digest(params),
+               optim=digest(optimizer_tensors(optimizer)), members=engine.peer.members)
+    while engine.global_steps < steps:
+        step = engine.global_steps
+        members = list(engine.peer.members)
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        if engine.global_steps == step:  # dropped: a rank was lost; redo it
+            record(event="dropped", step=step + 1)
+            continue
+        record(event="step", step=engine.global_steps, loss=float(loss.detach()), members=members,
+               weights=digest(params), optim=digest(optimizer_tensors(optimizer)))
+        if not replacement and rank == kill_rank and engine.global_steps == kill_at:
+            os.kill(os.getpid(), sig)
+        short = len(engine.peer.members) < world
+        time.sleep(1.5 if wait_from and engine.global_steps >= wait_from and short else sleep_s)
+    record(event="done", step=engine.global_steps, weights=digest(params))
+    log.close()
+
+
+if __name__ == "__main__":
+    main()
