@@ -352,3 +352,25 @@ def test_a_job_key_other_users_can_read_is_refused(tmp_path: Path,
     key.chmod(0o644)
     with pytest.raises(LaunchInputError, match="readable by other users"):
         derived_secret("10.0.0.1", 29500)
+
+
+def test_a_sigkill_the_launcher_never_sent_is_a_failure_even_after_teardown_began(
+        tmp_path: Path) -> None:
+    """The race behind the test above: the peer whose collective broke reports first, the
+    teardown signals the killed rank before its death is reaped, and that death must still be
+    classed a failure; deaths the launcher caused are not."""
+    from flowtrain.launch.supervisor import Child, Supervisor
+
+    sup = Supervisor(grace_period=1.0, make_coordinator=None, build_children=lambda _: [],
+                     endpoint_for=lambda _: None)
+
+    def classify(code: int, sent: str | None) -> bool:
+        child = Child(label="rank 1", argv=[], env={}, out_path=tmp_path / "out", rank=1)
+        child.exit_code, child.signalled = code, sent
+        return sup._classify(child)
+
+    assert classify(-signal.SIGKILL, "SIGTERM")
+    assert not classify(-signal.SIGKILL, "SIGKILL")
+    assert not classify(-signal.SIGTERM, "SIGTERM")
+    assert not classify(1, "SIGTERM")
+    assert classify(-signal.SIGKILL, None) and classify(1, None)

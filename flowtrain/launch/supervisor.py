@@ -313,7 +313,11 @@ class Supervisor:
         if code == 0 or code is None:
             return False
         if child.signalled is not None:
-            return False  # the launcher signalled it first: teardown, not a new failure
+            # the launcher signalled it first: teardown, not a new failure; unless it died of
+            # a SIGKILL the launcher never sent, which came from outside (the OOM killer, a
+            # user) and may only have been reaped after the teardown began, because a peer
+            # whose collective broke on its death reported first
+            return code == -signal.SIGKILL and child.signalled != "SIGKILL"
         if self.teardown_time is not None and code == ABORTED_EXIT:
             return False  # told to stop through the control plane after the failure
         return True
