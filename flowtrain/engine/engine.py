@@ -128,6 +128,10 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
             self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
+        self.channel = None
+        if self.world_size > 1:
+            # before the buckets: with the shared-memory channel they live in its arena
+            self.channel = self._open_channel(config.flowtrain.data_channel)
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = self.world_size == 1 or self.model_parallel or \
             config.flowtrain.bucket_order == "reverse"
@@ -137,9 +141,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
             self._order_settled = True  # shard layouts never change
         self.reducer = None
-        self.channel = None
         if self.world_size > 1:
-            self.channel = self._open_channel(config.flowtrain.data_channel)
             reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
                                     comm_dtype=self.comm_dtype,
                                     predivide=config.gradient_predivide_factor,
@@ -215,7 +217,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             torch.empty((), dtype=self.comm_dtype).element_size()
         return shm.data_channel(choice, self._rank, world_size=self.world_size,
                                 model_parallel=self.model_parallel, module=self.module,
-                                largest_bucket_bytes=slot)
+                                largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
+
+    def _arena_bytes(self) -> int:
+        """The shared-memory arena the gradient buckets live in (0: none): plain data parallel
+        whose reduces go in the gradients' own dtype (no ZeRO, whose buckets are transient or
+        sharded). Room for every bucket of any order: each aligned, one per parameter at most."""
+        if self.zero_stage or any(p.dtype != self.comm_dtype for p in self.trainable):
+            return 0
+        elem = torch.empty((), dtype=self.comm_dtype).element_size()
+        return sum(p.numel() for p in self.trainable) * elem + 64 * (len(self.trainable) + 1)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         """(name, shape, dtype, element size) of each trainable parameter, taken once before
@@ -253,9 +264,11 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 "virtual_stages": int(getattr(self.config.pipeline, "virtual_stages", 1))}
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
+        allocate = self.channel.arena_allocator() \
+            if self.channel is not None and self.channel.arena_bytes else None
         buckets = GradBuckets(self.trainable, plan.buckets,
                               pad_to=self.world_size if self.zero_stage else 1,
-                              transient=self.transient)
+                              transient=self.transient, allocate=allocate)
         buckets.install_hooks()
         if not self.zero_stage:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
@@ -522,6 +535,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return skipped
 
     def _zero_grads(self) -> None:
+        if self.channel is not None and self.channel.arena_bytes:
+            self.channel.quiesce()  # peers may still be reading this rank's reduced buckets
         if self.zero is not None:
             self.zero.zero_grads()
         self.buckets.zero_()  # (the fp32 master gradients are overwritten whole each step)
