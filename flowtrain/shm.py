@@ -162,6 +162,21 @@ class ShmChannel:
         self._requests.put((("scatter", tensor, output), future))
         return future
 
+    def all_gather_async(self, flat: torch.Tensor,
+                         shard: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Queues an all-gather in place: every rank's ``shard`` (``flat``'s rank-th equal
+        slice, or a tensor copied there first) lands in every rank's ``flat``, each rank's
+        shard passing through its slot once."""
+        for t in (flat, shard):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the shared-memory channel gathers contiguous CPU tensors")
+        if flat.numel() != shard.numel() * self.world_size or flat.dtype != shard.dtype:
+            raise ValueError(f"all_gather: {flat.numel()} x {flat.dtype} is not {self.world_size}"
+                             f" shards of {shard.numel()} x {shard.dtype}")
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._requests.put((("gather", flat, shard), future))
+        return future
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.all_reduce_async(tensor).result()
         return tensor
@@ -185,7 +200,9 @@ class ShmChannel:
                 continue
             try:
                 kind, *args = request
-                if kind == "arena":
+                if kind == "gather":
+                    self._all_gather(*args)
+                elif kind == "arena":
                     self._reduce_arena(*args)
                 elif kind == "reduce":
                     self._reduce(*args)
@@ -203,6 +220,27 @@ class ShmChannel:
             self._reduce_chunk(flat[start:start + per_chunk])
         if scale != 1.0:
             flat.mul_(scale)
+
+    def _all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        flat, k = flat.view(-1), shard.numel()
+        mine = flat[self.rank * k:(self.rank + 1) * k]
+        if shard.data_ptr() != mine.data_ptr():
+            mine.copy_(shard.view(-1))
+        per_chunk = self.slot_bytes // flat.element_size()
+        for start in range(0, k, per_chunk):
+            n = min(per_chunk, k - start)
+            self._seq += 1
+            seq = self._seq
+            self._wait(self._read, seq - 1, "finish reading the previous round")
+            nbytes = n * flat.element_size()
+            self._slots[self.rank][:nbytes].view(flat.dtype).copy_(mine[start:start + n])
+            self._written[self.rank] = seq
+            self._wait(self._written, seq, "write its shard")
+            for r in range(self.world_size):
+                if r != self.rank:
+                    at = r * k + start
+                    flat[at:at + n].copy_(self._slots[r][:nbytes].view(flat.dtype))
+            self._read[self.rank] = seq
 
     def _reduce_arena(self, offset: int, tensor: torch.Tensor, scale: float) -> None:
         """All-reduce of a tensor in the arenas, without a copy into a slot: every rank sums its

@@ -150,3 +150,55 @@ def test_arena_all_reduce_matches_the_slot_path_bit_for_bit(tmp_path: Path, worl
         for r in range(1, world):
             assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], mine[i])
     assert torch.equal(mine[-1], torch.full((5,), float(sum(range(world)))))
+
+
+def _gather_run(channel: ShmChannel, rank: int, world: int) -> list[torch.Tensor]:
+    """All-gathers of a shard that is the flat buffer's own slice and of a separate one, the
+    second larger than a slot (several chunks)."""
+    results = []
+    for k, in_place in ((7, True), (SLOT // 4 + 5, False)):
+        flat = torch.zeros(k * world)
+        mine = torch.arange(k, dtype=torch.float32) + 1000.0 * rank
+        if in_place:
+            shard = flat[rank * k:(rank + 1) * k]
+            shard.copy_(mine)
+        else:
+            shard = mine
+        channel.all_gather_async(flat, shard).result()
+        results.append(flat)
+    return results
+
+
+def _gather_peer(path: str, rank: int, world: int, out: str) -> None:
+    channel = ShmChannel(path, rank=rank, world_size=world, slot_bytes=SLOT, create=False,
+                         timeout=20)
+    torch.save(_gather_run(channel, rank, world), out)
+    channel.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_puts_every_shard_everywhere(tmp_path: Path, world: int) -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-gather{world}"
+    channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gather_peer, args=(str(path), r, world,
+                                                    str(tmp_path / f"{r}.pt")))
+             for r in range(1, world)]
+    try:
+        for p in procs:
+            p.start()
+        mine = _gather_run(channel, 0, world)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+        for p in procs:
+            p.kill()
+    for i, k in enumerate((7, SLOT // 4 + 5)):
+        expected = torch.cat([torch.arange(k, dtype=torch.float32) + 1000.0 * r
+                              for r in range(world)])
+        assert torch.equal(mine[i], expected)
+        for r in range(1, world):
+            assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], expected)

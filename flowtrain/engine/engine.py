@@ -139,6 +139,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             from flowtrain.zero.build import build_zero
 
             self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
+            if self.channel is not None and all(
+                    f is None or f.device.type == "cpu" for f in self.zero.flat_params):
+                self.zero.channel = self.channel
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         if self.world_size > 1:
