@@ -223,13 +223,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                                 largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
 
     def _arena_bytes(self) -> int:
-        """The shared-memory arena the gradient buckets live in (0: none): plain data parallel
-        whose reduces go in the gradients' own dtype (no ZeRO, whose buckets are transient or
-        sharded). Room for every bucket of any order: each aligned, one per parameter at most."""
-        if self.zero_stage or any(p.dtype != self.comm_dtype for p in self.trainable):
+        """The shared-memory arena the gradient buckets live in (0: none): buckets that last
+        (data parallel and ZeRO stage 1, not the transient ones of stages 2-3) reduced in the
+        gradients' own dtype. Room for every bucket of any order: each padded and aligned, one
+        per parameter at most."""
+        if self.transient or any(p.dtype != self.comm_dtype for p in self.trainable):
             return 0
         elem = torch.empty((), dtype=self.comm_dtype).element_size()
-        return sum(p.numel() for p in self.trainable) * elem + 64 * (len(self.trainable) + 1)
+        pad = self.world_size if self.zero_stage else 1
+        return sum(p.numel() for p in self.trainable) * elem + \
+            (64 + pad * elem) * (len(self.trainable) + 1)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         """(name, shape, dtype, element size) of each trainable parameter, taken once before
