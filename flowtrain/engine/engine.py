@@ -275,7 +275,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         buckets = GradBuckets(self.trainable, plan.buckets,
                               pad_to=self.world_size if self.zero_stage else 1,
                               transient=self.transient, allocate=allocate)
-        buckets.install_hooks()
+        if self.world_size > 1:
+            # the hooks count arrivals for the reducer; one data-parallel rank has none
+            buckets.install_hooks()
         if not self.zero_stage:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
         return buckets
