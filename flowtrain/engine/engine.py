@@ -129,6 +129,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
         self.channel = None
+        self._gather_channel: Any = None
         if self.world_size > 1:
             # before the buckets: with the shared-memory channel they live in its arena
             self.channel = self._open_channel(config.flowtrain.data_channel)
@@ -142,6 +143,7 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
+            self._gather_channel = self._open_gather_channel()
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         if self.world_size > 1:
@@ -221,6 +223,22 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return shm.data_channel(choice, self._rank, world_size=self.world_size,
                                 model_parallel=self.model_parallel, module=self.module,
                                 largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
+
+    def _open_gather_channel(self) -> Any:
+        """ZeRO-3 on the shared-memory channel: a second channel for the parameter gathers,
+        which the fetcher issues while the reducer's reduce-scatters are in flight (as they
+        have a process group of their own on torch.distributed)."""
+        if self.channel is None or self.stage3 is None or self.zero is None or \
+                any(s.device.type != "cpu" for s in self.zero.model_shards):
+            return None
+        from flowtrain import comm, shm
+
+        elem = max(s.element_size() for s in self.zero.model_shards)
+        largest = max(s.numel() for s in self.zero.model_shards) * elem
+        channel = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,
+                                   timeout=comm.DEFAULT_TIMEOUT)
+        self.stage3.fetcher_actor.channel = channel
+        return channel
 
     def _arena_bytes(self) -> int:
         """The shared-memory arena the gradient buckets live in (0: none): buckets that last
@@ -602,6 +620,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        if self._gather_channel is not None:
+            self._gather_channel.close()
+            self._gather_channel = None
         self.wait_for_checkpoint()
 
 
