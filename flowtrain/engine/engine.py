@@ -245,7 +245,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         (data parallel and ZeRO stage 1, not the transient ones of stages 2-3) reduced in the
         gradients' own dtype. Room for every bucket of any order: each padded and aligned, one
         per parameter at most."""
-        if self.transient or any(p.dtype != self.comm_dtype for p in self.trainable):
+        if not self.config.flowtrain.shm_arena or self.transient or \
+                any(p.dtype != self.comm_dtype for p in self.trainable):
             return 0
         elem = torch.empty((), dtype=self.comm_dtype).element_size()
         pad = self.world_size if self.zero_stage else 1
