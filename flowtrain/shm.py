@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from flowtrain.log import get_logger
 log = get_logger("flowtrain.shm")
 
 _FLAG_STRIDE = 8  # int64 slots per flag (64 bytes) so ranks do not share cache lines
-_HEADER_BYTES = 4096
+_HEADER_BYTES = 8192
+_FLAG_SETS = 3  # written, reduced, read
+_ALIGN = 64  # bytes: arena buffers and reduce portions start on their own cache line
 _SHM_DIR = Path("/dev/shm")
 
 
@@ -42,19 +45,28 @@ class ShmChannel:
     order everywhere, so every rank gets bit-identical results), then raises its ``read`` flag.
     A slot is reused only after every rank has read the previous round. Tensors larger than a
     slot go through in slot-sized chunks.
+
+    With ``arena_bytes`` each rank also owns an arena of that size which its peers can read: a
+    tensor allocated there (``arena_allocator``) is all-reduced without the copy into a slot,
+    and each rank sums only its 1/world share of it (from every rank's arena, in rank order,
+    into its own), then copies the others' finished shares (a reduce-scatter and an all-gather
+    in shared memory). Peers read a rank's arena tensor until they are done, so its owner
+    calls ``quiesce`` before it next writes the tensor (zeroing the gradients).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, rank: int, world_size: int,
-                 slot_bytes: int, create: bool, timeout: float = 600.0) -> None:
-        if world_size < 2 or world_size * 2 * _FLAG_STRIDE * 8 > _HEADER_BYTES:
-            raise ValueError(f"shared-memory channel needs 2..{_HEADER_BYTES // 128} ranks, "
-                             f"got {world_size}")
+                 slot_bytes: int, create: bool, timeout: float = 600.0,
+                 arena_bytes: int = 0) -> None:
+        most = _HEADER_BYTES // (_FLAG_SETS * _FLAG_STRIDE * 8)
+        if world_size < 2 or world_size > most:
+            raise ValueError(f"shared-memory channel needs 2..{most} ranks, got {world_size}")
         self.rank = rank
         self.world_size = world_size
         self.slot_bytes = slot_bytes - slot_bytes % 64
         self.timeout = timeout
+        self.arena_bytes = -(-arena_bytes // _ALIGN) * _ALIGN
         self.path = Path(path)
-        size = _HEADER_BYTES + world_size * self.slot_bytes
+        size = _HEADER_BYTES + world_size * (self.slot_bytes + self.arena_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
@@ -69,10 +81,17 @@ class ShmChannel:
         header = np.frombuffer(self._map, dtype=np.int64, count=_HEADER_BYTES // 8)
         self._written = header[0: world_size * _FLAG_STRIDE: _FLAG_STRIDE]
         self._read = header[world_size * _FLAG_STRIDE: 2 * world_size * _FLAG_STRIDE: _FLAG_STRIDE]
+        self._reduced = header[2 * world_size * _FLAG_STRIDE: 3 * world_size * _FLAG_STRIDE:
+                               _FLAG_STRIDE]
         self._seq = 0
         self._slots = [torch.frombuffer(self._map, dtype=torch.uint8, count=self.slot_bytes,
                                         offset=_HEADER_BYTES + r * self.slot_bytes)
                        for r in range(world_size)]
+        arenas_at = _HEADER_BYTES + world_size * self.slot_bytes
+        self._arenas = [torch.frombuffer(self._map, dtype=torch.uint8, count=self.arena_bytes,
+                                         offset=arenas_at + r * self.arena_bytes)
+                        for r in range(world_size)] if self.arena_bytes else []
+        self._arena_ptr = self._arenas[rank].data_ptr() if self._arenas else 0
         self._requests: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="flowtrain-shm", daemon=True)
         self._thread.start()
@@ -80,16 +99,52 @@ class ShmChannel:
 
     # -- public --------------------------------------------------------------------------------
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> concurrent.futures.Future[None]:
-        """Queues a sum all-reduce of ``tensor`` in place; the future completes when it is done.
-        Every rank must queue the same collectives in the same order."""
+    def all_reduce_async(self, tensor: torch.Tensor,
+                         scale: float = 1.0) -> concurrent.futures.Future[None]:
+        """Queues a sum all-reduce of ``tensor`` in place, the sum then multiplied by ``scale``;
+        the future completes when it is done. Every rank must queue the same collectives in the
+        same order (an arena tensor at the same arena offset on every rank)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"the shared-memory channel reduces contiguous CPU tensors, got "
                              f"{tensor.device} "
                              f"{'contiguous' if tensor.is_contiguous() else 'strided'}")
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._requests.put((tensor, future))
+        offset = self.arena_offset(tensor)
+        request = ("arena", offset, tensor, scale) if offset is not None else \
+            ("reduce", tensor, scale)
+        self._requests.put((request, future))
         return future
+
+    def arena_offset(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` starts in this rank's arena, in bytes; None if it lies outside."""
+        if not self._arenas:
+            return None
+        start = tensor.data_ptr() - self._arena_ptr
+        end = start + tensor.numel() * tensor.element_size()
+        return start if 0 <= start and end <= self.arena_bytes else None
+
+    def arena_allocator(self) -> Callable[[int, torch.dtype], torch.Tensor | None]:
+        """A function handing out zeroed tensors laid end to end (cache-line aligned) from the
+        start of this rank's arena, or None once it is full. Each allocator starts afresh at
+        the arena's start (a new gradient layout replaces the old one); ranks must allocate the
+        same sizes in the same order, so a tensor sits at the same offset in every arena."""
+        used = 0
+
+        def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+            nonlocal used
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            if not self._arenas or used + nbytes > self.arena_bytes:
+                return None
+            view = self._arenas[self.rank][used:used + nbytes].view(dtype)
+            used += -(-nbytes // _ALIGN) * _ALIGN
+            return view.zero_()
+
+        return allocate
+
+    def quiesce(self) -> None:
+        """Waits until every peer has finished reading this rank's arena (all collectives
+        queued so far must be complete): after it, the arena tensors may be written again."""
+        self._wait(self._read, self._seq, "finish reading this rank's arena")
 
     def reduce_scatter_async(self, tensor: torch.Tensor,
                              output: torch.Tensor) -> concurrent.futures.Future[None]:
@@ -104,7 +159,22 @@ class ShmChannel:
                              f"not split into {self.world_size} shards of {output.numel()} x "
                              f"{output.dtype}")
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._requests.put(((tensor, output), future))
+        self._requests.put((("scatter", tensor, output), future))
+        return future
+
+    def all_gather_async(self, flat: torch.Tensor,
+                         shard: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Queues an all-gather in place: every rank's ``shard`` (``flat``'s rank-th equal
+        slice, or a tensor copied there first) lands in every rank's ``flat``, each rank's
+        shard passing through its slot once."""
+        for t in (flat, shard):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the shared-memory channel gathers contiguous CPU tensors")
+        if flat.numel() != shard.numel() * self.world_size or flat.dtype != shard.dtype:
+            raise ValueError(f"all_gather: {flat.numel()} x {flat.dtype} is not {self.world_size}"
+                             f" shards of {shard.numel()} x {shard.dtype}")
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._requests.put((("gather", flat, shard), future))
         return future
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -125,24 +195,90 @@ class ShmChannel:
             item = self._requests.get()
             if item is None:
                 return
-            tensor, future = item
+            request, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                if isinstance(tensor, tuple):
-                    self._reduce_scatter(*tensor)
+                kind, *args = request
+                if kind == "gather":
+                    self._all_gather(*args)
+                elif kind == "arena":
+                    self._reduce_arena(*args)
+                elif kind == "reduce":
+                    self._reduce(*args)
                 else:
-                    self._reduce(tensor)
+                    self._reduce_scatter(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(exc)
             else:
                 future.set_result(None)
 
-    def _reduce(self, tensor: torch.Tensor) -> None:
+    def _reduce(self, tensor: torch.Tensor, scale: float = 1.0) -> None:
         flat = tensor.view(-1)
         per_chunk = self.slot_bytes // tensor.element_size()
         for start in range(0, flat.numel(), per_chunk):
             self._reduce_chunk(flat[start:start + per_chunk])
+        if scale != 1.0:
+            flat.mul_(scale)
+
+    def _all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        flat, k = flat.view(-1), shard.numel()
+        mine = flat[self.rank * k:(self.rank + 1) * k]
+        if shard.data_ptr() != mine.data_ptr():
+            mine.copy_(shard.view(-1))
+        per_chunk = self.slot_bytes // flat.element_size()
+        for start in range(0, k, per_chunk):
+            n = min(per_chunk, k - start)
+            self._seq += 1
+            seq = self._seq
+            self._wait(self._read, seq - 1, "finish reading the previous round")
+            nbytes = n * flat.element_size()
+            self._slots[self.rank][:nbytes].view(flat.dtype).copy_(mine[start:start + n])
+            self._written[self.rank] = seq
+            self._wait(self._written, seq, "write its shard")
+            for r in range(self.world_size):
+                if r != self.rank:
+                    at = r * k + start
+                    flat[at:at + n].copy_(self._slots[r][:nbytes].view(flat.dtype))
+            self._read[self.rank] = seq
+
+    def _reduce_arena(self, offset: int, tensor: torch.Tensor, scale: float) -> None:
+        """All-reduce of a tensor in the arenas, without a copy into a slot: every rank sums its
+        share from all arenas into its own (the same rank-order sum as ``_reduce_chunk``, so
+        every rank gets bit-identical results), then copies the other shares from their
+        owners' arenas. Peers read this rank's tensor until their ``read`` flag passes it."""
+        self._seq += 1
+        seq = self._seq
+        numel, dtype = tensor.numel(), tensor.dtype
+        nbytes = numel * tensor.element_size()
+        views = [arena[offset:offset + nbytes].view(dtype) for arena in self._arenas]
+        per = -(-numel // self.world_size)
+        step = max(1, _ALIGN // tensor.element_size())
+        per = -(-per // step) * step
+        bounds = [(min(r * per, numel), min((r + 1) * per, numel))
+                  for r in range(self.world_size)]
+        self._written[self.rank] = seq
+        self._wait(self._written, seq, "write its contribution")
+        lo, hi = bounds[self.rank]
+        if lo < hi:
+            parts = [v[lo:hi] for v in views]
+            mine = parts[self.rank]
+            # in place where this rank's part is one of the first two summands; otherwise into
+            # a scratch buffer, since the running sum would overwrite it before it is added
+            target = mine if self.rank < 2 else torch.empty_like(mine)
+            torch.add(parts[0], parts[1], out=target)
+            for other in parts[2:]:
+                target.add_(other)
+            if scale != 1.0:
+                target.mul_(scale)
+            if target is not mine:
+                mine.copy_(target)
+        self._reduced[self.rank] = seq
+        self._wait(self._reduced, seq, "sum its share")
+        for r, (a, b) in enumerate(bounds):
+            if r != self.rank and a < b:
+                views[self.rank][a:b].copy_(views[r][a:b])
+        self._read[self.rank] = seq
 
     def _reduce_scatter(self, tensor: torch.Tensor, output: torch.Tensor) -> None:
         flat, out = tensor.view(-1), output.view(-1)
@@ -197,7 +333,8 @@ class ShmChannel:
 _opened = 0
 
 
-def open_channel(rank: Any, *, slot_bytes: int, timeout: float) -> ShmChannel:
+def open_channel(rank: Any, *, slot_bytes: int, timeout: float,
+                 arena_bytes: int = 0) -> ShmChannel:
     """Creates (local rank 0) or attaches (the others) the host's channel, agreeing on the file
     through the control plane, and unlinks it once everyone has it mapped, so nothing is left
     in /dev/shm even if the job crashes."""
@@ -210,12 +347,14 @@ def open_channel(rank: Any, *, slot_bytes: int, timeout: float) -> ShmChannel:
     if env.local_rank == 0:
         path = _SHM_DIR / f"flowtrain-{os.getpid()}-{os.urandom(6).hex()}"
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
-                             slot_bytes=slot_bytes, create=True, timeout=timeout)
+                             slot_bytes=slot_bytes, create=True, timeout=timeout,
+                             arena_bytes=arena_bytes)
         rank.kv_set(key, str(path))
     else:
         path = Path(rank.kv_get(key, timeout=timeout))
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
-                             slot_bytes=slot_bytes, create=False, timeout=timeout)
+                             slot_bytes=slot_bytes, create=False, timeout=timeout,
+                             arena_bytes=arena_bytes)
     rank.barrier(f"{key}-mapped", timeout=timeout)
     if env.local_rank == 0:
         path.unlink(missing_ok=True)
@@ -223,10 +362,12 @@ def open_channel(rank: Any, *, slot_bytes: int, timeout: float) -> ShmChannel:
 
 
 def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parallel: bool,
-                 module: torch.nn.Module, largest_bucket_bytes: int) -> ShmChannel | None:
+                 module: torch.nn.Module, largest_bucket_bytes: int,
+                 arena_bytes: int = 0) -> ShmChannel | None:
     """The shared-memory channel for a data-parallel engine when every rank is on this host and
     its model on the CPU (``choice`` "shm", or None for automatic); None means torch.distributed
-    (gloo/NCCL) carries the reduces. ``rank`` is this process's flowtrain rank."""
+    (gloo/NCCL) carries the reduces. ``rank`` is this process's flowtrain rank; ``arena_bytes``
+    sizes each rank's arena (the gradient buckets' memory, reduced without a copy)."""
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     # the shared-memory channel spans every rank of the job: one data-parallel group only
     single_host = rank.env.local_world_size == world_size and not model_parallel
@@ -240,4 +381,4 @@ def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parall
                          f"host {rank.env.local_world_size}, model on "
                          f"{next(module.parameters()).device}")
     return open_channel(rank, slot_bytes=min(largest_bucket_bytes, 64 * 2**20) + 64,
-                        timeout=comm.DEFAULT_TIMEOUT)
+                        timeout=comm.DEFAULT_TIMEOUT, arena_bytes=arena_bytes)

@@ -85,3 +85,120 @@ def test_bad_tensors_and_sizes_are_refused(tmp_path: Path) -> None:
     finally:
         channel.close()
         path.unlink(missing_ok=True)
+
+
+ARENA = 4 * 40_003 * len(SIZES) + 64 * 8
+
+
+def _arena_run(channel: ShmChannel, rank: int) -> list[torch.Tensor]:
+    """Each tensor of ``_tensors`` through the arena (scaled by 0.5), interleaved with a plain
+    all-reduce, then again after ``quiesce`` and zeroing, as the engine does every step."""
+    allocate = channel.arena_allocator()
+    inputs = _tensors(rank, torch.float32)
+    held = [allocate(t.numel(), t.dtype) for t in inputs]
+    results = []
+    for _ in range(2):
+        for buf, t in zip(held, inputs):
+            assert buf is not None and channel.arena_offset(buf) is not None
+            buf.copy_(t)
+        futures = [channel.all_reduce_async(buf, scale=0.5) for buf in held]
+        plain = channel.all_reduce(torch.full((5,), float(rank)))
+        for f in futures:
+            f.result()
+        results = [buf.clone() for buf in held] + [plain]
+        channel.quiesce()
+        for buf in held:
+            buf.zero_()
+    return results
+
+
+def _arena_peer(path: str, rank: int, world: int, out: str) -> None:
+    channel = ShmChannel(path, rank=rank, world_size=world, slot_bytes=SLOT, create=False,
+                         timeout=20, arena_bytes=ARENA)
+    torch.save(_arena_run(channel, rank), out)
+    channel.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_arena_all_reduce_matches_the_slot_path_bit_for_bit(tmp_path: Path, world: int) -> None:
+    """Tensors in the arena are reduced without a slot copy, each rank summing its share: the
+    results equal the rank-order sum times the scale on every rank, bit for bit."""
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-arena{world}"
+    channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20,
+                         arena_bytes=ARENA)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_arena_peer, args=(str(path), r, world, str(tmp_path / f"{r}.pt")))
+             for r in range(1, world)]
+    try:
+        for p in procs:
+            p.start()
+        mine = _arena_run(channel, 0)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+        for p in procs:
+            p.kill()
+    inputs = [_tensors(r, torch.float32) for r in range(world)]
+    for i in range(len(SIZES)):
+        expected = inputs[0][i] + inputs[1][i]
+        for r in range(2, world):
+            expected = expected + inputs[r][i]
+        assert torch.equal(mine[i], expected * 0.5)
+        for r in range(1, world):
+            assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], mine[i])
+    assert torch.equal(mine[-1], torch.full((5,), float(sum(range(world)))))
+
+
+def _gather_run(channel: ShmChannel, rank: int, world: int) -> list[torch.Tensor]:
+    """All-gathers of a shard that is the flat buffer's own slice and of a separate one, the
+    second larger than a slot (several chunks)."""
+    results = []
+    for k, in_place in ((7, True), (SLOT // 4 + 5, False)):
+        flat = torch.zeros(k * world)
+        mine = torch.arange(k, dtype=torch.float32) + 1000.0 * rank
+        if in_place:
+            shard = flat[rank * k:(rank + 1) * k]
+            shard.copy_(mine)
+        else:
+            shard = mine
+        channel.all_gather_async(flat, shard).result()
+        results.append(flat)
+    return results
+
+
+def _gather_peer(path: str, rank: int, world: int, out: str) -> None:
+    channel = ShmChannel(path, rank=rank, world_size=world, slot_bytes=SLOT, create=False,
+                         timeout=20)
+    torch.save(_gather_run(channel, rank, world), out)
+    channel.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_puts_every_shard_everywhere(tmp_path: Path, world: int) -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-gather{world}"
+    channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gather_peer, args=(str(path), r, world,
+                                                    str(tmp_path / f"{r}.pt")))
+             for r in range(1, world)]
+    try:
+        for p in procs:
+            p.start()
+        mine = _gather_run(channel, 0, world)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+        for p in procs:
+            p.kill()
+    for i, k in enumerate((7, SLOT // 4 + 5)):
+        expected = torch.cat([torch.arange(k, dtype=torch.float32) + 1000.0 * r
+                              for r in range(world)])
+        assert torch.equal(mine[i], expected)
+        for r in range(1, world):
+            assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], expected)

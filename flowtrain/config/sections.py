@@ -177,6 +177,10 @@ class FlowtrainSection(Section):
     # What carries gradient reduces: "shm" (shared memory, every rank on one host, CPU tensors)
     # or "torch" (gloo/NCCL); null picks shm when it can be used, torch otherwise.
     data_channel: Annotated[str | None, Choice("shm", "torch", optional=True)] = None
+    # With the shm channel: the lasting gradient buckets live in its shared arena and are
+    # reduced without a copy into a slot. Off by default: end to end it has cost CPU time so
+    # far (benchmarks/dp_vs_ddp.py), though the reduce itself is faster.
+    shm_arena: Bool = False
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
     heartbeat_interval: Annotated[float | None, Float(gt=0, optional=True)] = None
     seed: Annotated[int | None, Int(ge=0, optional=True)] = None

@@ -29,9 +29,13 @@ class GradBuckets:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], plan: Sequence[BucketPlan],
-                 pad_to: int = 1, transient: bool = False) -> None:
+                 pad_to: int = 1, transient: bool = False,
+                 allocate: Callable[[int, torch.dtype], torch.Tensor | None] | None = None
+                 ) -> None:
         # pad_to: each buffer's length is rounded up to a multiple of it (ZeRO: the world
         # size, so a bucket splits into equal shards); the padding stays zero.
+        # allocate: where lasting buffers come from (zeroed; None from it: ordinary memory),
+        # e.g. the shared-memory channel's arena, which reduces them without a copy
         self.params = list(params)
         self.plan = tuple(plan)
         self.transient = transient
@@ -49,8 +53,13 @@ class GradBuckets:
             first = self.params[bucket.slots[0].index]
             spec = (-(-bucket.numel // pad_to) * pad_to, first.dtype, first.device)
             self._specs.append(spec)
-            self.flat.append(None if transient else torch.zeros(spec[0], dtype=spec[1],
-                                                                device=spec[2]))
+            flat = None
+            if not transient:
+                if allocate is not None and spec[2].type == "cpu":
+                    flat = allocate(spec[0], spec[1])
+                if flat is None:
+                    flat = torch.zeros(spec[0], dtype=spec[1], device=spec[2])
+            self.flat.append(flat)
             for slot in bucket.slots:
                 param = self.params[slot.index]
                 if param.dtype != first.dtype:

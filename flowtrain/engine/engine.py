@@ -129,6 +129,16 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
             self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
+        self.channel = None
+        self._gather_channel: Any = None
+        # launch --peer-recovery: the group may lose and regain ranks without a restart
+        self.peer = self._peer_group()
+        self.step_dropped = False  # the last step() dropped its step (a rank was lost)
+        if self.world_size > 1 and self.peer is None:
+            # before the buckets: with the shared-memory channel they live in its arena; not
+            # under peer recovery: shared memory would wait on a dead peer, gloo's connections
+            # see it close
+            self.channel = self._open_channel(config.flowtrain.data_channel)
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = self.world_size == 1 or self.model_parallel or \
             config.flowtrain.bucket_order == "reverse"
@@ -136,18 +146,15 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             from flowtrain.zero.build import build_zero
 
             self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
+            if self.channel is not None and all(
+                    f is None or f.device.type == "cpu" for f in self.zero.flat_params):
+                self.zero.channel = self.channel
+            self._gather_channel = self._open_gather_channel()
             self._order_settled = True  # shard layouts never change
         self.reducer = None
-        self.channel = None
-        # launch --peer-recovery: the group may lose and regain ranks without a restart
-        self.peer = self._peer_group()
-        self.step_dropped = False  # the last step() dropped its step (a rank was lost)
         if self.peer is not None:
             self._order_settled = True  # a replacement builds the same buckets without asking
         if self.world_size > 1:
-            # shared memory would wait on a dead peer: gloo's connections see it close
-            self.channel = None if self.peer is not None else \
-                self._open_channel(config.flowtrain.data_channel)
             self._spawn_reducer()
 
         # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
@@ -356,7 +363,36 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             torch.empty((), dtype=self.comm_dtype).element_size()
         return shm.data_channel(choice, self._rank, world_size=self.world_size,
                                 model_parallel=self.model_parallel, module=self.module,
-                                largest_bucket_bytes=slot)
+                                largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
+
+    def _open_gather_channel(self) -> Any:
+        """ZeRO-3 on the shared-memory channel: a second channel for the parameter gathers,
+        which the fetcher issues while the reducer's reduce-scatters are in flight (as they
+        have a process group of their own on torch.distributed)."""
+        if self.channel is None or self.stage3 is None or self.zero is None or \
+                any(s.device.type != "cpu" for s in self.zero.model_shards):
+            return None
+        from flowtrain import comm, shm
+
+        elem = max(s.element_size() for s in self.zero.model_shards)
+        largest = max(s.numel() for s in self.zero.model_shards) * elem
+        channel = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,
+                                   timeout=comm.DEFAULT_TIMEOUT)
+        self.stage3.fetcher_actor.channel = channel
+        return channel
+
+    def _arena_bytes(self) -> int:
+        """The shared-memory arena the gradient buckets live in (0: none): buckets that last
+        (data parallel and ZeRO stage 1, not the transient ones of stages 2-3) reduced in the
+        gradients' own dtype. Room for every bucket of any order: each padded and aligned, one
+        per parameter at most."""
+        if not self.config.flowtrain.shm_arena or self.transient or \
+                any(p.dtype != self.comm_dtype for p in self.trainable):
+            return 0
+        elem = torch.empty((), dtype=self.comm_dtype).element_size()
+        pad = self.world_size if self.zero_stage else 1
+        return sum(p.numel() for p in self.trainable) * elem + \
+            (64 + pad * elem) * (len(self.trainable) + 1)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         """(name, shape, dtype, element size) of each trainable parameter, taken once before
@@ -394,10 +430,14 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
                 "virtual_stages": int(getattr(self.config.pipeline, "virtual_stages", 1))}
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
+        allocate = self.channel.arena_allocator() \
+            if self.channel is not None and self.channel.arena_bytes else None
         buckets = GradBuckets(self.trainable, plan.buckets,
                               pad_to=self.world_size if self.zero_stage else 1,
-                              transient=self.transient)
-        buckets.install_hooks()
+                              transient=self.transient, allocate=allocate)
+        if self.world_size > 1:
+            # the hooks count arrivals for the reducer; one data-parallel rank has none
+            buckets.install_hooks()
         if not self.zero_stage:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
         return buckets
@@ -674,6 +714,8 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         return skipped
 
     def _zero_grads(self) -> None:
+        if self.channel is not None and self.channel.arena_bytes:
+            self.channel.quiesce()  # peers may still be reading this rank's reduced buckets
         if self.zero is not None:
             self.zero.zero_grads()
         self.buckets.zero_()  # (the fp32 master gradients are overwritten whole each step)
@@ -731,6 +773,9 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        if self._gather_channel is not None:
+            self._gather_channel.close()
+            self._gather_channel = None
         self.wait_for_checkpoint()
 
 

@@ -216,14 +216,18 @@ class BucketReducer(Actor):
         while self._next < len(self.buckets.flat):
             await self._launch(self._next, self._ready.pop(self._next, None))
             self._next += 1
+        arena = final and bool(getattr(self.channel, "arena_bytes", 0))
         for index, work, buffer, launched, source, stamp in self._inflight:
             await self._await(index, work, buffer)
             self._finish(index, buffer)
             if self.buckets.transient:
                 self.buckets.release(source)
             self._spans.append((self._task_names.pop(index), launched, stamped_end(stamp)))
-            if not final:
-                continue
+        if arena:
+            # Peers copy their shares out of this rank's arena buckets until their reduces
+            # end: nothing may write the reduced gradients (clipping, a stage) before that.
+            self.channel.quiesce()
+        for index, *_ in self._inflight if final else ():
             if self.on_reduced is not None:
                 self.on_reduced(index)
             for ref in self.stages["after_reduce"]:
@@ -254,6 +258,10 @@ class BucketReducer(Actor):
         launched = time.perf_counter()
         if self.shards is not None:
             work, buffer = self._launch_scatter(index, self.shards[index], buffer)
+        elif self.channel is not None and buffer is grad:
+            # the channel applies the after-sum scale (a bucket in its arena is read by the
+            # peers until they are done, so this rank must not scale it afterwards)
+            work = self.channel.all_reduce_async(buffer, scale=self._post_scale())
         elif self.channel is not None:
             work = self.channel.all_reduce_async(buffer)
         else:
@@ -271,8 +279,11 @@ class BucketReducer(Actor):
             return self.channel.reduce_scatter_async(buffer, out), out
         return comm.reduce_scatter_single(out, buffer, group=self.group, async_op=True), out
 
+    def _post_scale(self) -> float:
+        return 1.0 if self.prescale else self.predivide / self.world_size
+
     def _finish(self, index: int, buffer: torch.Tensor) -> None:
-        post = 1.0 if self.prescale else self.predivide / self.world_size
+        post = self._post_scale()
         if self.shards is not None:
             shard = self.shards[index]
             if post != 1.0:
@@ -281,6 +292,8 @@ class BucketReducer(Actor):
                 shard.add_(buffer.to(shard.device))
             return
         grad = self.buckets.buffer(index)
+        if buffer is grad and self.channel is not None:
+            return  # summed and scaled in place by the channel
         if buffer is not grad:
             grad.copy_(buffer)
         if post != 1.0:

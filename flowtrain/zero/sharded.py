@@ -95,6 +95,9 @@ class ZeroOptimizer:
         self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
         self.fused_copy = False
         self.optimizer: torch.optim.Optimizer | None = None
+        # the engine's shared-memory channel (ranks of one host, CPU): the after-step
+        # all-gather goes through it instead of torch.distributed
+        self.channel: Any = None
 
     def _replicated_runs(self) -> list[tuple[int, int, int]]:
         """(bucket, start, length) runs of this rank's shards that hold parameters replicated
@@ -294,8 +297,14 @@ class ZeroOptimizer:
         collective per bucket. Stage 3's partitioned buckets are gathered on use."""
         if self.world_size == 1:
             return
+        pairs = [(flat, shard) for flat, shard in zip(self.flat_params, self.model_shards)
+                 if flat is not None]
+        if self.channel is not None:
+            for future in [self.channel.all_gather_async(f, s) for f, s in pairs]:
+                future.result()
+            return
         works = [comm.all_gather_single(flat, shard, group=self.group, async_op=True)
-                 for flat, shard in zip(self.flat_params, self.model_shards) if flat is not None]
+                 for flat, shard in pairs]
         for work in works:
             work.wait()
 

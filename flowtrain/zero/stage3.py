@@ -11,6 +11,8 @@ gradients have landed. Small parameters (``stage3_param_persistence_threshold``)
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,12 +61,31 @@ class ParamFetcher(Actor):
         self.timeout = timeout
         self._inflight: dict[int, tuple[Any, torch.Tensor, float, list[float]]] = {}
         self.gathered_numel = 0  # elements gathered so far (for tests and the throughput log)
+        # a shared-memory channel of the gathers' own (ranks of one host, CPU), used instead
+        # of the group: only this actor issues on it, in the same order on every rank
+        self.channel: Any = None
 
     def _start(self, b: int) -> None:
         if b not in self._inflight:
-            work, full = self.zero.start_gather(b, self.group)
+            if self.channel is not None:
+                shard = self.zero.model_shards[b]
+                full = torch.empty(self.zero.shards[b].padded, dtype=shard.dtype)
+                work: Any = self.channel.all_gather_async(full, shard)
+            else:
+                work, full = self.zero.start_gather(b, self.group)
             self._inflight[b] = (work, full, time.perf_counter(), completion_stamp(work))
             self.gathered_numel += full.numel()
+
+    async def _wait(self, work: Any, what: str) -> None:
+        if not isinstance(work, concurrent.futures.Future):
+            await comm.wait(work, what, self.timeout)
+            return
+        try:
+            with comm.waiting(what):
+                await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
+        except TimeoutError:
+            raise comm.CollectiveTimeout(f"{what} did not finish within {self.timeout:g} s") \
+                from None
 
     @handler
     async def gather(self, msg: Gather) -> Gathered:
@@ -73,8 +94,8 @@ class ParamFetcher(Actor):
         out, spans = [], []
         for b in msg.need:
             work, full, launched, stamp = self._inflight.pop(b)
-            await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} "
-                                  f"({full.numel()} x {full.dtype})", self.timeout)
+            await self._wait(work, f"ZeRO-3 all-gather of parameter bucket {b} "
+                                   f"({full.numel()} x {full.dtype})")
             spans.append((names.gather(b, msg.direction, msg.micro_batch), launched,
                           stamped_end(stamp)))
             out.append(full)
@@ -83,8 +104,8 @@ class ParamFetcher(Actor):
     @handler
     async def discard(self, msg: Discard) -> None:
         for b, (work, _full, *_) in list(self._inflight.items()):
-            await comm.wait(work, f"ZeRO-3 all-gather of parameter bucket {b} (prefetched, "
-                                  f"unused)", self.timeout)
+            await self._wait(work, f"ZeRO-3 all-gather of parameter bucket {b} (prefetched, "
+                                   f"unused)")
         self._inflight.clear()
 
 
