@@ -23,6 +23,10 @@ log = get_logger("flowtrain.comm")
 
 DEFAULT_TIMEOUT = 600.0  # seconds; DeepSpeed's default process-group timeout is 10 minutes
 
+# set in a replacement rank of `flowtrain launch --peer-recovery` (by its bootstrap):
+# init_distributed joins the survivors' process group through it instead of forming the launch's
+join_hook: Callable[[], None] | None = None
+
 
 class CollectiveTimeout(TimeoutError):
     """A collective did not finish in time; names the operation, its size and its group."""
@@ -46,11 +50,9 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
     world_size; the MPI discovery flags mean nothing here)."""
     if dist.is_initialized():
         return str(dist.get_backend())
-    from flowtrain import peer_recovery
-
-    if peer_recovery.joining():
+    if join_hook is not None:
         # a replacement for a lost rank (launch --peer-recovery): the survivors' group
-        peer_recovery.join_distributed()
+        join_hook()
         return str(dist.get_backend())
     from flowtrain.slurm import apply as slurm_environment
 
@@ -93,7 +95,7 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
     return backend
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     import ipaddress
 
     if host == "localhost":
@@ -113,7 +115,7 @@ def _loopback_store(timeout: float) -> Any:
     import socket
 
     host = os.environ[envnames.MASTER_ADDR]
-    if not _is_loopback(host):
+    if not is_loopback(host):
         return None
     port = int(os.environ[envnames.MASTER_PORT])
     world = int(os.environ[envnames.WORLD_SIZE])

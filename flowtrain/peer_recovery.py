@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -188,9 +189,9 @@ class PeerGroup:
 
     def _host(self) -> str:
         addr = self.rank.env.master_addr
-        from flowtrain.comm import _is_loopback
+        from flowtrain.comm import is_loopback
 
-        return addr if _is_loopback(addr) else socket.getfqdn()
+        return addr if is_loopback(addr) else socket.getfqdn()
 
 
 def _leave_group(abandon: bool = False) -> None:
@@ -236,38 +237,14 @@ def group() -> PeerGroup:
         return _group
 
 
-def _prepare() -> None:
-    """What ``initialize`` would do after the group is formed and that needs no group:
-    imports (torch._dynamo, which building an optimizer imports, the slowest), and the fused
-    Adam kernel's compile (or load from numba's cache). The survivors
-    wait for the replacement from the moment it asks to join until it has built its engine,
-    so it does the slow part first."""
-    started = time.monotonic()
-    # torch.optim's Optimizer.__init__ imports torch._dynamo on first use: seconds
-    import torch._dynamo  # noqa: F401
-
-    import flowtrain.checkpoint.checkpointer  # noqa: F401
-    import flowtrain.config.hf  # noqa: F401
-    import flowtrain.engine.engine  # noqa: F401
-    import flowtrain.optimizers  # noqa: F401
-    import flowtrain.profiling  # noqa: F401
-    import flowtrain.schedulers  # noqa: F401
-    import flowtrain.telemetry  # noqa: F401
-
-    try:
-        import cuda_numba
-
-        cuda_numba.warm_up(("adam",))  # Adam and AdamW, the usual choice
-    except Exception as exc:  # noqa: BLE001 - only a head start; initialize warms up again
-        log.debug("no kernel warm-up before joining", error=repr(exc))
-    log.info("ready to join", seconds=round(time.monotonic() - started, 3))
-
-
-def join_distributed() -> None:
+def join_distributed(prepare: Callable[[], None] | None = None) -> None:
     """A replacement rank's ``init_distributed``: joins the survivors' group when the
     coordinator lets it in (after their next committed step). Exits the process (code 0) when
-    the job finished before that."""
-    _prepare()
+    the job finished before that. ``prepare`` runs first: the slow part of a rank's start that
+    needs no group (``flowtrain.launch.warmup.prepare``), since the survivors wait for the
+    replacement from the moment it asks to join."""
+    if prepare is not None:
+        prepare()
     peers = group()
     peers.rank.runtime.call(peers.rank.control.request_join)
     body = peers.wait_to_join()

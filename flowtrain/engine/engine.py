@@ -5,7 +5,6 @@ BucketReducer reduces each bucket while backward goes on."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,11 +14,13 @@ import torch.distributed as dist
 
 from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
+from flowtrain.engine.comm_setup import EngineComm
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, clip_, lay_out_flat, total_grad_norm
 from flowtrain.engine.parts import EngineParts
-from flowtrain.engine.reducer import BucketReady, BucketReducer, EndMicroBatch, Flush
+from flowtrain.engine.peer import PeerRecovery
+from flowtrain.engine.reducer import BucketReady, EndMicroBatch, Flush
 from flowtrain.engine.stages import (
     BucketFull,
     BucketReduced,
@@ -44,7 +45,7 @@ log = get_logger("flowtrain.engine")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class FlowtrainEngine(EngineSurface, torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, EngineComm, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -180,140 +181,6 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
 
     # -- setup helpers --------------------------------------------------------------------------
 
-    def _spawn_reducer(self) -> None:
-        config = self.config
-        peer = self.peer
-        reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
-                                comm_dtype=self.comm_dtype,
-                                predivide=config.gradient_predivide_factor,
-                                prescale=config.prescale_gradients, stages=self.stages,
-                                channel=self.channel,
-                                shards=self.zero.grad_shards if self.zero is not None and
-                                self.zero.scattered else None,
-                                interrupt=(lambda: peer.interrupt) if peer is not None else None)
-        self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
-        self._reducer_actor = reducer
-
-    def _peer_group(self) -> Any:
-        """The process's PeerGroup under ``launch --peer-recovery`` (data parallelism with
-        ZeRO stage 0 only), else None."""
-        from flowtrain import peer_recovery
-
-        if not peer_recovery.enabled() or not dist.is_initialized():
-            return None
-        if self.zero_stage or self.model_parallel or self.grid is not None:
-            raise ValueError(f"flowtrain launch --peer-recovery recovers data-parallel replicas "
-                             f"with ZeRO stage 0; this engine has ZeRO stage {self.zero_stage}"
-                             f"{' and model parallelism' if self.model_parallel else ''}: "
-                             f"use --max-restarts (restart from a checkpoint) instead")
-        return peer_recovery.group()
-
-    def _peer_drop(self, verdict: dict[str, Any], error: str | None) -> None:
-        """The coordinator dropped this step (a rank was lost while it ran): nothing of it is
-        kept; the survivors re-form the group and the script redoes the step."""
-        assert self.peer is not None
-        self.step_dropped = True
-        self.peer.dropped_steps += 1
-        self._losses.clear()
-        self._zero_grads()
-        self.micro_steps -= self.config.grad_accum
-        log.warning("step dropped: the group lost a rank; re-forming it",
-                    step=self.global_steps + 1, reduce_error=error, members=verdict.get("members"),
-                    generation=verdict.get("generation"))
-        self._peer_reform(int(verdict["generation"]), list(verdict["members"]), joined=[])
-
-    def _peer_reform(self, generation: int, members: list[int], *, joined: list[int],
-                     abandon: bool = False) -> None:
-        """Moves the engine onto the generation's process group; when replacement ranks
-        joined, the lowest member sends them the model and the training state."""
-        assert self.peer is not None
-        if self.reducer is not None:
-            self._runtime.stop_actor(self.reducer.name)
-            self.reducer = None
-        self.peer.reform(generation, members, joined, abandon)
-        self._adopt_group()
-        if not joined:
-            return
-        try:
-            self._broadcast_model()
-            self._peer_sync_state(load=False)
-        except RuntimeError as exc:  # GroupChanged too
-            # a replacement died while it was being sent the state: the coordinator announces
-            # the group without it (the weights here were not changed: the source's are the
-            # same); a survivor whose broadcasts went through meets the others at its next
-            # step, which the coordinator drops
-            announced = self.peer.next_generation()
-            log.warning("a replacement was lost while it joined; re-forming without it",
-                        error=str(exc)[:300], members=announced.get("members"))
-            self._peer_reform(int(announced["generation"]), list(announced["members"]),
-                              joined=[], abandon=True)
-
-    def _adopt_group(self) -> None:
-        self.world_size = dist.get_world_size()
-        self.global_rank = dist.get_rank()
-        self.dp_rank = dist.get_rank()
-        self._parts = dataclasses.replace(self._parts, world_size=self.world_size,
-                                          dp_rank=self.dp_rank)
-        self.health.parts = self._parts
-        if self.world_size > 1:
-            self._spawn_reducer()
-
-    def peer_state(self) -> dict[str, Any]:
-        """What a replacement rank takes from a healthy peer besides the weights."""
-        scaler = self.loss_scaler
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict()
-            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict")
-            else None,
-            "loss_scaler": scaler.state_dict() if hasattr(scaler, "state_dict") else None,
-            "counters": {"global_steps": self.global_steps,
-                         "global_samples": self.global_samples,
-                         "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps},
-        }
-
-    def _peer_sync_state(self, load: bool) -> None:
-        """The state source (the lowest member that is no replacement) broadcasts
-        ``peer_state()``; a replacement (``load``) takes it, the other survivors hold the same
-        values already."""
-        import io
-
-        peer = self.peer
-        assert peer is not None
-        source = peer.source
-        size = torch.zeros(1, dtype=torch.int64)
-        data = torch.empty(0, dtype=torch.uint8)
-        if self.dp_rank == source:
-            buffer = io.BytesIO()
-            torch.save(self.peer_state(), buffer)
-            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            size[0] = data.numel()
-        peer.broadcast(size, source, "the training state's size")
-        if self.dp_rank != source:
-            data = torch.empty(int(size[0]), dtype=torch.uint8)
-        peer.broadcast(data, source, "the training state")
-        if self.dp_rank == source or not load:
-            return
-        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state["lr_scheduler"] is not None and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if state["loss_scaler"] is not None and hasattr(self.loss_scaler, "load_state_dict"):
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        for name, value in state["counters"].items():
-            setattr(self, name, value)
-        log.warning("took the model and training state from a peer",
-                    global_steps=self.global_steps, generation=self.peer.generation
-                    if self.peer is not None else None)
-
-    def peer_join(self) -> None:
-        """A replacement rank, once its engine and scheduler exist (``initialize``): takes
-        the training state from the lowest member (the weights came in the constructor)."""
-        from flowtrain import peer_recovery
-
-        if self.peer is not None and peer_recovery.joining():
-            self._peer_sync_state(load=True)
-
     @property
     def _runtime(self) -> Any:
         if self._rank is None:
@@ -332,67 +199,6 @@ class FlowtrainEngine(EngineSurface, torch.nn.Module):
             raise RuntimeError("a gradient bucket was handed over for a reduce, but this engine "
                                "has one data-parallel rank and no reducer")
         return self.reducer
-
-    def _broadcast_model(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as DDP does."""
-        if self.world_size == 1:
-            return
-        from flowtrain import peer_recovery
-
-        # under --peer-recovery a replacement may be group rank 0: the source is a survivor
-        src = self.grid.dp_ranks[0] if self.grid is not None else peer_recovery.state_source()
-        peer = getattr(self, "peer", None) or peer_recovery.current()
-        with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                if construct.is_partitioned(tensor):
-                    continue  # zero.Init took rank 0's values when it partitioned it
-                if peer is not None:
-                    peer.broadcast(tensor.data, src, "the model broadcast to a replacement")
-                else:
-                    dist.broadcast(tensor.data, src=src, group=self.dp_group)
-
-    def _open_channel(self, choice: str | None) -> Any:
-        """The data channel the reduces go over (``flowtrain.shm.data_channel``)."""
-        from flowtrain import shm
-
-        if self._rank is None:
-            from flowtrain.runtime.rank import current_rank
-
-            self._rank = current_rank()
-        slot = max(b.numel for b in self.plan.buckets) * \
-            torch.empty((), dtype=self.comm_dtype).element_size()
-        return shm.data_channel(choice, self._rank, world_size=self.world_size,
-                                model_parallel=self.model_parallel, module=self.module,
-                                largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
-
-    def _open_gather_channel(self) -> Any:
-        """ZeRO-3 on the shared-memory channel: a second channel for the parameter gathers,
-        which the fetcher issues while the reducer's reduce-scatters are in flight (as they
-        have a process group of their own on torch.distributed)."""
-        if self.channel is None or self.stage3 is None or self.zero is None or \
-                any(s.device.type != "cpu" for s in self.zero.model_shards):
-            return None
-        from flowtrain import comm, shm
-
-        elem = max(s.element_size() for s in self.zero.model_shards)
-        largest = max(s.numel() for s in self.zero.model_shards) * elem
-        channel = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,
-                                   timeout=comm.DEFAULT_TIMEOUT)
-        self.stage3.fetcher_actor.channel = channel
-        return channel
-
-    def _arena_bytes(self) -> int:
-        """The shared-memory arena the gradient buckets live in (0: none): buckets that last
-        (data parallel and ZeRO stage 1, not the transient ones of stages 2-3) reduced in the
-        gradients' own dtype. Room for every bucket of any order: each padded and aligned, one
-        per parameter at most."""
-        if not self.config.flowtrain.shm_arena or self.transient or \
-                any(p.dtype != self.comm_dtype for p in self.trainable):
-            return 0
-        elem = torch.empty((), dtype=self.comm_dtype).element_size()
-        pad = self.world_size if self.zero_stage else 1
-        return sum(p.numel() for p in self.trainable) * elem + \
-            (64 + pad * elem) * (len(self.trainable) + 1)
 
     def _param_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         """(name, shape, dtype, element size) of each trainable parameter, taken once before

@@ -119,6 +119,17 @@ def _fail(rank: int, failure: RankFailure, shutdown: Any) -> None:
             print(f"flowtrain: rank {rank} could not report its failure: {exc!r}", file=sys.stderr)
 
 
+def _install_join_hook() -> None:
+    """A replacement rank (launch --peer-recovery) joins the survivors' group when the script
+    initialises torch.distributed, after the slow part of its start."""
+    from flowtrain import comm, peer_recovery
+
+    if peer_recovery.joining():
+        from flowtrain.launch.warmup import prepare
+
+        comm.join_hook = lambda: peer_recovery.join_distributed(prepare)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise pin_error
             start_rank, shutdown = _runtime()
             start_rank()
+            _install_join_hook()
             _run_target(args)
         finally:
             sys.stdout.flush()
