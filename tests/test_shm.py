@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,30 @@ pytestmark = [pytest.mark.timeout(60),
 
 SIZES = [1, 7, 1000, 40_003]  # 40_003 floats > the 64 KiB slot: several chunks
 SLOT = 64 * 1024
+
+
+def _with_peers(channel: ShmChannel, path: Path, world: int, peer: Any, args: tuple[Any, ...],
+                tmp_path: Path, run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``run`` on rank 0's ``channel`` while ranks 1.. run ``peer(path, rank, world, *args,
+    out)`` in processes of their own, each saving its results to ``tmp_path/<rank>.pt``; the
+    channel and its file are gone afterwards."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=peer, args=(str(path), r, world, *args,
+                                            str(tmp_path / f"{r}.pt")))
+             for r in range(1, world)]
+    try:
+        for p in procs:
+            p.start()
+        mine = run()
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+        for p in procs:
+            p.kill()
+    return mine
 
 
 def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -38,21 +64,8 @@ def test_all_reduce_matches_torch_sum_on_every_rank(tmp_path: Path, world: int,
                                                     dtype: torch.dtype) -> None:
     path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-{world}"
     channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_peer, args=(str(path), r, world, dtype, str(tmp_path / f"{r}.pt")))
-             for r in range(1, world)]
-    try:
-        for p in procs:
-            p.start()
-        mine = [channel.all_reduce(t) for t in _tensors(0, dtype)]
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        channel.close()
-        path.unlink(missing_ok=True)
-        for p in procs:
-            p.kill()
+    mine = _with_peers(channel, path, world, _peer, (dtype,), tmp_path,
+                       lambda: [channel.all_reduce(t) for t in _tensors(0, dtype)])
     inputs = [_tensors(r, dtype) for r in range(world)]
     for i in range(len(SIZES)):
         expected = inputs[0][i] + inputs[1][i]
@@ -126,21 +139,8 @@ def test_arena_all_reduce_matches_the_slot_path_bit_for_bit(tmp_path: Path, worl
     path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-arena{world}"
     channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20,
                          arena_bytes=ARENA)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_arena_peer, args=(str(path), r, world, str(tmp_path / f"{r}.pt")))
-             for r in range(1, world)]
-    try:
-        for p in procs:
-            p.start()
-        mine = _arena_run(channel, 0)
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        channel.close()
-        path.unlink(missing_ok=True)
-        for p in procs:
-            p.kill()
+    mine = _with_peers(channel, path, world, _arena_peer, (), tmp_path,
+                       lambda: _arena_run(channel, 0))
     inputs = [_tensors(r, torch.float32) for r in range(world)]
     for i in range(len(SIZES)):
         expected = inputs[0][i] + inputs[1][i]
@@ -180,22 +180,8 @@ def _gather_peer(path: str, rank: int, world: int, out: str) -> None:
 def test_all_gather_puts_every_shard_everywhere(tmp_path: Path, world: int) -> None:
     path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-gather{world}"
     channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True, timeout=20)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gather_peer, args=(str(path), r, world,
-                                                    str(tmp_path / f"{r}.pt")))
-             for r in range(1, world)]
-    try:
-        for p in procs:
-            p.start()
-        mine = _gather_run(channel, 0, world)
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        channel.close()
-        path.unlink(missing_ok=True)
-        for p in procs:
-            p.kill()
+    mine = _with_peers(channel, path, world, _gather_peer, (), tmp_path,
+                       lambda: _gather_run(channel, 0, world))
     for i, k in enumerate((7, SLOT // 4 + 5)):
         expected = torch.cat([torch.arange(k, dtype=torch.float32) + 1000.0 * r
                               for r in range(world)])
