@@ -258,11 +258,11 @@ class StageCosts:
         kern = self.kernels
         assert kern is not None
 
-        def seconds(ops: list[Any]) -> float:
+        def seconds(ops: list[Any], gemm_dtype: str | None = self.options.gemm_dtype
+                    ) -> float:
             return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
                                          hbm=self.hw.memory_bandwidth, kern=kern,
-                                         attention=self.attention,
-                                         gemm_dtype=self.options.gemm_dtype)
+                                         attention=self.attention, gemm_dtype=gemm_dtype)
 
         r = self.shape
         forward, backward = layer_forward(shape, r), layer_backward(shape, r)
@@ -284,7 +284,12 @@ class StageCosts:
                 layer[i] += max(0.0, hop_s - attention_s)
         parts = {"layer": (layer[0], layer[1]),
                  "embed": (seconds(embed_forward(shape, r)), seconds(embed_backward(shape, r))),
-                 "head": (seconds(head_forward(shape, r)), seconds(head_backward(shape, r)))}
+                 # fp8 training leaves the LM head in the training dtype: Transformer
+                 # Engine's recipes cover the transformer layers' linears, Megatron-Core's
+                 # output layer is its own ColumnParallelLinear, and torchtitan's float8
+                 # conversion skips the "output" linear
+                 "head": (seconds(head_forward(shape, r), None),
+                          seconds(head_backward(shape, r), None))}
         groups: dict[tuple[str, int], list[int]] = {}
         seen_layer = False
         for j, seg in enumerate(self.segments):

@@ -438,3 +438,30 @@ def test_dtensor_sequence_parallel_copies_the_gathered_activation_around_each_co
     copies = 2 * 2 * 64e6 / (hw.memory_bandwidth * kern.memory_efficiency)
     assert one("fsdp") - one("megatron-core") == pytest.approx(copies, rel=1e-9)
     assert one("fsdp", overlap=True) == pytest.approx(one("megatron-core"), rel=1e-12)
+
+
+def test_fp8_training_keeps_the_lm_head_in_the_training_dtype() -> None:
+    """Transformer Engine's fp8 covers the transformer layers' linears, not Megatron-Core's
+    output layer, and torchtitan's float8 conversion skips "output": a wider vocabulary costs
+    the same extra time with fp8 GEMMs as without, while the layers get faster."""
+    from flowtrain.config import load_config
+    from flowtrain.plan.workload import Layout, Workload
+    from sims.models import Architecture, spec_from_architecture
+    from sims.planner import build_plan
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                       "bf16": {"enabled": True}}, world_size=1, check_supported=False)
+    hw = get_profile("h100-x8")
+
+    def compute(vocab: int, gemm_dtype: str | None) -> float:
+        arch = Architecture("llama", 2, 2048, 16, 8, 5632, vocab, 2048)
+        work = Workload.from_model(spec_from_architecture("fp8-head", arch, 2048),
+                                   cfg.precision)
+        plan = build_plan(work, cfg, Layout(1, 1), hw, SimOptions(gemm_dtype=gemm_dtype))
+        return sum(t.duration for t in plan.tasks if t.kind in ("forward", "backward"))
+
+    wider_bf16 = compute(128_000, None) - compute(32_000, None)
+    wider_fp8 = compute(128_000, "float8") - compute(32_000, "float8")
+    assert wider_bf16 > 0
+    assert wider_fp8 == pytest.approx(wider_bf16, rel=1e-9)
+    assert compute(32_000, "float8") < compute(32_000, None)
