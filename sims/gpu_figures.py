@@ -132,12 +132,23 @@ _COMMON_SOURCES = {
                                "peak as 16-bit ones of theirs (no measurement retrieved)",
     "overlap_slowdown": "arXiv 2507.03114: overlapping computation and communication gives an "
                         "average computational slowdown of 18.9% (A100, H100, MI250, MI210)",
+    "device_spread": "arXiv 2208.11035 (Sinha et al., SC22, 'Not All GPUs Are Created "
+                     "Equal'): 8% average performance variation (max 22%) between GPUs of one "
+                     "SKU across five clusters (V100, MI60 and others; no A100/H100 study "
+                     "found), outliers aside; read as the span of a normal distribution's "
+                     "non-outlier points (Tukey's whiskers, +-2.7 sigma): sigma = 8% / 5.4",
 }
 
 
 # the spread of published figures (optimistic, pessimistic) behind the values above
 _OVERLAP_RANGE = (0.0, 0.40)  # arXiv 2507.03114: no slowdown up to its 40.0% maximum
+# the spread between GPUs of one SKU (see _COMMON_SOURCES["device_spread"]) and its bounds:
+# identical GPUs, and the study's largest variation (22%) read the same way
+_DEVICE_SPREAD = round(0.08 / 5.4, 4)
+_DEVICE_SPREAD_RANGE = (0.0, round(0.22 / 5.4, 4))
 _RANGE_SOURCES = {
+    "ranges.device_spread": "arXiv 2208.11035: no spread (identical GPUs) to its largest "
+                            "variation, 22%, read as 5.4 sigma",
     "ranges.overlap_slowdown": "arXiv 2507.03114: slowdown under overlap averages 18.9%, "
                                "maximum 40.0%",
     "ranges.network_efficiency": "NVIDIA/nccl-tests#290 (46-48 GB/s per 50 GB/s NIC) and "
@@ -159,8 +170,10 @@ def _a100(memory_efficiency: float, memory_source: str,
         network_efficiency=0.85, network_step_latency_s=9.6e-6,
         collective_base_latency_s=8.4e-6, p2p_efficiency=0.65, overlap_slowdown=0.189,
         default_attention="flash2",
+        device_spread=_DEVICE_SPREAD,
         ranges={"gemm_efficiency": (0.869, 0.813), "memory_efficiency": memory_range,
-                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE},
+                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE,
+                "device_spread": _DEVICE_SPREAD_RANGE},
         sources={
             **_COMMON_SOURCES, **_RANGE_SOURCES,
             "ranges.gemm_efficiency": f"{_STAS} MAMF A100 SXM 271.2 of 312 (0.869); "
@@ -206,8 +219,10 @@ def _hopper(all_reduce: tuple[tuple[float, float], ...], memory_efficiency: floa
         network_efficiency=0.94, network_step_latency_s=14e-6,
         collective_base_latency_s=8.4e-6, p2p_efficiency=p2p, overlap_slowdown=0.189,
         default_attention="flash3",
+        device_spread=_DEVICE_SPREAD,
         ranges={"gemm_efficiency": (0.806, 0.676), "memory_efficiency": memory_range,
-                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE},
+                "network_efficiency": (0.96, 0.73), "overlap_slowdown": _OVERLAP_RANGE,
+                "device_spread": _DEVICE_SPREAD_RANGE},
         sources={
             **_COMMON_SOURCES, **_RANGE_SOURCES,
             "gemm_k_overhead": "the A100 figure (32, from arXiv 2401.14489 Fig. 7) doubled: "

@@ -7,12 +7,14 @@ its source beside it in ``sources``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 from typing import Any
 
 from sims.profile_fields import ProfileError, check_curve, check_fields, check_int, check_number
 
 ATTENTION_KERNELS = ("flash2", "flash3", "flash-triton")
-RANGED = ("gemm_efficiency", "memory_efficiency", "network_efficiency", "overlap_slowdown")
+RANGED = ("gemm_efficiency", "memory_efficiency", "network_efficiency", "overlap_slowdown",
+          "device_spread")
 COLLECTIVE_CURVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -38,6 +40,10 @@ class GpuKernels:
       ``collective_base_latency_s`` its fixed latency per call.
     - ``p2p_efficiency``: fraction of the NVLink bandwidth a pipeline send reaches in a node.
     - ``overlap_slowdown``: how much longer compute takes while an NCCL kernel runs beside it.
+    - ``device_spread``: the standard deviation, as a fraction of the median, of how fast
+      GPUs of this one SKU run the same kernels across a cluster (manufacturing and power
+      management); the kernel figures above are one GPU's, a synchronous job waits for its
+      slowest (``slowest_device_factor``).
     """
 
     sms: int
@@ -54,6 +60,7 @@ class GpuKernels:
     p2p_efficiency: float
     overlap_slowdown: float
     default_attention: str = "flash2"
+    device_spread: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     # the spread of published figures behind a value: field -> (optimistic, pessimistic);
     # "gemm_efficiency" scales every dtype's figure by the ratio to its bfloat16 one
@@ -79,11 +86,20 @@ class GpuKernels:
     def __post_init__(self) -> None:
         _validate(self)
 
+    def slowest_device_factor(self, devices: int) -> float:
+        """How much longer the slowest of ``devices`` GPUs takes over the spec's one GPU: the
+        expected largest of ``devices`` normal draws (Blom's approximation of the normal
+        order statistic) in units of ``device_spread``; 1 for one GPU."""
+        if devices <= 1 or not self.device_spread:
+            return 1.0
+        z = NormalDist().inv_cdf((devices - 0.375) / (devices + 0.25))
+        return 1.0 + self.device_spread * z
+
     def __hash__(self) -> int:
         return hash((self.sms, self.gemm_tiles, tuple(sorted(self.gemm_efficiency.items())),
                      self.gemm_k_overhead,
                      self.kernel_overhead_s, self.memory_efficiency, self.network_efficiency,
-                     self.default_attention,
+                     self.default_attention, self.device_spread,
                      tuple((kernel, tuple(sorted(curves.items())))
                            for kernel, curves in sorted(self.attention.items())),
                      tuple(sorted(self.collectives.items()))))
@@ -105,6 +121,7 @@ class GpuKernels:
             "collective_base_latency_s": self.collective_base_latency_s,
             "p2p_efficiency": self.p2p_efficiency,
             "overlap_slowdown": self.overlap_slowdown,
+            "device_spread": self.device_spread,
             "sources": dict(self.sources),
             "ranges": {k: list(v) for k, v in self.ranges.items()},
         }
@@ -139,6 +156,7 @@ def _validate(k: GpuKernels) -> None:
     for name in ("gemm_k_overhead", "kernel_overhead_s", "network_step_latency_s",
                  "collective_base_latency_s", "overlap_slowdown"):
         check_number(f"kernels.{name}", getattr(k, name), minimum=0.0)
+    check_number("kernels.device_spread", k.device_spread, minimum=0.0, maximum=0.5)
     if k.default_attention not in ATTENTION_KERNELS:
         raise ProfileError(f"field 'kernels.default_attention' must be one of "
                            f"{', '.join(ATTENTION_KERNELS)}, got {k.default_attention!r}")
@@ -166,7 +184,8 @@ def _validate(k: GpuKernels) -> None:
                                f"pessimistic], got {pair!r}")
         for bound in pair:
             check_number(f"kernels.ranges.{name}", bound, minimum=0.0,
-                         maximum=None if name == "overlap_slowdown" else 1.0)
+                         maximum=None if name == "overlap_slowdown" else
+                         0.5 if name == "device_spread" else 1.0)
     missing = set(COLLECTIVE_CURVES) - set(k.collectives)
     if missing:
         raise ProfileError(f"field 'kernels.collectives' needs a curve for "
@@ -183,7 +202,8 @@ def kernels_from(d: Any) -> GpuKernels:
     """The ``kernels`` section of a profile file; errors name the field."""
     if not isinstance(d, dict):
         raise ProfileError(f"field 'kernels' must be an object, got {d!r}")
-    check_fields(d, _FIELDS, ("default_attention", "sources", "ranges"), prefix="kernels.")
+    check_fields(d, _FIELDS, ("default_attention", "device_spread", "sources", "ranges"),
+                 prefix="kernels.")
     ranges = d.get("ranges", {})
     if not isinstance(ranges, dict):
         raise ProfileError(f"field 'kernels.ranges' must be an object, got {ranges!r}")
@@ -220,5 +240,6 @@ def kernels_from(d: Any) -> GpuKernels:
         collective_base_latency_s=d["collective_base_latency_s"],
         p2p_efficiency=d["p2p_efficiency"], overlap_slowdown=d["overlap_slowdown"],
         default_attention=d.get("default_attention", "flash2"),
+        device_spread=d.get("device_spread", 0.0),
         sources=dict(d.get("sources", {})),
         ranges={k: tuple(v) if isinstance(v, list) else v for k, v in ranges.items()})

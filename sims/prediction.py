@@ -293,6 +293,11 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
                    f"the measured NVLink bus bandwidth ({src.get('collectives', 'profile')})")
         out.append(f"overlap: compute {kernels.overlap_slowdown:.0%} slower while NCCL runs "
                    f"beside it ({src.get('overlap_slowdown', 'profile')})")
+        slowest = kernels.slowest_device_factor(layout.world_size)
+        out.append(f"slowest GPU: compute {slowest - 1:.1%} slower than one GPU's figures, the "
+                   f"expected slowest of {layout.world_size} with a spread of "
+                   f"{kernels.device_spread:.2%} between GPUs "
+                   f"({src.get('device_spread', 'profile')})")
         from sims.frameworks import get_framework
 
         fw = get_framework(opts.framework)

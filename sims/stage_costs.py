@@ -194,6 +194,11 @@ class StageCosts:
         if self.kernels is not None and work.transformer is not None:
             self._cost_op_segments(work.transformer, weights, dtype)
             self._cost_shard_copies()
+            # the kernel figures are one GPU's; every collective and the step's end wait for
+            # the slowest of the job's GPUs, so the passes run at its pace
+            slowest = self.kernels.slowest_device_factor(self.layout.world_size)
+            self.forward_s = [s * slowest for s in self.forward_s]
+            self.backward_s = [s * slowest for s in self.backward_s]
         else:
             self._cost_segments(work, weights, total_weight, dtype, cfg)
         one = self.collective_seconds_tp(act_bytes)
