@@ -108,11 +108,13 @@ def _arena_run(channel: ShmChannel, rank: int) -> list[torch.Tensor]:
     all-reduce, then again after ``quiesce`` and zeroing, as the engine does every step."""
     allocate = channel.arena_allocator()
     inputs = _tensors(rank, torch.float32)
-    held = [allocate(t.numel(), t.dtype) for t in inputs]
+    allocated = [allocate(t.numel(), t.dtype) for t in inputs]
+    held = [buf for buf in allocated if buf is not None]
+    assert len(held) == len(inputs), "the arena could not hold every tensor"
     results = []
     for _ in range(2):
         for buf, t in zip(held, inputs):
-            assert buf is not None and channel.arena_offset(buf) is not None
+            assert channel.arena_offset(buf) is not None
             buf.copy_(t)
         futures = [channel.all_reduce_async(buf, scale=0.5) for buf in held]
         plain = channel.all_reduce(torch.full((5,), float(rank)))
