@@ -38,7 +38,8 @@ def _records(out: Path) -> dict[int, list[tuple[int, list[dict[str, Any]]]]]:
     return found
 
 
-def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, int], float]:
+def _reference_losses(members_by_step: dict[int, list[int]], steps: int = STEPS
+                      ) -> dict[tuple[int, int], float]:
     """(step, launch rank) -> loss, training in one process: each step averages the
     gradients of that step's members on their batches, as the group's all-reduce does."""
     sys.path.insert(0, str(DATA))
@@ -51,7 +52,7 @@ def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, 
     model = make_model()
     optimizer = build_optimizer("AdamW", model.parameters(), {"lr": 1e-2})
     losses: dict[tuple[int, int], float] = {}
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         members = members_by_step[step]
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for rank in members:
@@ -170,3 +171,56 @@ def test_a_replacement_lost_during_its_state_transfer_leaves_the_survivors_going
     assert job["status"] == "succeeded"
     assert [e["event"] for e in job["peer_recovery"]] == \
         ["rank_lost", "replacement_started", "rank_lost"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+# rank 0 hosts the survivors' new store: rank 1 waits for its address; rank 1 lost instead:
+# rank 0 hosts it and waits for rank 1 to arrive
+@pytest.mark.parametrize("second", [0, 1])
+def test_a_second_rank_lost_during_the_reform_leaves_one_survivor_going(
+        tmp_path: Path, second: int) -> None:
+    """Rank 2 dies after step 10 and rank ``second`` as it starts re-forming the group: the
+    last survivor gives the half-formed group up at once, forms the next generation alone and
+    goes on (each step its own gradient); rank 2's replacement joins it from its state."""
+    steps, kill_at, wait_from = 30, 10, 14
+    survivor = 1 - second
+    out = tmp_path / "out"
+    launch(3, WORKER, str(out), str(steps), str(kill_at), "2", "0.05", f"REFORM:{second}",
+           str(wait_from), run_dir=tmp_path / "run", timeout=80,
+           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "0"])
+    procs = _records(out)
+    assert len(procs[second]) == 1 and len(procs[survivor]) == 1
+    lost = [r["step"] for r in procs[second][0][1] if r["event"] == "step"]
+    assert lost == list(range(1, kill_at + 1))
+    records = procs[survivor][0][1]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, steps + 1))
+    by_step = {r["step"]: r for r in records if r["event"] == "step"}
+    # the group lost ranks 2 and `second` within seconds, not the group's timeout (120 s)
+    recovered_in = by_step[kill_at + 1]["t"] - procs[2][0][1][-1]["t"]
+    assert recovered_in < 10.0, recovered_in
+    assert len(procs[2]) == 2  # rank 2's first process and its replacement
+    joined = procs[2][1][1][0]
+    assert joined["event"] == "joined" and kill_at < joined["step"] < steps
+    assert joined["weights"] == by_step[joined["step"]]["weights"]
+    assert joined["optim"] == by_step[joined["step"]]["optim"]
+    members = {s: r["members"] for s, r in by_step.items()}
+    assert members[kill_at] == [0, 1, 2]
+    assert members[kill_at + 1] == [survivor]
+    assert members[joined["step"] + 1] == sorted([survivor, 2])
+    reference = _reference_losses(members, steps)
+    for rank, runs in procs.items():
+        for _, recs in runs:
+            for r in recs:
+                if r["event"] == "step":
+                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
+                                                      abs=1e-6), (rank, r["step"])
+    finals = {procs[r][-1][1][-1]["weights"] for r in (survivor, 2)}
+    assert len(finals) == 1
+    job = json.loads((tmp_path / "run" / "job.json").read_text())
+    assert job["status"] == "succeeded"
+    events = [(e["event"], e["rank"]) for e in job["peer_recovery"]]
+    # the replacement's start and the second loss come in either order
+    assert events[0] == ("rank_lost", 2)
+    assert sorted(events[1:]) == [("rank_lost", second), ("replacement_started", 2)]
+    print(f"recovered from two losses in {recovered_in:.2f} s")

@@ -8,10 +8,12 @@ group short of a member step slowly (1.5 s) until the replacement is in: a repla
 importing torch on a loaded machine joins about then instead of after the last step.
 
 With SIGNAL JOINER the rank is SIGKILLed as with KILL, and its replacement SIGKILLs itself
-while it takes its state from its peers (after the weights, before the optimizer state).
+while it takes its state from its peers (after the weights, before the optimizer state). With
+SIGNAL REFORM:<R> the rank is SIGKILLed as with KILL, and the first process of rank R
+SIGKILLs itself as it starts to re-form the group after that loss.
 
-argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank) or JOINER]
-      [WAIT_FROM]
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank), JOINER or
+      REFORM:<R>] [WAIT_FROM]
 """
 
 from __future__ import annotations
@@ -72,9 +74,19 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         FlowtrainEngine.peer_join = die  # type: ignore[method-assign]
+    if not replacement and sys.argv[6:7] == [f"REFORM:{rank}"]:
+        from flowtrain.peer_recovery import PeerGroup
+
+        def die_reforming(self: PeerGroup, *args: object, **kwargs: object) -> list[int]:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return []
+
+        PeerGroup.reform = die_reforming  # type: ignore[method-assign]
     model = make_model()
+    # no clipping (flowtrain's default clips at 1.0): the reference steps the plain gradients,
+    # and a lone survivor's own gradient is larger than the group's mean
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+           "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, optimizer, *_ = flowtrain.initialize(model=model,
                                                  model_parameters=model.parameters(), config=cfg)
     log = open(f"{out}.rank{rank}.pid{os.getpid()}.jsonl", "a")
