@@ -29,6 +29,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import anyio
 import torch.distributed as dist
 
 from flowtrain import env as fenv
@@ -121,10 +122,12 @@ class PeerGroup:
                                    f"announced within {timeout:g} s")
             time.sleep(0.02)
 
-    def superseded(self) -> bool:
-        """A generation after this one was announced (a member was lost meanwhile)."""
+    def superseded(self, generation: int | None = None) -> bool:
+        """A generation after this one (or after ``generation``) was announced: a member was
+        lost meanwhile."""
         body = self._announced
-        return body is not None and int(body.get("generation", 0)) > self.generation \
+        after = self.generation if generation is None else generation
+        return body is not None and int(body.get("generation", 0)) > after \
             and not body.get("join")
 
     def broadcast(self, tensor: Any, src: int, what: str) -> None:
@@ -142,31 +145,77 @@ class PeerGroup:
         work.wait()
 
     def reform(self, generation: int, members: list[int], joined: list[int] | None = None,
-               abandon: bool = False) -> None:
+               abandon: bool = False) -> list[int]:
         """Leaves the current default process group (a member may be dead) and forms the
         generation's group of ``members`` (launch ranks) as the new default group;
-        ``joined``: the replacements among them, which take the state of ``source``."""
+        ``joined``: the replacements among them, which take the state of ``source``. When
+        another member is lost before the group is formed, the coordinator's next generation
+        is formed instead, without it (the replacements that are still in it keep joining);
+        returns the replacements of the group formed."""
         started = time.monotonic()
         if dist.is_initialized():
             _leave_group(abandon)
+        joined = list(joined or ())
+        lost: list[int] = []
+        while True:
+            members = sorted(int(m) for m in members)
+            healthy = [m for m in members if m not in set(joined)]
+            if joined and not healthy:
+                raise RuntimeError(
+                    f"generation {generation} of the group has only the replacements {joined}: "
+                    f"every member holding the training state was lost (ranks {lost} during "
+                    f"the re-form); restart the job from a checkpoint (--max-restarts)")
+            try:
+                self._form(generation, members)
+                break
+            except GroupChanged as changed:
+                body = self._announced or {}
+                gone = sorted(set(members) - {int(m) for m in body.get("members", [])})
+                lost += gone
+                log.warning("another member was lost while the group re-formed; forming the "
+                            "next generation without it", generation=body.get("generation"),
+                            lost=gone, members=body.get("members"), waited_on=str(changed))
+                generation = int(body["generation"])
+                members = [int(m) for m in body["members"]]
+                joined = [m for m in joined if m in members]
+        self.generation = generation
+        self.members = members
+        self.source = members.index(healthy[0]) if healthy else 0
+        fresh = asyncio.Event()
+        if self.superseded():
+            fresh.set()  # a newer generation was announced meanwhile: this one is already over
+        self.interrupt = fresh
+        log.warning("process group re-formed", generation=generation, members=members,
+                    group_rank=members.index(self.rank.env.rank), lost_meanwhile=lost,
+                    seconds=round(time.monotonic() - started, 3))
+        return joined
+
+    def _form(self, generation: int, members: list[int]) -> None:
+        """Meets ``members`` in the generation's TCPStore (hosted by the lowest) and builds the
+        default process group on it. GroupChanged as soon as a newer generation is announced
+        while a member is awaited: a member lost now would never come."""
         me = self.rank.env.rank
-        members = sorted(int(m) for m in members)
         index = members.index(me)
         key = f"flowtrain/peer/{generation}/store"
-        timeout = timedelta(seconds=GROUP_TIMEOUT)
+        deadline = time.monotonic() + GROUP_TIMEOUT
         if index == 0:
             host = self._host()
-            store = dist.TCPStore(host, 0, len(members), True, timeout, wait_for_workers=False)
+            store = dist.TCPStore(host, 0, len(members), True, timedelta(seconds=GROUP_TIMEOUT),
+                                  wait_for_workers=False)
             self.rank.kv_set(key, f"{host}|{store.port}")
         else:
-            address = str(self.rank.kv_get(key, timeout=GROUP_TIMEOUT))
-            host, port = address.rsplit("|", 1)
-            store = dist.TCPStore(host, int(port), len(members), False, timeout)
+            address = self.rank.runtime.call(self._address_of_store, key, generation,
+                                             timeout=GROUP_TIMEOUT + 5)
+            if address is None:
+                raise GroupChanged(f"waiting for generation {generation}'s store address")
+            host, port = str(address).rsplit("|", 1)
+            store = self._connect(host, int(port), len(members), generation, deadline)
         # Every member arrives before the group is built: building it waits for the others
         # holding the GIL (this rank's heartbeats would stop)
         store.add("arrived", 1)
-        deadline = time.monotonic() + GROUP_TIMEOUT
         while store.add("arrived", 0) < len(members):
+            if self.superseded(generation):
+                raise GroupChanged(f"waiting for every member of {members} to arrive")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {generation} of the group: not every member of "
                                    f"{members} arrived within {GROUP_TIMEOUT:g} s")
@@ -174,18 +223,46 @@ class PeerGroup:
         dist.init_process_group("gloo", store=store, rank=index, world_size=len(members),
                                 timeout=timedelta(seconds=float(
                                     os.environ.get("FLOWTRAIN_COLLECTIVE_TIMEOUT", 600))))
-        self.generation = generation
-        self.members = members
-        healthy = [m for m in members if m not in set(joined or ())]
-        self.source = members.index(healthy[0]) if healthy else 0
-        fresh = asyncio.Event()
-        announced = self._announced
-        if announced is not None and int(announced.get("generation", 0)) > generation \
-                and not announced.get("join"):
-            fresh.set()  # a newer generation was announced meanwhile: this one is already over
-        self.interrupt = fresh
-        log.warning("process group re-formed", generation=generation, members=members,
-                    group_rank=index, seconds=round(time.monotonic() - started, 3))
+
+    async def _address_of_store(self, key: str, generation: int) -> Any:
+        """On the loop: the value of ``key`` once the lowest member set it, or None when a
+        newer generation is announced first."""
+        found: dict[str, Any] = {}
+
+        async def get(scope: anyio.CancelScope) -> None:
+            try:
+                found["value"] = await self.rank.control.kv_get(key, GROUP_TIMEOUT)
+            except TimeoutError as exc:
+                found["error"] = exc
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(get, tg.cancel_scope)
+            while not self.superseded(generation):
+                await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+        if "error" in found:
+            raise found["error"]
+        return found.get("value")
+
+    def _connect(self, host: str, port: int, size: int, generation: int,
+                 deadline: float) -> Any:
+        """A client of the generation's TCPStore, trying again (a second at a time) until the
+        deadline; GroupChanged when a newer generation is announced meanwhile (the store's
+        host may have been lost after it published the address)."""
+        while True:
+            try:
+                store = dist.TCPStore(host, port, size, False, timedelta(seconds=1))
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                if self.superseded(generation):
+                    raise GroupChanged(f"connecting to generation {generation}'s store") from exc
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"generation {generation} of the group: could not reach "
+                                       f"its store at {host}:{port} within {GROUP_TIMEOUT:g} s"
+                                       ) from exc
+                continue
+            store.set_timeout(timedelta(seconds=GROUP_TIMEOUT))
+            return store
 
     def _host(self) -> str:
         addr = self.rank.env.master_addr

@@ -22,7 +22,7 @@ import flowtrain
 import flowtrain.checkpoint.save as dcp_save
 from flowtrain.checkpoint import consolidate, save_engine
 from flowtrain.checkpoint.background import BackgroundWriter
-from flowtrain.checkpoint.manifest import CheckpointError
+from flowtrain.checkpoint.manifest import MANIFEST, CheckpointError, listed_files, sha256_of
 from helpers import DATA, launch, run_single
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -148,6 +148,14 @@ def test_sharded_async_save_holds_what_the_sync_save_holds(tmp_path: Path, stage
     assert sync.keys() == written.keys()
     for key, value in sync.items():
         assert torch.equal(written[key], value), key
+    # both saves' manifests: every file of both ranks, its size and checksum as on disk
+    for kind in ("sync", "async"):
+        directory = tmp_path / kind / tag
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+        assert sorted(files) == listed_files(directory)
+        assert {"rank00001_states.pt", "tensors/__1_0.distcp"} <= set(files)
+        assert files == {name: {"size": (directory / name).stat().st_size,
+                                "sha256": sha256_of(directory / name)} for name in files}
 
 
 def test_one_write_in_flight_and_a_bounded_wait() -> None:

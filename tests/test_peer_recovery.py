@@ -1,5 +1,5 @@
 """`flowtrain launch --peer-recovery` with real processes: ZeRO-0 on 3 ranks, one rank SIGKILLed
-(or frozen) after step 30. The survivors (same processes) drop the step in flight, re-form the
+(or frozen) after step 10. The survivors (same processes) drop the step in flight, re-form the
 group and go on within seconds; the launcher's replacement joins some steps later with the
 survivors' weights and optimizer state bit for bit; every rank ends with the same weights;
 every survivor records steps 1..N once each; and each committed step's losses match a
@@ -20,10 +20,10 @@ from torch import nn
 from helpers import DATA, launch
 
 WORKER = DATA / "peer_recovery_worker.py"
-STEPS, KILL_AT, WAIT_FROM = 70, 30, 50
-# per step; from step 50 on the survivors step slowly until the replacement (started 1 s after
-# the loss; a new Python importing torch takes some seconds more) is in
-SLEEP_S = "0.2"
+# from step WAIT_FROM on, survivors short of a member wait for the replacement (started 1 s
+# after the loss; a new Python importing torch takes some seconds more) to ask to join
+STEPS, KILL_AT, WAIT_FROM = 24, 10, 12
+SLEEP_S = "0.05"  # per step
 
 
 def _records(out: Path) -> dict[int, list[tuple[int, list[dict[str, Any]]]]]:
@@ -92,7 +92,7 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, kil
         dropped = [r["step"] for r in procs[rank][0][1] if r["event"] == "dropped"]
         assert dropped and all(s == KILL_AT + 1 for s in dropped)
 
-    # the first process of the killed rank died after step 30; its replacement joined later
+    # the first process of the killed rank died after step 10; its replacement joined later
     (first_pid, first), (second_pid, second) = procs[killed]
     assert first_pid != second_pid
     assert [r["step"] for r in first if r["event"] == "step"] == list(range(1, KILL_AT + 1))
@@ -144,7 +144,7 @@ def test_a_replacement_lost_during_its_state_transfer_leaves_the_survivors_going
     give the transfer up, re-form without it and finish; nothing is counted twice."""
     out = tmp_path / "out"
     proc = launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), "2", SLEEP_S, "JOINER",
-                  "40", run_dir=tmp_path / "run", timeout=140,
+                  str(WAIT_FROM), run_dir=tmp_path / "run", timeout=140,
                   extra=["--peer-recovery", "--max-restarts", "1"])
     assert "a replacement was lost while it joined" in proc.stdout + proc.stderr
     procs = _records(out)
@@ -170,3 +170,55 @@ def test_a_replacement_lost_during_its_state_transfer_leaves_the_survivors_going
     assert job["status"] == "succeeded"
     assert [e["event"] for e in job["peer_recovery"]] == \
         ["rank_lost", "replacement_started", "rank_lost"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+# rank 0 hosts the survivors' new store: rank 1 waits for its address; rank 1 lost instead:
+# rank 0 hosts it and waits for rank 1 to arrive
+@pytest.mark.parametrize("second", [0, 1])
+def test_a_second_rank_lost_during_the_reform_leaves_one_survivor_going(
+        tmp_path: Path, second: int) -> None:
+    """Rank 2 dies after step 10 and rank ``second`` as it starts re-forming the group: the
+    last survivor gives the half-formed group up at once, forms the next generation alone and
+    goes on (each step its own gradient); rank 2's replacement joins it from its state."""
+    survivor = 1 - second
+    out = tmp_path / "out"
+    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), "2", SLEEP_S, f"REFORM:{second}",
+           str(WAIT_FROM), run_dir=tmp_path / "run", timeout=80,
+           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "0"])
+    procs = _records(out)
+    assert len(procs[second]) == 1 and len(procs[survivor]) == 1
+    lost = [r["step"] for r in procs[second][0][1] if r["event"] == "step"]
+    assert lost == list(range(1, KILL_AT + 1))
+    records = procs[survivor][0][1]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, STEPS + 1))
+    by_step = {r["step"]: r for r in records if r["event"] == "step"}
+    # the group lost ranks 2 and `second` within seconds, not the group's timeout (120 s)
+    recovered_in = by_step[KILL_AT + 1]["t"] - procs[2][0][1][-1]["t"]
+    assert recovered_in < 10.0, recovered_in
+    assert len(procs[2]) == 2  # rank 2's first process and its replacement
+    joined = procs[2][1][1][0]
+    assert joined["event"] == "joined" and KILL_AT < joined["step"] < STEPS
+    assert joined["weights"] == by_step[joined["step"]]["weights"]
+    assert joined["optim"] == by_step[joined["step"]]["optim"]
+    members = {s: r["members"] for s, r in by_step.items()}
+    assert members[KILL_AT] == [0, 1, 2]
+    assert members[KILL_AT + 1] == [survivor]
+    assert members[joined["step"] + 1] == sorted([survivor, 2])
+    reference = _reference_losses(members)
+    for rank, runs in procs.items():
+        for _, recs in runs:
+            for r in recs:
+                if r["event"] == "step":
+                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
+                                                      abs=1e-6), (rank, r["step"])
+    finals = {procs[r][-1][1][-1]["weights"] for r in (survivor, 2)}
+    assert len(finals) == 1
+    job = json.loads((tmp_path / "run" / "job.json").read_text())
+    assert job["status"] == "succeeded"
+    events = [(e["event"], e["rank"]) for e in job["peer_recovery"]]
+    # the replacement's start and the second loss come in either order
+    assert events[0] == ("rank_lost", 2)
+    assert sorted(events[1:]) == [("rank_lost", second), ("replacement_started", 2)]
+    print(f"recovered from two losses in {recovered_in:.2f} s")

@@ -394,18 +394,17 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, EngineComm, torch.nn.Module):
         if not boundary:
             return
         self.step_dropped = False
-        verdict: dict[str, Any] | None = None
-        if self.reducer is not None and not self._no_sync:
+        reduced, error = self.reducer is not None and not self._no_sync, None
+        if reduced:
             with self.timer.span("comm", names.COMM_WAIT):
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
             self.timer.record_spans(report.spans)
-            if self.peer is not None:
-                verdict = self.peer.should_commit(self.global_steps, report.error is None)
-                if not verdict.get("commit"):
-                    self._peer_drop(verdict, report.error)
-                    return
-        elif self.stages["bucket_full"] or self.stages["after_reduce"]:
+            error = report.error
+        verdict = self._peer_vote(reduced, error)
+        if verdict is not None and not verdict.get("commit"):
+            return  # dropped
+        if not reduced and (self.stages["bucket_full"] or self.stages["after_reduce"]):
             # One rank has no reducer; the stages still see every bucket, in the same order.
             for index, grad in enumerate(self.buckets.buffers()):
                 for ref in self.stages["bucket_full"]:

@@ -61,6 +61,17 @@ class PeerRecovery:
                              f"use --max-restarts (restart from a checkpoint) instead")
         return peer_recovery.group()
 
+    def _peer_vote(self, reduced: bool, error: str | None) -> dict[str, Any] | None:
+        """Under --peer-recovery, the commit vote on this step once its gradients are reduced
+        (a lone member votes too: a replacement enters the group after a committed step);
+        a dropped step is dropped here. The verdict, or None without a vote."""
+        if self.peer is None or not (reduced or self.world_size == 1):
+            return None
+        verdict: dict[str, Any] = self.peer.should_commit(self.global_steps, error is None)
+        if not verdict.get("commit"):
+            self._peer_drop(verdict, error)
+        return verdict
+
     def _peer_drop(self, verdict: dict[str, Any], error: str | None) -> None:
         """The coordinator dropped this step (a rank was lost while it ran): nothing of it is
         kept; the survivors re-form the group and the script redoes the step."""
@@ -83,7 +94,7 @@ class PeerRecovery:
         if self.reducer is not None:
             self._runtime.stop_actor(self.reducer.name)
             self.reducer = None
-        self.peer.reform(generation, members, joined, abandon)
+        joined = self.peer.reform(generation, members, joined, abandon)
         self._adopt_group()
         if not joined:
             return

@@ -4,18 +4,22 @@ the engine drops is redone. Each process appends one JSON line per committed ste
 OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer state); a
 replacement rank first writes a "joined" line with the state it took from its peer. The first
 process of KILL_RANK SIGKILLs itself after step KILL_AT. From step WAIT_FROM on, ranks of a
-group short of a member step slowly (1.5 s) until the replacement is in: a replacement still
-importing torch on a loaded machine joins about then instead of after the last step.
+group short of a member wait, before their next step, until a replacement has asked to join
+(it touches OUT.asked<R> then; at most 60 s), so it joins at the next committed step however
+long it took to start, and no later than that once a replacement has entered a group.
 
 With SIGNAL JOINER the rank is SIGKILLed as with KILL, and its replacement SIGKILLs itself
-while it takes its state from its peers (after the weights, before the optimizer state).
+while it takes its state from its peers (after the weights, before the optimizer state). With
+SIGNAL REFORM:<R> the rank is SIGKILLed as with KILL, and the first process of rank R
+SIGKILLs itself as it starts to re-form the group after that loss.
 
-argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank) or JOINER]
-      [WAIT_FROM]
+argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank), JOINER or
+      REFORM:<R>] [WAIT_FROM]
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -65,6 +69,18 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
+    # the generation a replacement enters with: after one loss, or two with REFORM
+    join_generation = 3 if sys.argv[6:7] and sys.argv[6].startswith("REFORM:") else 2
+    if replacement:
+        from flowtrain.peer_recovery import PeerGroup
+
+        wait_to_join = PeerGroup.wait_to_join
+
+        def asked(self: PeerGroup) -> dict:
+            open(f"{out}.asked{rank}", "w").close()
+            return wait_to_join(self)
+
+        PeerGroup.wait_to_join = asked  # type: ignore[method-assign]
     if replacement and sys.argv[6:7] == ["JOINER"]:
         from flowtrain.engine.engine import FlowtrainEngine
 
@@ -72,9 +88,19 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         FlowtrainEngine.peer_join = die  # type: ignore[method-assign]
+    if not replacement and sys.argv[6:7] == [f"REFORM:{rank}"]:
+        from flowtrain.peer_recovery import PeerGroup
+
+        def die_reforming(self: PeerGroup, *args: object, **kwargs: object) -> list[int]:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return []
+
+        PeerGroup.reform = die_reforming  # type: ignore[method-assign]
     model = make_model()
+    # no clipping (flowtrain's default clips at 1.0): the reference steps the plain gradients,
+    # and a lone survivor's own gradient is larger than the group's mean
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+           "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, optimizer, *_ = flowtrain.initialize(model=model,
                                                  model_parameters=model.parameters(), config=cfg)
     log = open(f"{out}.rank{rank}.pid{os.getpid()}.jsonl", "a")
@@ -101,8 +127,13 @@ def main() -> None:
                weights=digest(params), optim=digest(optimizer_tensors(optimizer)))
         if not replacement and rank == kill_rank and engine.global_steps == kill_at:
             os.kill(os.getpid(), sig)
-        short = len(engine.peer.members) < world
-        time.sleep(1.5 if wait_from and engine.global_steps >= wait_from and short else sleep_s)
+        time.sleep(sleep_s)
+        if wait_from and engine.global_steps >= wait_from and len(engine.peer.members) < world \
+                and engine.peer.generation < join_generation:
+            waited = time.monotonic()
+            while not glob.glob(f"{glob.escape(out)}.asked*") and \
+                    time.monotonic() - waited < 60:
+                time.sleep(0.05)
     record(event="done", step=engine.global_steps, weights=digest(params))
     log.close()
 
