@@ -205,7 +205,7 @@ def main() -> None:
     t_warm = time.perf_counter()
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     step_times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -214,6 +214,7 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
 
     if args.engine == "ddp":
         opt = f"{type(engine.optimizer).__name__} (fused={engine.fused})"
@@ -231,6 +232,9 @@ def main() -> None:
         "engine": args.engine, "rank": rank, "world": world, "params": params,
         "samples_per_s": args.steps * args.grad_accum * args.micro_batch * world / elapsed,
         "step_s": elapsed / args.steps, "step_times": step_times,
+        # this rank's CPU time (every thread) per step: other jobs on a shared machine disturb
+        # it far less than the wall clock
+        "cpu_step_s": cpu / args.steps,
         "samples_per_step": args.grad_accum * args.micro_batch * world,
         "peak_rss_mib": peak_rss_mib(),
         "rss_before_engine_mib": rss_before, "losses": losses, "optimizer": opt,
