@@ -1,14 +1,17 @@
 """One rank of benchmarks/zero_vs_deepspeed.py: trains the benchmark GPT with flowtrain or DeepSpeed
-at one ZeRO stage and appends one JSON line (samples/s, peak RSS, losses, what ran) to --out.
+at one ZeRO stage, or with torch DDP (no sharding, the reference ZeRO's cost is measured
+against), and appends one JSON line (samples/s, peak RSS, losses, what ran) to --out.
 
-flowtrain ranks come from ``flowtrain launch``, DeepSpeed ranks from torchrun; both read RANK and
-WORLD_SIZE from the environment. A flowtrain config the engine cannot run yet ("not supported
-yet") is written as an ``unavailable`` line and the rank exits 0, so the benchmark goes on.
+flowtrain ranks come from ``flowtrain launch``, DeepSpeed and DDP ranks from torchrun; all read
+RANK and WORLD_SIZE from the environment. A flowtrain config the engine cannot run yet ("not
+supported yet") is written as an ``unavailable`` line and the rank exits 0, so the benchmark goes
+on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -57,6 +60,50 @@ def ds_config(args: argparse.Namespace) -> dict:
     return cfg
 
 
+class DDPEngine:
+    """torch DDP with the engines' surface (``engine(x, y)``, ``backward``, ``step`` once per
+    micro-batch, the optimizer stepping at the accumulation boundary), so the timed loop is the
+    same code for all three."""
+
+    def __init__(self, model: torch.nn.Module, config: dict) -> None:
+        self.model = torch.nn.parallel.DistributedDataParallel(model)
+        params = config["optimizer"]["params"]
+        # torch's fastest AdamW on this device: the peer at its best
+        self.fused = not params.get("torch_adam", False)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"],
+            weight_decay=params["weight_decay"], fused=self.fused or None)
+        self.grad_accum = config["gradient_accumulation_steps"]
+        self.clip = config["gradient_clipping"]
+        self.micro = 0
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> object:
+        last = (self.micro + 1) % self.grad_accum == 0
+        self._sync = contextlib.nullcontext() if last else self.model.no_sync()
+        self._sync.__enter__()
+        return self.model(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed's rule: the loss of each micro-batch is divided by the accumulation steps
+        (loss / self.grad_accum).backward()
+        self._sync.__exit__(None, None, None)
+
+    def step(self) -> None:
+        self.micro += 1
+        if self.micro % self.grad_accum:
+            return
+        if self.clip and self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def ddp_initialize(model: torch.nn.Module, model_parameters: object, config: dict,
+                   ) -> tuple[DDPEngine]:
+    del model_parameters  # the same call as the engines'
+    return (DDPEngine(model, config),)
+
+
 def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed cycle of distinct micro-batches per rank, the same for both engines."""
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -74,8 +121,9 @@ def write(path: str, row: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["flowtrain", "deepspeed"], required=True)
-    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
+    parser.add_argument("--engine", choices=["flowtrain", "deepspeed", "ddp"], required=True)
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0,
+                        help="ZeRO stage (flowtrain, deepspeed; ddp ignores it)")
     parser.add_argument("--offload", action="store_true", help="offload_optimizer device cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
@@ -103,7 +151,14 @@ def main() -> None:
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     t_start = time.perf_counter()
-    if args.engine == "deepspeed":
+    if args.engine == "ddp" and (args.dtype != "fp32" or args.offload):
+        write(args.out, {"engine": args.engine, "rank": rank,
+                         "unavailable": "the torch DDP reference runs fp32 without offload"})
+        return
+    if args.engine == "ddp":
+        dist.init_process_group("gloo")
+        initialize = ddp_initialize
+    elif args.engine == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
@@ -150,7 +205,7 @@ def main() -> None:
     t_warm = time.perf_counter()
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     step_times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -159,8 +214,12 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
 
-    if args.engine == "deepspeed":
+    if args.engine == "ddp":
+        opt = f"{type(engine.optimizer).__name__} (fused={engine.fused})"
+        backend = channel = dist.get_backend()
+    elif args.engine == "deepspeed":
         opt = f"{type(engine.basic_optimizer).__name__} in {type(engine.optimizer).__name__}"
         backend = dist.get_backend() if dist.is_initialized() else "none"
         channel = backend
@@ -173,6 +232,9 @@ def main() -> None:
         "engine": args.engine, "rank": rank, "world": world, "params": params,
         "samples_per_s": args.steps * args.grad_accum * args.micro_batch * world / elapsed,
         "step_s": elapsed / args.steps, "step_times": step_times,
+        # this rank's CPU time (every thread) per step: other jobs on a shared machine disturb
+        # it far less than the wall clock
+        "cpu_step_s": cpu / args.steps,
         "samples_per_step": args.grad_accum * args.micro_batch * world,
         "peak_rss_mib": peak_rss_mib(),
         "rss_before_engine_mib": rss_before, "losses": losses, "optimizer": opt,

@@ -148,6 +148,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     activation_checkpointing.configure(deepspeed_config=cfg)
     _warm_up_kernels(optim)
+    if cfg.flowtrain.keep_freed_host_memory and \
+            all(p.device.type == "cpu" for p in model.parameters()):
+        from flowtrain import host_memory
+
+        host_memory.keep_freed_memory()
     bucket_numel = _bucket_numel(cfg, model)
     engine: FlowtrainEngine
     if pipe_module is not None:

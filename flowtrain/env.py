@@ -26,6 +26,8 @@ CONSOLE = "FLOWTRAIN_CONSOLE"  # "human" on a terminal, "plain" otherwise, "off"
 LOG_LEVEL = "FLOWTRAIN_LOG_LEVEL"  # the lowest level logged: debug, info, warning, error
 LAUNCHED = "FLOWTRAIN_LAUNCHED"  # "1" when flowtrain launch started this process
 CONTROL_CURVE = "FLOWTRAIN_CONTROL_CURVE"  # "1": the control plane is CurveZMQ-encrypted
+# set: the shared-memory channel polls its flags instead of sleeping on them (futex)
+SHM_POLL = "FLOWTRAIN_SHM_POLL"
 
 # the world size of a restarted job's first attempt (flowtrain launch --max-restarts): after an
 # elastic shrink the config loader keeps that attempt's global batch

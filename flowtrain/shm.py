@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from flowtrain import comm
+from flowtrain.env import SHM_POLL
+from flowtrain.futex import futex
 from flowtrain.log import get_logger
 
 log = get_logger("flowtrain.shm")
@@ -27,6 +29,9 @@ _HEADER_BYTES = 8192
 _FLAG_SETS = 3  # written, reduced, read
 _ALIGN = 64  # bytes: arena buffers and reduce portions start on their own cache line
 _SHM_DIR = Path("/dev/shm")
+# longest single sleep on a flag: a missed wake-up (a peer that died between its write and its
+# wake) costs at most this before the flag is read again
+_FUTEX_NAP = 0.05
 
 
 class ShmTimeout(TimeoutError):
@@ -92,6 +97,8 @@ class ShmChannel:
                                          offset=arenas_at + r * self.arena_bytes)
                         for r in range(world_size)] if self.arena_bytes else []
         self._arena_ptr = self._arenas[rank].data_ptr() if self._arenas else 0
+        # peers sleep on the flags and are woken by the rank raising one (polling without it)
+        self._futex = futex() if os.environ.get(SHM_POLL) is None else None
         self._requests: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="flowtrain-shm", daemon=True)
         self._thread.start()
@@ -234,13 +241,13 @@ class ShmChannel:
             self._wait(self._read, seq - 1, "finish reading the previous round")
             nbytes = n * flat.element_size()
             self._slots[self.rank][:nbytes].view(flat.dtype).copy_(mine[start:start + n])
-            self._written[self.rank] = seq
+            self._raise(self._written, seq)
             self._wait(self._written, seq, "write its shard")
             for r in range(self.world_size):
                 if r != self.rank:
                     at = r * k + start
                     flat[at:at + n].copy_(self._slots[r][:nbytes].view(flat.dtype))
-            self._read[self.rank] = seq
+            self._raise(self._read, seq)
 
     def _reduce_arena(self, offset: int, tensor: torch.Tensor, scale: float) -> None:
         """All-reduce of a tensor in the arenas, without a copy into a slot: every rank sums its
@@ -257,7 +264,7 @@ class ShmChannel:
         per = -(-per // step) * step
         bounds = [(min(r * per, numel), min((r + 1) * per, numel))
                   for r in range(self.world_size)]
-        self._written[self.rank] = seq
+        self._raise(self._written, seq)
         self._wait(self._written, seq, "write its contribution")
         lo, hi = bounds[self.rank]
         if lo < hi:
@@ -273,12 +280,12 @@ class ShmChannel:
                 target.mul_(scale)
             if target is not mine:
                 mine.copy_(target)
-        self._reduced[self.rank] = seq
+        self._raise(self._reduced, seq)
         self._wait(self._reduced, seq, "sum its share")
         for r, (a, b) in enumerate(bounds):
             if r != self.rank and a < b:
                 views[self.rank][a:b].copy_(views[r][a:b])
-        self._read[self.rank] = seq
+        self._raise(self._read, seq)
 
     def _reduce_scatter(self, tensor: torch.Tensor, output: torch.Tensor) -> None:
         flat, out = tensor.view(-1), output.view(-1)
@@ -302,7 +309,7 @@ class ShmChannel:
         self._wait(self._read, seq - 1, "finish reading the previous round")
         mine = self._slots[self.rank][:nbytes].view(chunk.dtype)
         mine.copy_(chunk)
-        self._written[self.rank] = seq
+        self._raise(self._written, seq)
         self._wait(self._written, seq, "write its contribution")
         views = [slot[:nbytes].view(chunk.dtype) for slot in self._slots]
         target: torch.Tensor | None = chunk
@@ -313,7 +320,13 @@ class ShmChannel:
             torch.add(views[0], views[1], out=target)
             for other in views[2:]:
                 target.add_(other)
-        self._read[self.rank] = seq
+        self._raise(self._read, seq)
+
+    def _raise(self, flags: np.ndarray, seq: int) -> None:
+        """Sets this rank's flag of ``flags`` to ``seq`` and wakes the peers sleeping on it."""
+        flags[self.rank] = seq
+        if self._futex is not None:
+            self._futex.wake(flags.ctypes.data + self.rank * flags.strides[0])
 
     def _wait(self, flags: np.ndarray, target: int, what: str) -> None:
         if (flags >= target).all():
@@ -321,10 +334,19 @@ class ShmChannel:
         deadline = time.monotonic() + self.timeout
         pause = 0.0
         while not (flags >= target).all():
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left < 0:
                 missing = [r for r in range(self.world_size) if flags[r] < target]
                 raise ShmTimeout(f"ranks {missing} did not {what} (shared-memory all-reduce "
                                  f"#{target}) within {self.timeout:g} s")
+            if self._futex is not None:
+                # asleep in the kernel until the first rank still behind raises its flag
+                behind = int(np.argmin(flags >= target))
+                seen = int(flags[behind])
+                if seen < target:
+                    self._futex.wait(flags.ctypes.data + behind * flags.strides[0], seen,
+                                     min(left, _FUTEX_NAP))
+                continue
             # Spin briefly, then back off: a waiting rank must not take the CPU from compute.
             time.sleep(pause)
             pause = min(pause * 2 or 2e-6, 2e-4)

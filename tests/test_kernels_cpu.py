@@ -317,3 +317,20 @@ def test_kernel_status_lists_every_kernel():
     assert {r["kernel"] for r in rows} == set(cpu.KERNELS)
     assert all(r["cpu"].startswith("ok") for r in rows), rows
     assert all(isinstance(r["cuda"], str) and r["cuda"] for r in rows)
+
+
+def test_fp16_widening_is_exact_for_every_bit_pattern() -> None:
+    """The CPU kernels' fp16 load (LLVM's fpext where the host has the instruction, the
+    bit-twiddling select otherwise) gives _bits.f16_to_f32's bits for all 65,536 patterns:
+    subnormals, infinities, NaNs quieted with their payload kept."""
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    out = torch.empty(65536, dtype=torch.float32)
+    cn.cast_(out, patterns)
+    expected = np.array([cpu._f16_to_f32(np.uint16(h)) for h in range(65536)],
+                        dtype=np.float32)
+    assert np.array_equal(out.numpy().view(np.uint32), expected.view(np.uint32))
+    # and the unscale kernel, which is what reads fp16 gradients
+    scaled = torch.empty(65536, dtype=torch.float32)
+    bad = cn.unscale_and_check(patterns, scaled, 1.0)
+    assert bad  # the patterns hold infinities and NaNs
+    assert np.array_equal(scaled.numpy().view(np.uint32), expected.view(np.uint32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,46 @@ def test_all_gather_puts_every_shard_everywhere(tmp_path: Path, world: int) -> N
         assert torch.equal(mine[i], expected)
         for r in range(1, world):
             assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], expected)
+
+
+def _voluntary_switches(thread_id: int) -> int:
+    for line in Path(f"/proc/self/task/{thread_id}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+@pytest.mark.parametrize("poll", [False, True])
+def test_a_waiting_rank_sleeps_until_its_peer_arrives(monkeypatch: pytest.MonkeyPatch,
+                                                      poll: bool) -> None:
+    """Rank 0 waits 0.3 s for rank 1 (two channels of one process): asleep on the flag (futex)
+    its thread wakes a handful of times; polling, every few hundred microseconds. The sum is
+    right either way."""
+    if poll:
+        monkeypatch.setenv("FLOWTRAIN_SHM_POLL", "1")
+    else:
+        monkeypatch.delenv("FLOWTRAIN_SHM_POLL", raising=False)
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-sleep-{poll}"
+    first = ShmChannel(path, rank=0, world_size=2, slot_bytes=SLOT, create=True, timeout=20)
+    second = ShmChannel(path, rank=1, world_size=2, slot_bytes=SLOT, create=False, timeout=20)
+    try:
+        if not poll and first._futex is None:
+            pytest.skip("no futex system call here")
+        a, b = torch.arange(10.0), torch.ones(10)
+        waiting = first.all_reduce_async(a)
+        time.sleep(0.05)  # rank 0 is in its wait now
+        before = _voluntary_switches(first._thread.native_id or 0)
+        time.sleep(0.3)
+        woke = _voluntary_switches(first._thread.native_id or 0) - before
+        second.all_reduce(b)
+        waiting.result(10)
+        assert torch.equal(a, torch.arange(10.0) + 1) and torch.equal(a, b)
+        if poll:
+            assert woke > 100, f"polling woke only {woke} times: the test measures nothing"
+        else:
+            # the sleep is cut into naps of 50 ms (a peer's lost wake-up costs no more)
+            assert woke < 20, f"the waiting rank woke {woke} times in 0.3 s"
+    finally:
+        first.close()
+        second.close()
+        path.unlink(missing_ok=True)

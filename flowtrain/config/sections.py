@@ -181,6 +181,9 @@ class FlowtrainSection(Section):
     # reduced without a copy into a slot. Off by default: end to end it has cost CPU time so
     # far (benchmarks/dp_vs_ddp.py), though the reduce itself is faster.
     shm_arena: Bool = False
+    # A model on the CPU: glibc's malloc keeps memory freed within a step for the next one
+    # (flowtrain/host_memory.py) unless MALLOC_* / GLIBC_TUNABLES or LD_PRELOAD chose otherwise.
+    keep_freed_host_memory: Bool = True
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
     heartbeat_interval: Annotated[float | None, Float(gt=0, optional=True)] = None
     seed: Annotated[int | None, Int(ge=0, optional=True)] = None
