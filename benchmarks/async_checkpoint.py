@@ -10,7 +10,7 @@ each mode's median throughput and the median over rounds of each mode's throughp
 how long the training loop waited per save, and the CPU time saves add. Where training already
 fills every core (2 ranks on 2 cores), the writer's CPU work competes with the steps, so the
 throughput gain of async over sync shows only where host cores are idle (GPU training, or
-``--ranks 1`` on a 2-core host); the wait per save shows what async takes off the training loop.
+fewer ``--ranks`` than cores); the wait per save shows what async takes off the training loop.
 
     python benchmarks/async_checkpoint.py [--layers 4] [--width 256] [--every 10] [--rounds 24]
                                           [--ranks 2]
@@ -171,8 +171,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--ranks", type=int, default=2,
-                        help="ranks (1 leaves a core of this 2-core host idle for the writer, "
-                             "as a GPU host's cores mostly are)")
+                        help="ranks (fewer than the host's cores leaves a core idle for the "
+                             "writer, as a GPU host's cores mostly are)")
     parser.add_argument("--budget", type=float, default=0.05,
                         help="the throughput async checkpointing may cost (default 0.05)")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # set for the ranks
