@@ -140,22 +140,28 @@ def test_sharded_async_save_holds_what_the_sync_save_holds(tmp_path: Path, stage
     # under ZeRO each rank writes its pieces as sharded tensors, staged shard by shard
     launch(2, DATA / "async_zero_worker.py", str(tmp_path / "sync"), str(tmp_path / "async"),
            str(stage), run_dir=tmp_path / "run", timeout=150)
-    tag = "global_step3"
-    assert (tmp_path / "async" / "latest").read_text() == tag
-    sync = _stored_tensors(tmp_path / "sync" / tag / "tensors")
-    written = _stored_tensors(tmp_path / "async" / tag / "tensors")
-    assert any(k.startswith("optim/") for k in sync)
-    assert sync.keys() == written.keys()
-    for key, value in sync.items():
-        assert torch.equal(written[key], value), key
-    # both saves' manifests: every file of both ranks, its size and checksum as on disk
-    for kind in ("sync", "async"):
-        directory = tmp_path / kind / tag
-        files = json.loads((directory / MANIFEST).read_text())["files"]
-        assert sorted(files) == listed_files(directory)
-        assert {"rank00001_states.pt", "tensors/__1_0.distcp"} <= set(files)
-        assert files == {name: {"size": (directory / name).stat().st_size,
-                                "sha256": sha256_of(directory / name)} for name in files}
+    assert (tmp_path / "async" / "latest").read_text() == "global_step5"
+    # the second save (step 5) refilled the first one's host buffers and reused their
+    # descriptions: it must hold step 5's values, not step 3's
+    first = _stored_tensors(tmp_path / "sync" / "global_step3" / "tensors")
+    for tag in ("global_step3", "global_step5"):
+        sync = _stored_tensors(tmp_path / "sync" / tag / "tensors")
+        written = _stored_tensors(tmp_path / "async" / tag / "tensors")
+        assert any(k.startswith("optim/") for k in sync)
+        assert sync.keys() == written.keys()
+        for key, value in sync.items():
+            assert torch.equal(written[key], value), (tag, key)
+        if tag == "global_step5":
+            assert all(not torch.equal(first[k], v) for k, v in sync.items()
+                       if k.startswith("param/"))
+        # both saves' manifests: every file of both ranks, its size and checksum as on disk
+        for kind in ("sync", "async"):
+            directory = tmp_path / kind / tag
+            files = json.loads((directory / MANIFEST).read_text())["files"]
+            assert sorted(files) == listed_files(directory)
+            assert {"rank00001_states.pt", "tensors/__1_0.distcp"} <= set(files)
+            assert files == {name: {"size": (directory / name).stat().st_size,
+                                    "sha256": sha256_of(directory / name)} for name in files}
 
 
 def test_one_write_in_flight_and_a_bounded_wait() -> None:
@@ -163,7 +169,7 @@ def test_one_write_in_flight_and_a_bounded_wait() -> None:
     release = threading.Event()
     writer.start("global_step5", lambda: release.wait(30) and None)
     with pytest.raises(RuntimeError, match="still being written"):
-        writer.start("global_step6", lambda: None)
+        writer.start("global_step5", lambda: None)
     with pytest.raises(CheckpointError, match=r"'global_step5' has not finished after 0.2 s"):
         writer.wait(timeout=0.2)
     release.set()

@@ -40,6 +40,11 @@ class BackgroundWriter:
         self._tag: str | None = None
         self._error: BaseException | None = None
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        # the buffers ``copy`` filled since the last ``stage``, and whether any came from a GPU
+        self._fresh: set[int] = set()
+        self._from_gpu = False
+        # DCP key -> (layout, ShardedTensor over this writer's buffers): see save.Stager
+        self.described: dict[str, tuple[Any, ShardedTensor]] = {}
         self._group: Any = None
 
     @property
@@ -71,32 +76,39 @@ class BackgroundWriter:
                                          timeout=timedelta(seconds=comm.DEFAULT_TIMEOUT))
         return self._group
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with every tensor (and every local shard of a ShardedTensor) copied
-        into host memory, so training may change the originals while the write runs."""
-        staged: dict[str, Any] = {}
-        copied_from_gpu = False
-        for key, value in state_dict.items():
-            if isinstance(value, ShardedTensor):
-                copied_from_gpu |= any(s.tensor.is_cuda for s in value.local_shards())
-                staged[key] = self._stage_sharded(key, value)
-            elif torch.is_tensor(value):
-                copied_from_gpu |= value.is_cuda
-                staged[key] = self._copy(key, 0, value)
-            else:
-                staged[key] = value
-        if copied_from_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
-        return staged
-
-    def _copy(self, key: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+    def copy(self, key: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (block ``index`` of DCP key ``key``) copied into this writer's host
+        buffer for it: ``save.snapshot`` builds the state dict over these copies."""
         buffer = self._buffers.get((key, index))
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
                                  pin_memory=tensor.is_cuda)
             self._buffers[(key, index)] = buffer
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        self._from_gpu |= tensor.is_cuda
+        self._fresh.add(id(buffer))
         return buffer
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with every tensor (and every local shard of a ShardedTensor) in host
+        memory, so training may change the originals while the write runs: what ``copy``
+        made since the last ``stage`` is kept, anything else is copied now."""
+        staged: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            if isinstance(value, ShardedTensor):
+                if all(id(s.tensor) in self._fresh for s in value.local_shards()):
+                    staged[key] = value
+                else:
+                    staged[key] = self._stage_sharded(key, value)
+            elif torch.is_tensor(value) and id(value) not in self._fresh:
+                staged[key] = self.copy(key, 0, value)
+            else:
+                staged[key] = value
+        if self._from_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        self._from_gpu = False
+        self._fresh.clear()
+        return staged
 
     def _stage_sharded(self, key: str, value: ShardedTensor) -> ShardedTensor:
         """The same sharded tensor over host copies of its local shards: every rank's shards
@@ -106,7 +118,7 @@ class BackgroundWriter:
             return ShardMetadata(list(meta.shard_offsets), list(meta.shard_sizes),
                                  f"rank:{rank}/cpu")
 
-        shards = [TensorShard(self._copy(key, i, s.tensor), on_host(s.metadata))
+        shards = [TensorShard(self.copy(key, i, s.tensor), on_host(s.metadata))
                   for i, s in enumerate(value.local_shards())]
         meta = value.metadata()
         described = ShardedTensorMetadata([on_host(m) for m in meta.shards_metadata],

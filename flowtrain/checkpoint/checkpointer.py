@@ -34,7 +34,8 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if writer is not None:
         writer.wait()
-    tensors, description = snapshot(engine, exclude_frozen_parameters)
+    tensors, description = snapshot(engine, exclude_frozen_parameters,
+                                    writer)
     shared = None
     if engine.global_rank == 0:
         loader = engine.training_dataloader

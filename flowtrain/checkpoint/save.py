@@ -21,7 +21,7 @@ checkpoint's ``engine_state.pt``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,35 @@ def _per_element(state: dict[str, Any], stepped: torch.Tensor) -> tuple[dict[str
     return per, rest
 
 
+_TENSOR = "__flowtrain_tensor__"
+
+
+def _plain(rest: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state besides the per-element tensors (Adam's ``step``, a 0-d tensor per
+    parameter) with each small tensor as its values and dtype: pickling a tensor for the
+    all-gather serializes its storage, which is most of the gather's time for a model of a
+    few hundred parameters."""
+    return {k: (_TENSOR, v.tolist(), str(v.dtype).removeprefix("torch."), v.device.type)
+            if torch.is_tensor(v) and v.numel() <= 16 else v for k, v in rest.items()}
+
+
+def _unplain(rest: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.tensor(v[1], dtype=getattr(torch, v[2]), device=v[3])
+            if isinstance(v, tuple) and len(v) == 4 and v[0] == _TENSOR else v
+            for k, v in rest.items()}
+
+
+class Stager(Protocol):
+    """Where an asynchronous save puts its host copies (``flowtrain.checkpoint.background.
+    BackgroundWriter``): ``copy`` copies block ``index`` of DCP key ``key`` into a buffer kept
+    from one save to the next; ``described`` keeps each key's ShardedTensor over those buffers
+    with the layout it was built for, so an unchanged layout is not described again."""
+
+    described: dict[str, tuple[Any, ShardedTensor]]
+
+    def copy(self, key: str, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
 # DCP key -> [(rank, offsets, sizes, device)]: every rank's blocks of the stored tensor (by
 # name, since pipeline stages number their parameters from 0 each)
 Layout = dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...], str]]]
@@ -90,32 +119,45 @@ def gather_layout(mine: dict[str, list[Block]], extra: Any = None) -> tuple[Layo
 
 def as_dcp_tensor(whole: tuple[int, ...], local: list[Block],
                   everyone: list[tuple[int, tuple[int, ...], tuple[int, ...], str]],
-                  ) -> torch.Tensor:
+                  stager: Stager | None = None, key: str = "") -> torch.Tensor:
     """One stored tensor as DCP should see it for a save: the plain tensor when this rank
     writes it whole, else a ShardedTensor of this rank's blocks within every rank's
-    (``everyone``, which tile the whole exactly: DCP checks)."""
+    (``everyone``, which tile the whole exactly: DCP checks). With a ``stager`` (an
+    asynchronous save) each block is its host copy, described as on the CPU, where every rank
+    then holds its blocks. The caller holds ``quiet()``."""
     if len(local) == 1 and tuple(local[0][1].shape) == tuple(whole):
-        return local[0][1]
+        return local[0][1] if stager is None else stager.copy(key, 0, local[0][1])
     rank = world_and_rank()[1]
     dtype = local[0][1].dtype
     # a block cut out of a fused qkv slice along a later dimension is the only strided one
-    shards = [TensorShard(t.contiguous(), ShardMetadata(list(o), list(t.shape),
-                                                        f"rank:{rank}/{t.device}"))
-              for o, t in local]
+    tensors = [t.contiguous() if stager is None else stager.copy(key, n, t)
+               for n, (_, t) in enumerate(local)]
+    if stager is not None:
+        everyone = [(r, o, z, "cpu") for r, o, z, _ in everyone]
+        layout = (tuple(whole), dtype, tuple(everyone),
+                  tuple((tuple(o), id(t)) for (o, _), t in zip(local, tensors, strict=True)))
+        known = stager.described.get(key)
+        if known is not None and known[0] == layout:
+            return known[1]  # the same buffers, refilled: DCP reads them at write time
+    shards = [TensorShard(t, ShardMetadata(list(o), list(t.shape), f"rank:{rank}/{t.device}"))
+              for (o, _), t in zip(local, tensors, strict=True)]
     described = [ShardMetadata(list(o), list(z), f"rank:{r}/{device}")
                  for r, o, z, device in everyone]
     meta = ShardedTensorMetadata(described, torch.Size(whole), TensorProperties(dtype=dtype))
-    with quiet():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    out = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    if stager is not None:
+        stager.described[key] = (layout, out)
+    return out
 
 
 # -- saving ------------------------------------------------------------------------------------
 
 
 def snapshot(engine: CheckpointableEngine, exclude_frozen_parameters: bool = False,
-             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the DCP state dict this rank writes: views, nothing copied; the description rank 0 keeps
-    next to it, None on other ranks). Every rank calls it (one small all-gather)."""
+             stager: Stager | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the DCP state dict this rank writes: views, nothing copied, or with a ``stager`` the
+    host copies an asynchronous save writes; the description rank 0 keeps next to it, None on other
+    ranks). Every rank calls it (one small all-gather)."""
     held = holdings(engine, split=True)
     optimizer = engine.optimizer
     keys: dict[str, dict[str, str]] = {}  # by parameter name
@@ -151,26 +193,29 @@ def snapshot(engine: CheckpointableEngine, exclude_frozen_parameters: bool = Fal
             blocks[f"module/{key}"] = placed(flat_view(tensor, f"module entry {key!r}"),
                                              tuple(tensor.shape), split, 0, tensor.numel(),
                                              wholes[f"module/{key}"])
-    layout, told = gather_layout(blocks, (keys, other))
+    layout, told = gather_layout(blocks, (keys, {i: _plain(o) for i, o in other.items()}))
     for rank_keys, rank_other in told:  # ZeRO: the ranks hold state of different parameters
         for i, k in rank_keys.items():
             keys.setdefault(i, k)
         for i, o in rank_other.items():
-            other.setdefault(i, o)
+            if i not in other:
+                other[i] = _unplain(o)
 
     state_dict: dict[str, Any] = {}
-    for key, local in blocks.items():
-        if local:
-            state_dict[key] = as_dcp_tensor(wholes[key], local, layout[key])
-    for i, pieces in by_param.items():  # the optimizer state: the parameter's blocks
-        name = held.names[i]
-        for key in keys.get(name, {}):
-            values = {h: flat_view(optimizer.state[held.stepped[h]][key], f"{key} of {name!r}")
-                      for h in flats[i]}
-            local = place(held, i, pieces, values, held.whole(i))
+    with quiet():
+        for key, local in blocks.items():
             if local:
-                state_dict[f"optim/{name}/{key}"] = as_dcp_tensor(held.whole(i), local,
-                                                                  layout[f"param/{name}"])
+                state_dict[key] = as_dcp_tensor(wholes[key], local, layout[key], stager, key)
+        for i, pieces in by_param.items():  # the optimizer state: the parameter's blocks
+            name = held.names[i]
+            for key in keys.get(name, {}):
+                values = {h: flat_view(optimizer.state[held.stepped[h]][key],
+                                       f"{key} of {name!r}") for h in flats[i]}
+                local = place(held, i, pieces, values, held.whole(i))
+                if local:
+                    stored = f"optim/{name}/{key}"
+                    state_dict[stored] = as_dcp_tensor(held.whole(i), local,
+                                                       layout[f"param/{name}"], stager, stored)
     # With pipeline or tensor parallelism the first data-parallel (and tensor-parallel) rank of
     # every stage describes its own part (parameters, buffers, groups); rank 0 merges them.
     # Otherwise rank 0 describes it all.

@@ -1,7 +1,9 @@
 """Worker for tests/test_async_checkpoint.py: 2 ranks under ZeRO stage STAGE (each rank holds
-pieces of the parameters and optimizer state, saved as sharded tensors). After 3 steps every
-rank saves synchronously into SYNC_DIR and then asynchronously into ASYNC_DIR; the async write
-waits until 2 more steps have changed every shard, so it must come from the host copies.
+pieces of the parameters and optimizer state, saved as sharded tensors). After 3 steps, and
+again after 5, every rank saves synchronously into SYNC_DIR and then asynchronously into
+ASYNC_DIR; each async write waits until 2 more steps have changed every shard, so it must come
+from the host copies. The second async save refills the first one's host buffers and reuses
+their sharded-tensor descriptions, so it shows that what is reused holds the new values.
 
 argv: SYNC_DIR ASYNC_DIR STAGE
 """
@@ -39,21 +41,23 @@ def main() -> None:
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
 
-    train(3)
-    save_engine(engine, sync_dir)
-    trained_on = threading.Event()
     real_write = dcp_save.write
+    train(3)
+    for steps_after in (2, 1):
+        save_engine(engine, sync_dir)
+        trained_on = threading.Event()
 
-    def write_later(*args: Any) -> None:
-        if not trained_on.wait(60):
-            raise RuntimeError("save_checkpoint did not return before its write")
-        real_write(*args)
+        def write_later(*args: Any, trained_on: threading.Event = trained_on) -> None:
+            if not trained_on.wait(60):
+                raise RuntimeError("save_checkpoint did not return before its write")
+            real_write(*args)
 
-    dcp_save.write = write_later
-    engine.save_checkpoint()
-    train(2)
-    trained_on.set()
-    engine.destroy()  # waits for the write
+        dcp_save.write = write_later
+        engine.save_checkpoint()
+        train(steps_after)
+        trained_on.set()
+        engine.wait_for_checkpoint()
+    engine.destroy()
 
 
 if __name__ == "__main__":
