@@ -195,3 +195,31 @@ def test_background_write_runs_at_lowest_priority_and_training_does_not() -> Non
     writer.wait(30)
     assert seen == [19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_cached_save_plan_is_not_reused_for_another_model(tmp_path: Path, world1: None) -> None:
+    # DCP's plan cache is per process: saves of two engines with different parameters in
+    # one world, taking turns, must each write their own tensors
+    from torch import nn
+
+    def engine_of(width: int) -> Any:
+        torch.manual_seed(width)
+        model = nn.Sequential(nn.Linear(6, width), nn.Linear(width, 3))
+        engine, *_ = flowtrain.initialize(model=model, config=_config(tmp_path / "unused", False))
+        return engine
+
+    engines = {w: engine_of(w) for w in (5, 11)}
+    for round_ in range(2):
+        for width, engine in engines.items():
+            x = torch.randn(4, 6)
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            save_engine(engine, str(tmp_path / f"w{width}"), tag=f"r{round_}")
+            stored = _stored_tensors(tmp_path / f"w{width}" / f"r{round_}" / "tensors")
+            params = dict(zip(engine.param_names, engine.trainable, strict=True))
+            assert {k.removeprefix("param/") for k in stored if k.startswith("param/")} \
+                == set(params)
+            for name, p in params.items():
+                assert torch.equal(stored[f"param/{name}"], p.detach().float()), (width, name)
+    for engine in engines.values():
+        engine.destroy()

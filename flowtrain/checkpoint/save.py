@@ -304,9 +304,29 @@ def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _planner(process_group: Any) -> dcp.DefaultSavePlanner:
+    """DCP's default planner with its plan cache on: a save whose tensors have the same keys,
+    shapes and blocks as the last one's (every save of a run, unless the model changes)
+    reuses the global plan instead of building and checking it again. DCP keeps that cache
+    for the whole process under the planner's key, so the key names the world this save runs
+    in (its size, this rank and the group's name): a re-formed world (peer recovery) or
+    another engine's group never meets a plan made for another; within one world DCP compares
+    every rank's plan with the cached one before using it."""
+    planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # torch.distributed is initialized
+        name = dist._get_process_group_name(group)
+    else:
+        world, rank, name = 1, 0, "none"
+    planner._cached_plans_key = f"flowtrain:{world}:{rank}:{name}"
+    return planner
+
+
 def write(state_dict: dict[str, Any], directory: Path, process_group: Any = None) -> None:
     """DCP's save of ``snapshot``'s state dict into ``directory`` (its collectives on
     ``process_group``, the default group when None); every rank calls it."""
     with quiet():
         dcp.save(state_dict, checkpoint_id=str(directory), process_group=process_group,
-                 no_dist=not dist.is_initialized())
+                 no_dist=not dist.is_initialized(), planner=_planner(process_group))
