@@ -13,12 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard as TensorShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-from flowtrain.checkpoint.dcp_io import quiet
 from flowtrain.checkpoint.manifest import CheckpointError
 from flowtrain.log import get_logger
 
@@ -90,16 +86,17 @@ class BackgroundWriter:
         return buffer
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with every tensor (and every local shard of a ShardedTensor) in host
-        memory, so training may change the originals while the write runs: what ``copy``
-        made since the last ``stage`` is kept, anything else is copied now."""
+        """``state_dict`` (``save.snapshot``'s, built with this writer) with every tensor in
+        host memory, so training may change the originals while the write runs: the sharded
+        tensors and the blocks ``copy`` made are kept, the other tensors (the module's
+        buffers) are copied now."""
         staged: dict[str, Any] = {}
         for key, value in state_dict.items():
             if isinstance(value, ShardedTensor):
-                if all(id(s.tensor) in self._fresh for s in value.local_shards()):
-                    staged[key] = value
-                else:
-                    staged[key] = self._stage_sharded(key, value)
+                if not all(id(s.tensor) in self._fresh for s in value.local_shards()):
+                    raise RuntimeError(f"sharded tensor {key!r} was not built over this "
+                                       f"writer's host copies (save.snapshot(..., stager))")
+                staged[key] = value
             elif torch.is_tensor(value) and id(value) not in self._fresh:
                 staged[key] = self.copy(key, 0, value)
             else:
@@ -109,22 +106,6 @@ class BackgroundWriter:
         self._from_gpu = False
         self._fresh.clear()
         return staged
-
-    def _stage_sharded(self, key: str, value: ShardedTensor) -> ShardedTensor:
-        """The same sharded tensor over host copies of its local shards: every rank's shards
-        are described as on the CPU, where every rank now holds them."""
-        def on_host(meta: ShardMetadata) -> ShardMetadata:
-            rank = meta.placement.rank() if meta.placement is not None else 0
-            return ShardMetadata(list(meta.shard_offsets), list(meta.shard_sizes),
-                                 f"rank:{rank}/cpu")
-
-        shards = [TensorShard(self.copy(key, i, s.tensor), on_host(s.metadata))
-                  for i, s in enumerate(value.local_shards())]
-        meta = value.metadata()
-        described = ShardedTensorMetadata([on_host(m) for m in meta.shards_metadata],
-                                          meta.size, meta.tensor_properties)
-        with quiet():
-            return ShardedTensor._init_from_local_shards_and_global_metadata(shards, described)
 
     def start(self, tag: str, work: Callable[[], None]) -> None:
         """Runs ``work`` (the rest of the save of ``tag``) on the writer thread. Not a daemon:

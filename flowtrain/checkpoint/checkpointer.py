@@ -34,8 +34,7 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if writer is not None:
         writer.wait()
-    tensors, description = snapshot(engine, exclude_frozen_parameters,
-                                    writer)
+    tensors, description = snapshot(engine, exclude_frozen_parameters, writer)
     shared = None
     if engine.global_rank == 0:
         loader = engine.training_dataloader
