@@ -125,11 +125,12 @@ def _stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     from flowtrain.checkpoint.dcp_io import quiet, stored
+    from flowtrain.checkpoint.storage import RawReader
 
     targets = {k: torch.empty(shape, dtype=dtype)
                for k, (shape, dtype) in stored(directory).items()}
     with quiet():
-        dcp.load(targets, checkpoint_id=str(directory), no_dist=True)
+        dcp.load(targets, storage_reader=RawReader(directory), no_dist=True)
     return targets
 
 
@@ -221,5 +222,42 @@ def test_a_cached_save_plan_is_not_reused_for_another_model(tmp_path: Path, worl
                 == set(params)
             for name, p in params.items():
                 assert torch.equal(stored[f"param/{name}"], p.detach().float()), (width, name)
+    for engine in engines.values():
+        engine.destroy()
+
+
+def test_a_cached_save_plan_is_not_reused_for_another_dtype(tmp_path: Path, world1: None) -> None:
+    # DCP compares a cached plan by keys, shapes and blocks, not dtypes, and its cached
+    # metadata records each entry's dtype: an fp32 and a bf16 engine of the same shapes, saving
+    # in turn, must each have their buffers stored and read back in their own dtype
+    from torch import nn
+
+    from flowtrain.checkpoint.dcp_io import stored
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+            self.register_buffer("shift", torch.arange(3.0) / 7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + self.shift
+
+    def engine_of(precision: str) -> Any:
+        torch.manual_seed(0)
+        config = _config(tmp_path / "unused", False)
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        engine, *_ = flowtrain.initialize(model=Net(), config=config)
+        return engine
+
+    engines = {p: engine_of(p) for p in ("fp32", "bf16")}
+    for round_ in range(2):
+        for precision, engine in engines.items():
+            directory = tmp_path / precision / f"r{round_}" / "tensors"
+            save_engine(engine, str(tmp_path / precision), tag=f"r{round_}")
+            buffer = engine.module.shift
+            assert stored(directory)["module/shift"][1] == buffer.dtype, (precision, round_)
+            assert torch.equal(_stored_tensors(directory)["module/shift"], buffer)
     for engine in engines.values():
         engine.destroy()

@@ -167,10 +167,12 @@ def validate_tag(tag: str) -> str:
 
 def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[str, Any] | None,
          per_rank: dict[str, Any], barrier: Callable[[str], None], save_latest: bool = True,
-         write_tensors: Callable[[Path], None] | None = None,
+         write_tensors: Callable[[Path], dict[str, tuple[int, str]] | None] | None = None,
          run_later: Callable[[Callable[[], None]], None] | None = None) -> Path:
     """Writes one checkpoint. ``write_tensors`` (every rank, collectively) writes the tensor
-    files into the directory it is given; ``shared`` (rank 0 only) is the engine state;
+    files into the directory it is given and may return the size and SHA-256 of files it wrote
+    (by name in that directory), which the manifest then takes instead of reading them back;
+    ``shared`` (rank 0 only) is the engine state;
     ``per_rank`` what differs between ranks (random generators). Every rank calls this.
 
     With ``run_later`` (an asynchronous save) the small files are written here and
@@ -197,9 +199,11 @@ def save(save_dir: str | os.PathLike[str], tag: str, *, rank: int, shared: dict[
         if run_later is not None:
             for path in small:
                 _guarded(root, tag, rank, lambda: fsync_file(path))  # noqa: B023 (called now)
+        known: dict[str, tuple[int, str]] = {}
         if write_tensors is not None:
-            _guarded(root, tag, rank, lambda: write_tensors(staging / TENSOR_DIR))
-        _publish(root, tag, rank, barrier, save_latest)
+            written = _guarded(root, tag, rank, lambda: write_tensors(staging / TENSOR_DIR))
+            known = {f"{TENSOR_DIR}/{name}": d for name, d in (written or {}).items()}
+        _publish(root, tag, rank, barrier, save_latest, known)
 
     if run_later is None:
         rest()
@@ -233,9 +237,10 @@ def _guarded(root: Path, tag: str, rank: int, work: Callable[[], T]) -> T:
 
 
 def _publish(root: Path, tag: str, rank: int, barrier: Callable[[str], None],
-             save_latest: bool) -> None:
-    """Once every rank has written its files: rank 0 writes the manifest, renames the staging
-    directory into place, then moves ``latest``."""
+             save_latest: bool, known: dict[str, tuple[int, str]] | None = None) -> None:
+    """Once every rank has written its files: rank 0 writes the manifest (with the ``known``
+    digests of files hashed as they were written), renames the staging directory into place,
+    then moves ``latest``."""
     staging = root / f".{tag}.partial"
     final = root / tag
 
@@ -243,7 +248,7 @@ def _publish(root: Path, tag: str, rank: int, barrier: Callable[[str], None],
         barrier(f"ckpt-{tag}-written")
         if rank == 0:
             (staging / OWNER_FILE).unlink()
-            write_manifest(staging)
+            write_manifest(staging, known)
             fsync_file(staging)
 
     _guarded(root, tag, rank, manifest)

@@ -40,6 +40,7 @@ from flowtrain.checkpoint.geometry import (
     split_of,
     whole_shape,
 )
+from flowtrain.checkpoint.storage import RawReader
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ def load(engine: CheckpointableEngine, directory: Path, description: dict[str, A
                                         tuple(tensor.shape), split, 0, tensor.numel(),
                                         on_disk[source][0])
     with quiet():
-        dcp.load(plain, checkpoint_id=str(directory), planner=_BlockReader(blocks),
+        dcp.load(plain, storage_reader=RawReader(directory), planner=_BlockReader(blocks),
                  no_dist=not dist.is_initialized())
     if params:
         sync_model(engine)
@@ -299,7 +300,7 @@ def full_state_dict(directory: Path, description: dict[str, Any]) -> dict[str, t
         shape, dtype = on_disk[f"module/{key}"]
         targets[f"module/{key}"] = torch.empty(shape, dtype=dtype)
     with quiet():
-        dcp.load(targets, checkpoint_id=str(directory), no_dist=True)
+        dcp.load(targets, storage_reader=RawReader(directory), no_dist=True)
     params = {n: targets[f"param/{n}"].view(tuple(s)) for n, s in description["params"].items()}
     out: dict[str, torch.Tensor] = {}
     for key in description["state_dict_keys"]:

@@ -38,11 +38,18 @@ def listed_files(directory: Path) -> list[str]:
                   if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(directory: Path) -> None:
-    """Hashes every file of the (staging) directory into its manifest, fsynced."""
-    files = {name: {"size": (directory / name).stat().st_size,
-                    "sha256": sha256_of(directory / name)}
-             for name in listed_files(directory)}
+def write_manifest(directory: Path, known: dict[str, tuple[int, str]] | None = None) -> None:
+    """Hashes every file of the (staging) directory into its manifest, fsynced. ``known``:
+    (size, SHA-256) of files hashed from the bytes their writer wrote (name relative to
+    ``directory``), taken as they are where the file still has that size; every other file is
+    read and hashed here."""
+    known = known or {}
+    files = {}
+    for name in listed_files(directory):
+        size = (directory / name).stat().st_size
+        digest = known.get(name)
+        files[name] = {"size": size, "sha256": digest[1] if digest is not None and
+                       digest[0] == size else sha256_of(directory / name)}
     path = directory / MANIFEST
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"format": FORMAT, "files": files}, f, indent=1, sort_keys=True)

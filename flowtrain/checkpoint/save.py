@@ -20,6 +20,7 @@ checkpoint's ``engine_state.pt``."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +49,7 @@ from flowtrain.checkpoint.geometry import (
     tp_place,
     whole_shape,
 )
+from flowtrain.checkpoint.storage import RawWriter
 
 if TYPE_CHECKING:
     from flowtrain.checkpoint.protocol import CheckpointableEngine
@@ -304,14 +306,28 @@ def _merge_descriptions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _planner(process_group: Any) -> dcp.DefaultSavePlanner:
+def _dtypes(state_dict: dict[str, Any]) -> str:
+    """A short digest of every entry's dtype, in key order."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key, value in state_dict.items():
+        dtype: Any = value.metadata().tensor_properties.dtype \
+            if isinstance(value, ShardedTensor) else getattr(value, "dtype", None)
+        digest.update(f"{key}\0{dtype}\0".encode())
+    return digest.hexdigest()
+
+
+def _planner(process_group: Any, state_dict: dict[str, Any]) -> dcp.DefaultSavePlanner:
     """DCP's default planner with its plan cache on: a save whose tensors have the same keys,
     shapes and blocks as the last one's (every save of a run, unless the model changes)
     reuses the global plan instead of building and checking it again. DCP keeps that cache
     for the whole process under the planner's key, so the key names the world this save runs
     in (its size, this rank and the group's name): a re-formed world (peer recovery) or
     another engine's group never meets a plan made for another; within one world DCP compares
-    every rank's plan with the cached one before using it."""
+    every rank's plan with the cached one before using it. That comparison looks at keys,
+    shapes and blocks but not dtypes, and the cached metadata records each entry's dtype, so
+    the key also carries a digest of every rank's dtypes (an fp16 engine after an fp32 one of
+    the same shapes gets its own plan). Every rank must take the same key, or one rank would
+    send only "as cached" to a coordinator holding no cache: hence the digests' all-gather."""
     planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
     if dist.is_initialized():
         world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -320,13 +336,44 @@ def _planner(process_group: Any) -> dcp.DefaultSavePlanner:
         name = dist._get_process_group_name(group)
     else:
         world, rank, name = 1, 0, "none"
-    planner._cached_plans_key = f"flowtrain:{world}:{rank}:{name}"
+    digests = [_dtypes(state_dict)]
+    if world > 1:
+        digests = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(digests, _dtypes(state_dict), group=process_group)
+    everyone = hashlib.blake2b("".join(digests).encode(), digest_size=8).hexdigest()
+    planner._cached_plans_key = f"flowtrain:{world}:{rank}:{name}:{everyone}"
     return planner
 
 
-def write(state_dict: dict[str, Any], directory: Path, process_group: Any = None) -> None:
+def _nested(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` grouped by the part of each key before its first dot, which DCP's
+    flattening joins back with a dot: the stored keys are the same. DCP wraps the state_dict()
+    of every top-level entry in its logger (a record with a fresh uuid each), which for a flat
+    dict of a few hundred tensors costs more than planning the save; grouped, it is a few. A
+    key that is also another key's group stays flat."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        head, dot, rest = key.partition(".")
+        if not dot:
+            if head in out:
+                return state_dict
+            out[key] = value
+            continue
+        group = out.setdefault(head, {})
+        if not isinstance(group, dict) or head in state_dict or rest in group:
+            return state_dict
+        group[rest] = value
+    return out
+
+
+def write(state_dict: dict[str, Any], directory: Path, process_group: Any = None
+          ) -> dict[str, tuple[int, str]]:
     """DCP's save of ``snapshot``'s state dict into ``directory`` (its collectives on
-    ``process_group``, the default group when None); every rank calls it."""
+    ``process_group``, the default group when None); every rank calls it. Returns, on the
+    coordinator (the group's first rank), the size and SHA-256 of every rank's tensor file as
+    its rank wrote it, by name relative to ``directory``; on the other ranks, nothing."""
+    writer = RawWriter(directory)
     with quiet():
-        dcp.save(state_dict, checkpoint_id=str(directory), process_group=process_group,
-                 no_dist=not dist.is_initialized(), planner=_planner(process_group))
+        dcp.save(_nested(state_dict), storage_writer=writer, process_group=process_group,
+                 no_dist=not dist.is_initialized(), planner=_planner(process_group, state_dict))
+    return {d.name: (d.size, d.sha256) for d in writer.digests.values()}
