@@ -32,7 +32,6 @@ f32_as_u32 = _bits.f32_as_u32
 u32_as_f32 = _bits.u32_as_f32
 _f16_to_f32 = njit(**_opts)(_bits.f16_to_f32)
 _bf16_to_f32 = njit(**_opts)(_bits.bf16_to_f32)
-_f32_to_f16 = njit(**_opts)(_bits.f32_to_f16)
 _f32_to_bf16 = njit(**_opts)(_bits.f32_to_bf16)
 
 _U32 = np.uint32
@@ -64,7 +63,7 @@ def _f16_to_f32_fpext(typingctx, bits):  # noqa: ARG001 - numba's intrinsic sign
 
 
 def _host_widens_f16() -> bool:
-    """Whether LLVM emits the fp16 -> fp32 widening as an instruction here rather than a call
+    """Whether LLVM emits the fp16 <-> fp32 conversions as instructions here rather than calls
     into a runtime library numba may not link."""
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
@@ -74,8 +73,21 @@ def _host_widens_f16() -> bool:
         return False
 
 
-# chosen once per process: the software widening is several times slower in a loop
+@intrinsic
+def _f32_to_f16_fptrunc(typingctx, x):  # noqa: ARG001 - numba's intrinsic signature
+    """float32 narrowed to fp16 bits by LLVM's fptrunc: round to nearest even, NaN quieted
+    with its payload truncated, so the same bits as _bits.f32_to_f16; a vector instruction
+    (x86 F16C's vcvtps2ph, aarch64's fcvtn) where the host has one."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return nbtypes.uint16(nbtypes.float32), codegen
+
+
+_f32_to_f16_soft = njit(**_opts)(_bits.f32_to_f16)
+# chosen once per process: the software conversions are several times slower in a loop
 _f16_widen = _f16_to_f32_fpext if _host_widens_f16() else _f16_to_f32_select
+_f32_to_f16 = _f32_to_f16_fptrunc if _host_widens_f16() else _f32_to_f16_soft
 
 
 def _load(arr, i, kind):
@@ -150,11 +162,40 @@ def _adam(param, grad, grad_kind, exp_avg, exp_avg_sq, model_out, out_kind, lr, 
             for i in prange(n):
                 _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2,
                            wd, False, decay, step_size, bc2_sqrt, epsf, inv)
+    # The mixed-precision case writes the half model copy in the same pass, and may read the
+    # engine's reduced half gradients: each (gradient kind, copy kind) pair gets its own loop
+    # with both as constants, so neither the widening nor the rounding tests a kind per element.
+    elif out_kind == 1:
+        if grad_kind == 1:
+            for i in prange(n):
+                model_out[i] = _f32_to_f16(_adam_elem(
+                    i, param, grad, 1, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                    step_size, bc2_sqrt, epsf, inv))
+        elif grad_kind == 2:
+            for i in prange(n):
+                model_out[i] = _f32_to_f16(_adam_elem(
+                    i, param, grad, 2, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                    step_size, bc2_sqrt, epsf, inv))
+        else:
+            for i in prange(n):
+                model_out[i] = _f32_to_f16(_adam_elem(
+                    i, param, grad, 0, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                    step_size, bc2_sqrt, epsf, inv))
+    elif grad_kind == 1:
+        for i in prange(n):
+            model_out[i] = _f32_to_bf16(_adam_elem(
+                i, param, grad, 1, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                step_size, bc2_sqrt, epsf, inv))
+    elif grad_kind == 2:
+        for i in prange(n):
+            model_out[i] = _f32_to_bf16(_adam_elem(
+                i, param, grad, 2, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                step_size, bc2_sqrt, epsf, inv))
     else:
         for i in prange(n):
-            p = _adam_elem(i, param, grad, grad_kind, exp_avg, exp_avg_sq, b1, omb1, b2, omb2,
-                           wd, l2, decay, step_size, bc2_sqrt, epsf, inv)
-            model_out[i] = _store(p, out_kind)
+            model_out[i] = _f32_to_bf16(_adam_elem(
+                i, param, grad, 0, exp_avg, exp_avg_sq, b1, omb1, b2, omb2, wd, l2, decay,
+                step_size, bc2_sqrt, epsf, inv))
 
 
 @njit(inline="always", **_opts)

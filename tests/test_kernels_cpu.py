@@ -334,3 +334,27 @@ def test_fp16_widening_is_exact_for_every_bit_pattern() -> None:
     bad = cn.unscale_and_check(patterns, scaled, 1.0)
     assert bad  # the patterns hold infinities and NaNs
     assert np.array_equal(scaled.numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_fp16_narrowing_matches_the_software_rounding_and_torch() -> None:
+    """The CPU kernels' fp16 store (LLVM's fptrunc where the host has the instruction) gives
+    _bits.f32_to_f16's bits and torch's: round to nearest even at every exponent, through
+    subnormals and overflow to inf, NaNs quieted with their payload truncated. Checked on the
+    fp16 rounding boundaries of every exponent, the specials and a million random patterns."""
+    rng = np.random.default_rng(7)
+    random = rng.integers(0, 2**32, size=1_000_000, dtype=np.uint64).astype(np.uint32)
+    # each fp32 exponent with the mantissa at, just below and just above a half-way point of
+    # fp16 (13 dropped bits), and the specials
+    exponents = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    near = np.array([0x0FFF, 0x1000, 0x1001, 0x2FFF, 0x3000, 0x3001, 0x7FFFFF, 0], np.uint32)
+    edges = (exponents[:, None] | near[None, :]).ravel()
+    bits = np.concatenate([random, edges, edges | np.uint32(0x80000000),
+                           np.array([0x7F800001, 0xFFC12345, 0x7FFFFFFF], np.uint32)])
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    cn.cast_(out, x)  # the cast kernel's store, the one the optimizers' model copy uses
+    got = out.view(torch.int16).numpy().view(np.uint16)
+    soft = np.array([cpu._f32_to_f16_soft(np.float32(v)) for v in x.numpy()[-6000:]],
+                    dtype=np.uint16)
+    assert np.array_equal(got[-6000:], soft)
+    assert np.array_equal(got, x.half().view(torch.int16).numpy().view(np.uint16))
