@@ -87,6 +87,13 @@ def bench_step(args: argparse.Namespace, precision: str) -> dict[str, list[float
     stepped = [p for g in opt.param_groups for p in g["params"]]
     optimizers = _torch_optimizers(stepped)
     peers: dict[str, Callable[[], object]] = {k: o.step for k, o in optimizers.items()}
+    ours: Callable[[], object] = opt.step
+    if precision != "fp32":
+        # as the engine steps (Engine._folded_step): the kernel reads the reduced half
+        # buckets with the loss-scale factor; torch's peers read unscaled fp32 gradients
+        def ours() -> None:
+            opt.read_grads_from(zip(engine.master.flat, engine.buckets.buffers()), 1.0 / 1024)
+            opt.step()
     if precision != "fp32":
         # flowtrain's step also writes the half-precision model; torch's needs a copy after
         fused = optimizers["torch fused"]
@@ -98,16 +105,20 @@ def bench_step(args: argparse.Namespace, precision: str) -> dict[str, list[float
             torch._foreach_copy_(halves, masters)
 
         peers["torch fused + model copy"] = fused_and_copy
-    return _race({"flowtrain": opt.step, **peers}, args.rounds)
+    return _race({"flowtrain": ours, **peers}, args.rounds)
 
 
 def bench_unscale_norm(args: argparse.Namespace) -> dict[str, list[float]]:
-    """fp16: the engine's overflow check + unscale into the fp32 master gradients, and the
-    norm; torch: the AMP unscale kernel over per-parameter gradients + clip_grad_norm_'s norm."""
+    """fp16, what comes before the step: flowtrain's one read of the reduced buckets (the norm,
+    not finite exactly on overflow; the unscale rides in the step's kernel), and the same
+    with the former unscale-into-fp32 pass; torch: the AMP unscale kernel over per-parameter
+    fp32 gradients, then clip_grad_norm_'s norm."""
+    from cuda_numba.ops import l2_norm
     from flowtrain.engine.mixed import total_grad_norm
 
     engine, model = _engine(args, "fp16")
     master = engine.master
+    halves = engine.buckets.buffers()
     half = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
     found = torch.zeros(1, device=args.device)
     # torch unscales in place: alternating 1/1024 and 1024 keeps the values where they were
@@ -128,10 +139,14 @@ def bench_unscale_norm(args: argparse.Namespace) -> dict[str, list[float]]:
         torch._amp_foreach_non_finite_check_and_unscale_(fp32_grads, found, scales[0])
         return bool(found.item())
 
-    return _race({"flowtrain unscale": flowtrain_unscale, "torch unscale": torch_unscale,
-                  "flowtrain norm": lambda: float(total_grad_norm(master.flat)),
-                  "torch norm": lambda: float(torch.nn.utils.get_total_norm(
-                      fp32_grads, foreach=True))}, args.rounds)
+    def torch_norm() -> float:
+        return float(torch.nn.utils.get_total_norm(fp32_grads, foreach=True))
+
+    return _race({"flowtrain check + norm": lambda: float(l2_norm(halves)),
+                  "flowtrain unscale pass + norm": lambda: (flowtrain_unscale(),
+                                                            float(total_grad_norm(master.flat))),
+                  "torch unscale + norm": lambda: (torch_unscale(), torch_norm()),
+                  "torch unscale": torch_unscale}, args.rounds)
 
 
 def _report(title: str, times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> None:
@@ -176,8 +191,10 @@ def main() -> None:
                                                  n_embd=args.n_embd)).parameters())
         _report(f"optimizer step inside the engine, {precision}, {n / 1e6:.2f}M parameters",
                 times, [("flowtrain", peer) for peer in times if peer != "flowtrain"])
-    _report("fp16 unscale + overflow check, and grad norm", bench_unscale_norm(args),
-            [("flowtrain unscale", "torch unscale"), ("flowtrain norm", "torch norm")])
+    _report("fp16 before the step: unscale, overflow check, grad norm", bench_unscale_norm(args),
+            [("flowtrain check + norm", "torch unscale + norm"),
+             ("flowtrain check + norm", "torch unscale"),
+             ("flowtrain unscale pass + norm", "torch unscale + norm")])
 
 
 if __name__ == "__main__":

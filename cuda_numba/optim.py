@@ -22,11 +22,14 @@ class _Fused(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._model_copies: dict[torch.Tensor, torch.Tensor] = {}
         self._plans: dict[int, flat.GroupPlan] = {}
+        self._sources: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+        self._scale = 1.0
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_model_copies", {})
         self._plans = {}
+        self._sources, self._scale = None, 1.0
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -42,18 +45,52 @@ class _Fused(torch.optim.Optimizer):
         self._model_copies = dict(pairs)
         self._plans = {}
 
+    def read_grads_from(self, sources: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                        scale: float) -> None:
+        """For the next step only: each (flat gradient buffer that parameters' ``.grad`` are
+        views of, buffer of the same layout and length) pair makes the step read a gradient
+        lying in the first from the same elements of the second, multiplied by ``scale``.
+        A mixed-precision engine hands its reduced fp16/bf16 buckets this way, so the
+        loss-scale division and the clipping ride in the update and the fp32 gradients are
+        never written (DeepSpeed's fp16 optimizer passes its fused Adam one combined scale
+        the same way)."""
+        pairs = []
+        for buffer, source in sources:
+            if source.numel() != buffer.numel() or not (buffer.is_contiguous()
+                                                        and source.is_contiguous()):
+                raise ValueError(f"{type(self).__name__}.read_grads_from: a source of "
+                                 f"{source.numel()} elements for a buffer of {buffer.numel()}; "
+                                 f"both must be contiguous and of one length")
+            pairs.append((buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer,
+                          source))
+        self._sources, self._scale = pairs, float(scale)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            plan = self._plan(index, group)
-            if not self._step_group(plan, group):
-                # a gradient moved without the layout key noticing: plan from scratch
-                self._step_group(self._plan(index, group, force=True), group)
+        try:
+            for index, group in enumerate(self.param_groups):
+                plan = self._plan(index, group)
+                if not self._step_group(plan, group):
+                    # a gradient moved without the layout key noticing: plan from scratch
+                    self._step_group(self._plan(index, group, force=True), group)
+        finally:
+            self._sources, self._scale = None, 1.0
         return loss
+
+    def _source_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """The elements of ``read_grads_from``'s source that stand for ``grad``."""
+        assert self._sources is not None
+        ptr = grad.data_ptr()
+        for start, nbytes, buffer, source in self._sources:
+            if start <= ptr and ptr + grad.numel() * grad.element_size() <= start + nbytes:
+                offset = (ptr - start) // buffer.element_size()
+                return source.narrow(0, offset, grad.numel()).view(grad.shape)
+        raise RuntimeError(f"{type(self).__name__}: a gradient of {grad.numel()} elements lies "
+                           f"in none of the buffers read_grads_from was given")
 
     def _plan(self, index: int, group: dict[str, Any], force: bool = False) -> flat.GroupPlan:
         key = flat.layout_key(group["params"])
@@ -85,9 +122,13 @@ class _Fused(torch.optim.Optimizer):
         grads = [run.grad() for run in plan.runs]
         if any(g is None for g in grads):
             return False
+        sources = self._sources
         for run, grad in zip(plan.runs, grads):
             assert grad is not None
-            self._update(run, grad, group)
+            if sources is None:
+                self._update(run, grad, group, 1.0)
+            else:
+                self._update(run, self._source_of(grad), group, self._scale)
         if plan.steps is not None:
             plan.steps.add_(1)
         return True
@@ -100,7 +141,9 @@ class _Fused(torch.optim.Optimizer):
         """Per parameter, the value a run must share (None: nothing)."""
         return [None] * len(params)
 
-    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any],
+                inv_scale: float) -> None:
+        """Steps one run with ``grad`` x ``inv_scale`` as its gradient."""
         raise NotImplementedError
 
 
@@ -146,12 +189,14 @@ class FusedAdam(_Fused):
             return counts
         return [int(c) for c in plan.steps.tolist()]
 
-    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any],
+                inv_scale: float) -> None:
         run.tag += 1
         ops.adam_step(run.param, grad, run.state["exp_avg"], run.state["exp_avg_sq"],
                       lr=group["lr"], betas=group["betas"], eps=group["eps"],
                       weight_decay=group["weight_decay"], step=run.tag, adamw=group["adamw"],
-                      bias_correction=group["bias_correction"], model_out=run.model_out)
+                      bias_correction=group["bias_correction"], inv_scale=inv_scale,
+                      model_out=run.model_out)
 
 
 class FusedLion(_Fused):
@@ -166,10 +211,11 @@ class FusedLion(_Fused):
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg",)
 
-    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any],
+                inv_scale: float) -> None:
         ops.lion_step(run.param, grad, run.state["exp_avg"], lr=group["lr"],
                       betas=group["betas"], weight_decay=group["weight_decay"],
-                      model_out=run.model_out)
+                      inv_scale=inv_scale, model_out=run.model_out)
 
 
 class FusedSGD(_Fused):
@@ -193,9 +239,10 @@ class FusedSGD(_Fused):
         return [group["momentum"] != 0 and self.state[p].get("momentum_buffer") is None
                 for p in params]
 
-    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, run: flat.Run, grad: torch.Tensor, group: dict[str, Any],
+                inv_scale: float) -> None:
         ops.sgd_step(run.param, grad, run.state.get("momentum_buffer"), lr=group["lr"],
                      momentum=group["momentum"], dampening=group["dampening"],
                      weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                     first_step=run.tag, model_out=run.model_out)
+                     first_step=run.tag, inv_scale=inv_scale, model_out=run.model_out)
         run.tag = False

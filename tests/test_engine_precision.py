@@ -218,3 +218,35 @@ def test_the_optimizer_steps_each_bucket_in_one_kernel_call(
         ptrs = {stepped[s.index].untyped_storage().data_ptr() for s in bucket.slots}
         ptrs |= {engine.trainable[s.index].untyped_storage().data_ptr() + 1 for s in bucket.slots}
         assert len(ptrs) == 2
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 10}}])
+def test_the_folded_step_equals_unscaling_then_clipping_then_stepping(
+        module_world1: Any, precision: dict[str, Any], monkeypatch: Any) -> None:
+    """With a fused optimizer the engine hands it the reduced half-precision buckets and one
+    factor (1/loss scale x the clipping coefficient) instead of writing, then scaling, fp32
+    gradients: the same training to rounding, and the fp32 gradient buffers never written."""
+    from cuda_numba import optim
+
+    def run(folded: bool) -> tuple[list[float], list[float], Any]:
+        with monkeypatch.context() as m:
+            if not folded:  # the engine's general path: unscale pass, norm, clip pass, step
+                m.delattr(optim._Fused, "read_grads_from")
+            engine, _ = _engine(precision, gradient_clipping=0.05, steps_per_print=1)
+            losses, norms = [], []
+            for step in range(STEPS):
+                losses.append(_train_step(engine, step))
+                norms.append(engine.get_global_grad_norm())
+            return losses, norms, engine
+
+    folded, folded_norms, engine = run(True)
+    plain, plain_norms, reference = run(False)
+    assert engine.skipped_steps == reference.skipped_steps == 0
+    assert folded == pytest.approx(plain, rel=1e-4, abs=1e-6)
+    assert folded_norms == pytest.approx(plain_norms, rel=1e-5)
+    assert max(plain_norms) > 0.05  # the clipping acted
+    for m, r in zip(engine.master.master, reference.master.master):
+        torch.testing.assert_close(m, r, rtol=1e-4, atol=1e-6)
+    assert all(not f.any() for f in engine.master.flat)  # never written
+    assert any(f.any() for f in reference.master.flat)

@@ -17,7 +17,8 @@ from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.comm_setup import EngineComm
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.health import Health
-from flowtrain.engine.mixed import MasterWeights, clip_, lay_out_flat, total_grad_norm
+from flowtrain.engine.mixed import MasterWeights, lay_out_flat
+from flowtrain.engine.optim_step import OptimizerStep
 from flowtrain.engine.parts import EngineParts
 from flowtrain.engine.peer import PeerRecovery
 from flowtrain.engine.reducer import BucketReady, EndMicroBatch, Flush
@@ -36,7 +37,7 @@ from flowtrain.log import get_logger
 from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.plan import StepPlan, build_step_plan, names
 from flowtrain.plan.schedule import SCHEDULES
-from flowtrain.precision import build_loss_scaler, has_inf_or_nan
+from flowtrain.precision import build_loss_scaler
 from flowtrain.runtime.actor import Actor, ActorRef
 from flowtrain.zero import construct
 
@@ -45,7 +46,7 @@ log = get_logger("flowtrain.engine")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class FlowtrainEngine(EngineSurface, PeerRecovery, EngineComm, torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -437,86 +438,6 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, EngineComm, torch.nn.Module):
             # replacement ranks enter the group after this committed step
             self._peer_reform(int(verdict["generation"]), list(verdict["members"]),
                               joined=list(verdict["joined"]))
-
-    def _optimizer_step(self) -> bool:
-        if self.zero is not None:
-            return self._zero_step()
-        if self.master is not None:  # unscaled and checked in one pass per bucket
-            bad = self.master.load_grads(self.buckets, self.loss_scaler.loss_scale)
-            overflow, grads = self.precision == "fp16" and bad, self.master.flat
-        else:
-            grads = self.buckets.buffers()
-            overflow = self.precision == "fp16" and has_inf_or_nan(grads)
-        if self.model_parallel and self.precision == "fp16":
-            overflow = self._across_model(float(overflow), dist.ReduceOp.MAX) > 0
-        self.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            self._global_grad_norm = None
-            self._zero_grads()
-            return True
-        clip = self.config.gradient_clipping
-        every = self.config.steps_per_print
-        printing = bool(every and (self.global_steps + 1) % every == 0)
-        if (clip and clip > 0) or printing:
-            # The norm costs a pass over every gradient: only when clipping or logging needs it.
-            if self.model_parallel:  # every stage's and tensor slice's gradients count
-                norm = torch.tensor(self._across_model(self._local_sumsq())) ** 0.5
-            else:
-                norm = total_grad_norm(grads)
-            self._global_grad_norm = float(norm)
-            if clip and clip > 0:
-                clip_(grads, norm, clip)
-        else:
-            self._global_grad_norm = None
-        self.optimizer.step()
-        if self.master is not None and not self.master.fused_copy:
-            self.master.copy_to_model()
-        self._zero_grads()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return False
-
-    def _local_sumsq(self) -> float:
-        """This rank's share of the squared gradient norm: parameters split across the
-        tensor-parallel group count whole, replicated ones 1/tp (every tp rank holds them)."""
-        tp = self.grid.shape.tp if self.grid is not None else 1
-        stepped = self.master.master if self.master is not None else self.trainable
-        total = 0.0
-        for param, tensor in zip(self.trainable, stepped):
-            if tensor.grad is None:
-                continue
-            sq = float(tensor.grad.detach().float().square().sum())
-            total += sq if getattr(param, "tensor_parallel", False) else sq / tp
-        return total
-
-    def _across_model(self, value: float, op: Any = None) -> float:
-        """``value`` reduced (sum, or ``op``) over every rank: with pipeline or tensor
-        parallelism each holds a different part of the model (data-parallel copies add the
-        same reduced gradients: divided out)."""
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-        if op is None or op == dist.ReduceOp.SUM:
-            t /= self.world_size
-        return float(t)
-
-    def _zero_step(self) -> bool:
-        clip = self.config.gradient_clipping
-        every = self.config.steps_per_print
-        printing = bool(every and (self.global_steps + 1) % every == 0)
-        fp16 = self.precision == "fp16"
-        if self.zero is None:
-            raise RuntimeError("a ZeRO optimizer step on an engine built without ZeRO")
-        skipped, norm = self.zero.step(loss_scale=self.loss_scaler.loss_scale, fp16=fp16,
-                                       clip=clip, need_norm=printing)
-        self.loss_scaler.update(skipped)
-        self._global_grad_norm = norm
-        if skipped:
-            self.skipped_steps += 1
-        self._zero_grads()
-        if not skipped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return skipped
 
     def _zero_grads(self) -> None:
         if self.channel is not None and self.channel.arena_bytes:
