@@ -23,5 +23,5 @@ timeout 150 $PYTHON benchmarks/gpu_calibrate.py --json "$out/gpu_calibrate.json"
 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_comm.py 2>&1 \
     | tee "$out/pytest.txt" | tail -20
 timeout 45 $PYTHON benchmarks/gpu_kernels.py --quick 2>&1 | tee "$out/gpu_kernels.txt"
-timeout 45 $PYTHON benchmarks/optim_step.py --device cuda --precision fp32 bf16 --rounds 21 2>&1 \
+timeout 60 $PYTHON benchmarks/optim_step.py --device cuda --precision fp32 bf16 fp16 --rounds 21 2>&1 \
     | tee "$out/optim_step.txt"
