@@ -141,7 +141,8 @@ class RawReader(dcp.FileSystemReader):
         other: list[Any] = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            is_raw = item.type != LoadItemType.BYTE_IO and RAW in (info.transform_descriptors or ())
+            is_raw = item.type != LoadItemType.BYTE_IO and \
+                RAW in (getattr(info, "transform_descriptors", None) or ())
             (raw if is_raw else other).append(item)
         if other:
             super().read_data(LoadPlan(other, plan.storage_data, plan.planner_data),
