@@ -70,12 +70,7 @@ class OptimizerStep:
         else:
             self._global_grad_norm = None
         self.optimizer.step()
-        if self.master is not None and not self.master.fused_copy:
-            self.master.copy_to_model()
-        self._zero_grads()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return False
+        return self._after_update()
 
     def _folded_step(self) -> bool:
         """The mixed-precision step with a fused optimizer (flowtrain's Adam, Lion, SGD): the
@@ -109,7 +104,13 @@ class OptimizerStep:
         optimizer: Any = self.optimizer  # a cuda_numba fused optimizer (_optimizer_step)
         optimizer.read_grads_from(zip(self.master.flat, halves), scale)
         self.optimizer.step()
-        if not self.master.fused_copy:
+        return self._after_update()
+
+    def _after_update(self) -> bool:
+        """What follows a step the optimizer took: the model's copy where the optimizer did not
+        write it in its pass, the gradients zeroed, the scheduler moved. Returns False (not
+        skipped)."""
+        if self.master is not None and not self.master.fused_copy:
             self.master.copy_to_model()
         self._zero_grads()
         if self.lr_scheduler is not None:
