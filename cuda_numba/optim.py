@@ -82,15 +82,26 @@ class _Fused(torch.optim.Optimizer):
         return loss
 
     def _source_of(self, grad: torch.Tensor) -> torch.Tensor:
-        """The elements of ``read_grads_from``'s source that stand for ``grad``."""
+        """The elements of ``read_grads_from``'s sources that stand for ``grad``: a view where
+        it lies in one buffer; where a run crosses from one buffer into the next (two buffers
+        that happen to lie end to end), its pieces joined in a copy."""
         assert self._sources is not None
-        ptr = grad.data_ptr()
-        for start, nbytes, buffer, source in self._sources:
-            if start <= ptr and ptr + grad.numel() * grad.element_size() <= start + nbytes:
-                offset = (ptr - start) // buffer.element_size()
-                return source.narrow(0, offset, grad.numel()).view(grad.shape)
-        raise RuntimeError(f"{type(self).__name__}: a gradient of {grad.numel()} elements lies "
-                           f"in none of the buffers read_grads_from was given")
+        pieces = []
+        ptr, end = grad.data_ptr(), grad.data_ptr() + grad.numel() * grad.element_size()
+        while ptr < end:
+            for start, nbytes, buffer, source in self._sources:
+                if start <= ptr < start + nbytes:
+                    size = buffer.element_size()
+                    count = (min(end, start + nbytes) - ptr) // size
+                    pieces.append(source.narrow(0, (ptr - start) // size, count))
+                    ptr += count * size
+                    break
+            else:
+                raise RuntimeError(f"{type(self).__name__}: a gradient of {grad.numel()} "
+                                   f"elements lies outside the buffers read_grads_from was "
+                                   f"given")
+        joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return joined.view(grad.shape)
 
     def _plan(self, index: int, group: dict[str, Any], force: bool = False) -> flat.GroupPlan:
         key = flat.layout_key(group["params"])

@@ -256,3 +256,41 @@ def test_flat_state_dict_both_ways_with_torch():
     _run_in_place(opt, ours, 2, seed=4)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLion, FusedSGD])
+def test_read_grads_from_steps_on_the_scaled_source(cls):
+    """read_grads_from: for one step the optimizer reads each gradient from the same elements
+    of a half-precision source times a factor, as if the fp32 gradients held
+    source.float() * factor (what a mixed-precision engine's unscale pass wrote); including a
+    run that crosses from one gradient buffer into the next. The next step reads .grad."""
+    kwargs = {"momentum": 0.9} if cls is FusedSGD else {}
+    ours, ref = _flat_params(), _flat_params()
+    grads = ours[0].grad.untyped_storage()
+    total = sum(p.numel() for p in ours)
+    flat = torch.empty(0).set_(grads, 0, (total,))  # every parameter's grad: one run
+    cut = SHAPES[0][0] + 33 * 5  # two "buffers" that lie end to end, the run crossing them
+    buffers = [flat.narrow(0, 0, cut), flat.narrow(0, cut, total - cut)]
+    opt, reference = cls(ours, lr=1e-2, **kwargs), cls(ref, lr=1e-2, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    factor = 1.0 / 512
+    for _ in range(3):
+        sources = [(torch.randn(b.numel(), generator=gen) * 512).half() for b in buffers]
+        opt.read_grads_from(zip(buffers, sources), factor)
+        opt.step()
+        whole = torch.cat(sources).float() * factor
+        off = 0
+        for p in ref:
+            p.grad.copy_(whole.narrow(0, off, p.numel()).view(p.shape))
+            off += p.numel()
+        reference.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b)
+    assert not flat.any()  # the optimizer never wrote the fp32 gradients
+    flat.normal_(generator=gen)  # without read_grads_from the next step reads .grad again
+    for a, b in zip(ours, ref):
+        b.grad.copy_(a.grad)
+    opt.step()
+    reference.step()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
