@@ -250,3 +250,35 @@ def test_the_folded_step_equals_unscaling_then_clipping_then_stepping(
         torch.testing.assert_close(m, r, rtol=1e-4, atol=1e-6)
     assert all(not f.any() for f in engine.master.flat)  # never written
     assert any(f.any() for f in reference.master.flat)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 10}}])
+def test_zero_folds_the_unscale_and_clipping_into_the_fused_step(
+        module_world1: Any, precision: dict[str, Any], stage: int, monkeypatch: Any) -> None:
+    """ZeRO's step hands a fused optimizer its reduced shards and the unscale x clip factor
+    (fp32 stage 1 included, whose gradients are the buckets themselves) instead of scaling
+    fp32 gradients first: the same training as the explicit path, to rounding."""
+    from cuda_numba import optim
+
+    def run(folded: bool) -> tuple[list[float], list[float], Any]:
+        with monkeypatch.context() as m:
+            if not folded:
+                m.delattr(optim._Fused, "read_grads_from")
+            engine, _ = _engine(precision, gradient_clipping=0.05, steps_per_print=1,
+                                zero_optimization={"stage": stage})
+            losses, norms = [], []
+            for step in range(STEPS):
+                losses.append(_train_step(engine, step))
+                norms.append(engine.get_global_grad_norm())
+            return losses, norms, engine
+
+    folded, folded_norms, engine = run(True)
+    plain, plain_norms, reference = run(False)
+    assert engine.zero is not None and engine.skipped_steps == reference.skipped_steps == 0
+    assert folded == pytest.approx(plain, rel=1e-4, abs=1e-6)
+    assert folded_norms == pytest.approx(plain_norms, rel=1e-5)
+    assert max(plain_norms) > 0.05  # the clipping acted
+    for a, b in zip(engine.module.parameters(), reference.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

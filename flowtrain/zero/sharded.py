@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -234,9 +234,10 @@ class ZeroOptimizer:
     def step(self, *, loss_scale: float, fp16: bool, clip: float, need_norm: bool,
              ) -> tuple[bool, float | None]:
         """Takes the global norm of the (scaled) gradients (one all-reduce of a float64 sum of
-        squares: an inf/NaN anywhere makes it non-finite), unscales and clips in one multiply,
-        steps the optimizer (shard by shard, overlapping copies, with CPU offload) and brings
-        the model's parameters up to date. Returns (skipped, norm)."""
+        squares: an inf/NaN anywhere makes it non-finite), unscales and clips in one multiply
+        (which a fused optimizer applies as it reads the reduced shards), steps the optimizer
+        (shard by shard, overlapping copies, with CPU offload) and brings the model's
+        parameters up to date. Returns (skipped, norm)."""
         sources = self._grad_sources()
         clipping = bool(clip and clip > 0)
         norm = None
@@ -262,20 +263,30 @@ class ZeroOptimizer:
         if self.offloader is not None:
             self.offloader.step(self, sources, coef)
         else:
-            kept = []
+            optimizer = self._stepped_optimizer()
+            # flowtrain's fused optimizers read each shard's reduced gradient times coef
+            # themselves (read_grads_from): no pass writes or scales fp32 gradients
+            fold = hasattr(optimizer, "read_grads_from")
+            kept, pairs = [], []
             for master, src in zip(self.master, sources):
                 if not self._persistent_grads:
-                    # the fp32 copy and the unscale/clip multiply in one pass per shard
                     grad = torch.empty(src.shape, dtype=torch.float32, device=src.device)
-                    unscale_and_check(src, grad, coef)
+                    if fold:  # never written: it only gives the optimizer its layout
+                        pairs.append((grad, src))
+                    else:  # the fp32 copy and the unscale/clip multiply in one pass per shard
+                        unscale_and_check(src, grad, coef)
                     master.grad = grad
                 elif master.grad is None:  # kept since __init__
                     raise RuntimeError("a ZeRO master shard has no gradient at the step")
+                elif fold:
+                    pairs.append((master.grad, master.grad))
                 else:
                     kept.append(master.grad)
             if coef != 1.0 and kept:
                 torch._foreach_mul_(kept, coef)
-            self._stepped_optimizer().step()
+            if fold:
+                cast(Any, optimizer).read_grads_from(pairs, coef)
+            optimizer.step()
             if not self._persistent_grads:
                 for master in self.master:
                     master.grad = None
