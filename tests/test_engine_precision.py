@@ -220,6 +220,24 @@ def test_the_optimizer_steps_each_bucket_in_one_kernel_call(
         assert len(ptrs) == 2
 
 
+def _clipped_run(monkeypatch: Any, folded: bool, precision: dict[str, Any],
+                 **extra: Any) -> tuple[list[float], list[float], Any]:
+    """STEPS clipped steps: (losses, grad norms, engine), through the fused optimizers'
+    read_grads_from (``folded``) or, with it removed, the explicit path (unscale pass, norm,
+    clip pass, step)."""
+    from cuda_numba import optim
+
+    with monkeypatch.context() as m:
+        if not folded:
+            m.delattr(optim._Fused, "read_grads_from")
+        engine, _ = _engine(precision, gradient_clipping=0.05, steps_per_print=1, **extra)
+        losses, norms = [], []
+        for step in range(STEPS):
+            losses.append(_train_step(engine, step))
+            norms.append(engine.get_global_grad_norm())
+        return losses, norms, engine
+
+
 @pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
                                        {"fp16": {"enabled": True, "initial_scale_power": 10}}])
 def test_the_folded_step_equals_unscaling_then_clipping_then_stepping(
@@ -227,21 +245,8 @@ def test_the_folded_step_equals_unscaling_then_clipping_then_stepping(
     """With a fused optimizer the engine hands it the reduced half-precision buckets and one
     factor (1/loss scale x the clipping coefficient) instead of writing, then scaling, fp32
     gradients: the same training to rounding, and the fp32 gradient buffers never written."""
-    from cuda_numba import optim
-
-    def run(folded: bool) -> tuple[list[float], list[float], Any]:
-        with monkeypatch.context() as m:
-            if not folded:  # the engine's general path: unscale pass, norm, clip pass, step
-                m.delattr(optim._Fused, "read_grads_from")
-            engine, _ = _engine(precision, gradient_clipping=0.05, steps_per_print=1)
-            losses, norms = [], []
-            for step in range(STEPS):
-                losses.append(_train_step(engine, step))
-                norms.append(engine.get_global_grad_norm())
-            return losses, norms, engine
-
-    folded, folded_norms, engine = run(True)
-    plain, plain_norms, reference = run(False)
+    folded, folded_norms, engine = _clipped_run(monkeypatch, True, precision)
+    plain, plain_norms, reference = _clipped_run(monkeypatch, False, precision)
     assert engine.skipped_steps == reference.skipped_steps == 0
     assert folded == pytest.approx(plain, rel=1e-4, abs=1e-6)
     assert folded_norms == pytest.approx(plain_norms, rel=1e-5)
@@ -260,22 +265,9 @@ def test_zero_folds_the_unscale_and_clipping_into_the_fused_step(
     """ZeRO's step hands a fused optimizer its reduced shards and the unscale x clip factor
     (fp32 stage 1 included, whose gradients are the buckets themselves) instead of scaling
     fp32 gradients first: the same training as the explicit path, to rounding."""
-    from cuda_numba import optim
-
-    def run(folded: bool) -> tuple[list[float], list[float], Any]:
-        with monkeypatch.context() as m:
-            if not folded:
-                m.delattr(optim._Fused, "read_grads_from")
-            engine, _ = _engine(precision, gradient_clipping=0.05, steps_per_print=1,
-                                zero_optimization={"stage": stage})
-            losses, norms = [], []
-            for step in range(STEPS):
-                losses.append(_train_step(engine, step))
-                norms.append(engine.get_global_grad_norm())
-            return losses, norms, engine
-
-    folded, folded_norms, engine = run(True)
-    plain, plain_norms, reference = run(False)
+    zero = {"zero_optimization": {"stage": stage}}
+    folded, folded_norms, engine = _clipped_run(monkeypatch, True, precision, **zero)
+    plain, plain_norms, reference = _clipped_run(monkeypatch, False, precision, **zero)
     assert engine.zero is not None and engine.skipped_steps == reference.skipped_steps == 0
     assert folded == pytest.approx(plain, rel=1e-4, abs=1e-6)
     assert folded_norms == pytest.approx(plain_norms, rel=1e-5)

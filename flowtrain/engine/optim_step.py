@@ -51,13 +51,9 @@ class OptimizerStep:
             overflow = self._across_model(float(overflow), dist.ReduceOp.MAX) > 0
         self.loss_scaler.update(overflow)
         if overflow:
-            self.skipped_steps += 1
-            self._global_grad_norm = None
-            self._zero_grads()
-            return True
+            return self._skip()
         clip = self.config.gradient_clipping
-        every = self.config.steps_per_print
-        printing = bool(every and (self.global_steps + 1) % every == 0)
+        printing = self._logs_this_step()
         if (clip and clip > 0) or printing:
             # The norm costs a pass over every gradient: only when clipping or logging needs it.
             if self.model_parallel:  # every stage's and tensor slice's gradients count
@@ -86,17 +82,13 @@ class OptimizerStep:
         inv = 1.0 / self.loss_scaler.loss_scale
         fp16 = self.precision == "fp16"
         clip = self.config.gradient_clipping
-        every = self.config.steps_per_print
-        printing = bool(every and (self.global_steps + 1) % every == 0)
+        printing = self._logs_this_step()
         wants_norm = bool(clip and clip > 0) or printing
         norm = float(l2_norm(halves)) * inv if fp16 or wants_norm else 0.0
         overflow = fp16 and not math.isfinite(norm)
         self.loss_scaler.update(overflow)
         if overflow:
-            self.skipped_steps += 1
-            self._global_grad_norm = None
-            self._zero_grads()
-            return True
+            return self._skip()
         scale = inv
         self._global_grad_norm = norm if wants_norm else None
         if clip and clip > 0:  # torch's clip_grad_norm_ factor
@@ -105,6 +97,18 @@ class OptimizerStep:
         optimizer.read_grads_from(zip(self.master.flat, halves), scale)
         self.optimizer.step()
         return self._after_update()
+
+    def _logs_this_step(self) -> bool:
+        """The step about to be taken is one steps_per_print logs (its norm is wanted)."""
+        every = self.config.steps_per_print
+        return bool(every and (self.global_steps + 1) % every == 0)
+
+    def _skip(self) -> bool:
+        """An fp16 overflow: the step is skipped, its gradients dropped. Returns True."""
+        self.skipped_steps += 1
+        self._global_grad_norm = None
+        self._zero_grads()
+        return True
 
     def _after_update(self) -> bool:
         """What follows a step the optimizer took: the model's copy where the optimizer did not
@@ -142,8 +146,7 @@ class OptimizerStep:
 
     def _zero_step(self) -> bool:
         clip = self.config.gradient_clipping
-        every = self.config.steps_per_print
-        printing = bool(every and (self.global_steps + 1) % every == 0)
+        printing = self._logs_this_step()
         fp16 = self.precision == "fp16"
         if self.zero is None:
             raise RuntimeError("a ZeRO optimizer step on an engine built without ZeRO")
