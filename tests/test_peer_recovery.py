@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import DATA, launch
+from helpers import DATA, launch, rank_results
 
 WORKER = DATA / "peer_recovery_worker.py"
 # from step WAIT_FROM on, survivors short of a member wait for the replacement (started 1 s
@@ -222,3 +222,90 @@ def test_a_second_rank_lost_during_the_reform_leaves_one_survivor_going(
     assert events[0] == ("rank_lost", 2)
     assert sorted(events[1:]) == [("rank_lost", second), ("replacement_started", 2)]
     print(f"recovered from two losses in {recovered_in:.2f} s")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+# stage 1, rank 2 lost: its shard comes from rank 1's mirror; stage 2, rank 0 lost: from rank 2's
+# (the last rank mirrors the first)
+@pytest.mark.parametrize(("zero", "killed"), [(1, 2), (2, 0)])
+def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
+        tmp_path: Path, zero: int, killed: int) -> None:
+    """ZeRO-1/2 under --peer-recovery: every rank keeps a mirror of the next rank's optimizer
+    shard, equal to it bit for bit after every step; after a loss the survivors rebuild the
+    lost shard from its mirror and re-cut the state for two ranks, after the join for three;
+    every committed step's losses match the unsharded single-process reference."""
+    survivors = [r for r in range(3) if r != killed]
+    out = tmp_path / "out"
+    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, "KILL",
+           str(WAIT_FROM), str(zero), run_dir=tmp_path / "run", timeout=110,
+           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
+    procs = _records(out)
+    for rank in survivors:
+        assert len(procs[rank]) == 1, f"rank {rank} was restarted"
+        steps = [r["step"] for r in procs[rank][0][1] if r["event"] == "step"]
+        assert steps == list(range(1, STEPS + 1))
+    (_, first), (_, second) = procs[killed]
+    joined = second[0]
+    assert joined["event"] == "joined" and KILL_AT < joined["step"] < STEPS
+    survivor = {r["step"]: r for r in procs[survivors[0]][0][1] if r["event"] == "step"}
+    assert joined["weights"] == survivor[joined["step"]]["weights"]
+
+    # the state after each step, per launch rank (a replacement's first line is its join)
+    after: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for rank, runs in procs.items():
+        for _, records in runs:
+            for r in records:
+                if r["event"] in ("step", "joined"):
+                    after[r["step"]][rank] = r
+    layouts = set()
+    for step, by_rank in after.items():
+        layout = next(iter(by_rank.values()))["layout"]
+        layouts.add(tuple(layout))
+        if set(layout) != set(by_rank):
+            continue  # the killed rank's last step: its line is there, its peers' may be too
+        assert all(r["layout"] == layout for r in by_rank.values()), step
+        for i, rank in enumerate(layout):
+            following = layout[(i + 1) % len(layout)]
+            assert by_rank[rank]["mirror"] == by_rank[following]["optim"], (step, rank)
+    assert layouts == {(0, 1, 2), tuple(survivors)}
+
+    members = {s: r["members"] for s, r in survivor.items()}
+    assert members[KILL_AT + 1] == survivors and members[joined["step"] + 1] == [0, 1, 2]
+    reference = _reference_losses(members)
+    for rank, runs in procs.items():
+        for _, records in runs:
+            for r in records:
+                if r["event"] == "step":
+                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
+                                                      abs=1e-6), (rank, r["step"])
+    finals = {procs[r][-1][1][-1]["weights"] for r in (0, 1, 2)}
+    assert len(finals) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_zero_mirrors_take_what_a_checkpoint_load_brought(tmp_path: Path) -> None:
+    """A checkpoint holds no mirror: after a load each rank's mirror of the next rank's shard
+    equals what that rank loaded, not what the mirror held before the load."""
+    out = tmp_path / "out"
+    launch(2, DATA / "peer_zero_load_worker.py", str(out), str(tmp_path / "ckpt"),
+           run_dir=tmp_path / "run", timeout=80, extra=["--peer-recovery"])
+    results = rank_results(out, 2)
+    for rank, r in enumerate(results):
+        assert r["steps"] == 3 and r["layout"] == [0, 1]
+        assert r["own"] == r["saved"]
+        assert r["mirror"] == results[(rank + 1) % 2]["own"], rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_zero_stage_3_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    """Stage 3 keeps no whole parameters to mirror from: refused at initialize, naming the
+    stage and --max-restarts."""
+    with pytest.raises(AssertionError) as failed:
+        launch(2, WORKER, str(tmp_path / "out"), "2", "0", "9", "0", "KILL", "0", "3",
+               run_dir=tmp_path / "run", timeout=50, extra=["--peer-recovery"])
+    assert "recovers data-parallel replicas with ZeRO stages 0-2 without offload; this " \
+           "engine has ZeRO stage 3" in str(failed.value)
+    assert "--max-restarts" in str(failed.value)

@@ -153,6 +153,8 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
         else:
             log.info("no saved random generator state for this rank (the checkpoint has "
                      f"{shared['world_size']} ranks); keeping its own", rank=engine.global_rank)
+    if hasattr(engine, "peer_after_load"):
+        engine.peer_after_load()
     engine.zero_grad()
     return str(path), shared.get("client_state", {})
 

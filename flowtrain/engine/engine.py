@@ -35,6 +35,7 @@ from flowtrain.engine.timing import StepTimer
 from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger
 from flowtrain.parallel.grid import ProcessGrid
+from flowtrain.peer_recovery import enabled as _peer_recovery_enabled
 from flowtrain.plan import StepPlan, build_step_plan, names
 from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.precision import build_loss_scaler
@@ -98,10 +99,14 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         self.zero_stage = zcfg.stage
         self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stages 1-3
         self.stage3 = None  # flowtrain.zero.stage3.Stage3Params: stage 3 on several ranks
+        # launch --peer-recovery with ZeRO-1/2: every rank also steps its neighbour's shard
+        # (flowtrain.zero.mirror), which needs whole reduced gradients: stage 2 all-reduces
+        self._mirrored = self.zero_stage in (1, 2) and self.world_size > 1 and on and \
+            _peer_recovery_enabled()
         # Stages 2-3 keep a gradient shard, not whole gradients: buckets are transient and
         # reduce-scattered every micro-batch.
         self.transient = self.zero_stage >= 2 and self.world_size > 1 and \
-            (zcfg.reduce_scatter or self.zero_stage == 3)
+            ((zcfg.reduce_scatter and not self._mirrored) or self.zero_stage == 3)
         self._handed: set[int] = set()
         self.master = MasterWeights(self.trainable) \
             if model_dtype != torch.float32 and not self.zero_stage else None
@@ -147,7 +152,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
 
-            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
+            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer,
+                                                mirrored=self._mirrored)
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel

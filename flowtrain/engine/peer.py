@@ -25,6 +25,12 @@ class PeerRecovery:
     dp_rank: int
     zero: Any
     zero_stage: int
+    _layout: list[int]
+    _mirrored: bool
+    _groups: Any
+    trainable: list[torch.nn.Parameter]
+    buckets: Any
+    plan: Any
     model_parallel: bool
     grid: Any
     config: Any
@@ -46,20 +52,28 @@ class PeerRecovery:
     _spawn_reducer: Callable[[], None]
     _broadcast_model: Callable[[], None]
     _zero_grads: Callable[[], None]
+    _make_plan: Callable[..., Any]
+    _make_buckets: Callable[[Any], Any]
 
     def _peer_group(self) -> Any:
         """The process's PeerGroup under ``launch --peer-recovery`` (data parallelism with
-        ZeRO stage 0 only), else None."""
+        ZeRO stages 0-2, no offload), else None."""
         from flowtrain import peer_recovery
 
         if not peer_recovery.enabled() or not dist.is_initialized():
             return None
-        if self.zero_stage or self.model_parallel or self.grid is not None:
+        zcfg = self.config.zero_optimization
+        offload = self.zero_stage > 0 and (zcfg.offloads_optimizer or zcfg.offloads_params)
+        if self.zero_stage > 2 or offload or self.model_parallel or self.grid is not None:
+            what = f"ZeRO stage {self.zero_stage}" + (" with offload" if offload else "") + \
+                (" and model parallelism" if self.model_parallel else "")
             raise ValueError(f"flowtrain launch --peer-recovery recovers data-parallel replicas "
-                             f"with ZeRO stage 0; this engine has ZeRO stage {self.zero_stage}"
-                             f"{' and model parallelism' if self.model_parallel else ''}: "
+                             f"with ZeRO stages 0-2 without offload; this engine has {what}: "
                              f"use --max-restarts (restart from a checkpoint) instead")
-        return peer_recovery.group()
+        group = peer_recovery.group()
+        # the launch ranks ZeRO's shards are cut for, in group order
+        self._layout = list(group.members)
+        return group
 
     def _peer_vote(self, reduced: bool, error: str | None) -> dict[str, Any] | None:
         """Under --peer-recovery, the commit vote on this step once its gradients are reduced
@@ -96,18 +110,24 @@ class PeerRecovery:
             self.reducer = None
         joined = self.peer.reform(generation, members, joined, abandon)
         self._adopt_group()
-        if not joined:
+        if not joined and self.zero is None:
             return
         try:
-            self._broadcast_model()
-            self._peer_sync_state(load=False)
+            if joined:
+                self._broadcast_model()
+                self._peer_sync_state(load=False)
+            if self.zero is not None:
+                self._zero_regroup(self._layout)
         except RuntimeError as exc:  # GroupChanged too
-            # a replacement died while it was being sent the state: the coordinator announces
-            # the group without it (the weights here were not changed: the source's are the
-            # same); a survivor whose broadcasts went through meets the others at its next
-            # step, which the coordinator drops
+            # a replacement (or, exchanging ZeRO's shards, another member) died while the state
+            # moved: the coordinator announces the group without it (the weights here were not
+            # changed: the source's are the same, and ZeRO's layout changes only once every
+            # shard arrived); a survivor whose broadcasts went through meets the others at its
+            # next step, which the coordinator drops
             announced = self.peer.next_generation()
-            log.warning("a replacement was lost while it joined; re-forming without it",
+            log.warning("a replacement was lost while it joined; re-forming without it"
+                        if joined else "a member was lost while ZeRO's shards moved; "
+                        "re-forming without it",
                         error=str(exc)[:300], members=announced.get("members"))
             self._peer_reform(int(announced["generation"]), list(announced["members"]),
                               joined=[], abandon=True)
@@ -119,14 +139,93 @@ class PeerRecovery:
         self._parts = dataclasses.replace(self._parts, world_size=self.world_size,
                                           dp_rank=self.dp_rank)
         self.health.parts = self._parts
+        if self.world_size > 1 and self.zero is None:  # ZeRO's after its shards are re-cut
+            self._spawn_reducer()
+
+    def _zero_regroup(self, layout: list[int], described: list[dict[str, Any]] | None = None,
+                      *, force: bool = False) -> None:
+        """ZeRO-1/2 on the generation's group: the whole optimizer state, cut for the launch
+        ranks ``layout``, rebuilt from its holders (each shard's owner, or the predecessor
+        that mirrors it), then this rank's new shard and mirror taken from it. A replacement
+        passes the layout and the state's ``described`` form it was sent; ``force`` re-cuts
+        an unchanged group (the mirrors after a checkpoint load)."""
+        from flowtrain.zero import mirror as zm
+
+        assert self.peer is not None
+        members = list(self.peer.members)
+        if self.reducer is not None:
+            self._runtime.stop_actor(self.reducer.name)
+            self.reducer = None
+        if layout != members or force:
+            zero = self.zero
+            holding = zm.holders(layout, members)
+            me = members.index(self.peer.rank.env.rank)
+            mine_at = layout.index(members[me]) if members[me] in layout else None
+
+            def mine(k: int, mirrored: bool) -> list[dict[str, Any]]:
+                if mirrored:
+                    assert zero.mirror is not None and mine_at is not None and \
+                        (mine_at + 1) % len(layout) == k
+                    return zm.shard_state(zero.mirror.master, zero.mirror.optimizer)
+                assert mine_at == k
+                return zm.shard_state(zero.master, zero.optimizer)
+
+            if described is None:
+                described = zm.describe(zm.shard_state(zero.master, zero.optimizer))
+            whole = zm.assemble([b.numel for b in zero.plan], described, len(layout), holding,
+                                me, mine, self.peer.broadcast, zero.device)
+            self._zero_rebuild(whole)
+            log.warning("ZeRO shards re-cut for the group", layout=layout, members=members,
+                        from_mirrors=[k for k, (_, m) in enumerate(holding) if m])
+        self._layout = members
         if self.world_size > 1:
             self._spawn_reducer()
+
+    def peer_after_load(self) -> None:
+        """After a checkpoint load under --peer-recovery with ZeRO-1/2: each rank's mirror
+        takes what its neighbour just loaded (a mirror is in no checkpoint)."""
+        if self.peer is not None and self.zero is not None and self.zero.mirror is not None:
+            self._zero_regroup(self._layout, force=True)
+
+    def _zero_rebuild(self, whole: list[dict[str, Any]]) -> None:
+        """New buckets and ZeroOptimizer for this group's size and rank, loaded from the
+        buckets' ``whole`` state (``flowtrain.zero.mirror.assemble``)."""
+        from flowtrain.zero import mirror as zm
+        from flowtrain.zero.build import build_zero
+
+        optimizer = self.optimizer
+        self.buckets.remove_hooks()
+        # the user's optimizer back on the model's parameters and without state, as it was
+        # handed to build_zero at the start
+        optimizer.state.clear()
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [p for p, gi in zip(self.trainable, self._groups) if gi == g]
+        self.plan = self._make_plan(order=None)
+        self.buckets = self._make_buckets(self.plan)
+        self.zero, _ = build_zero(self._parts, self.buckets, optimizer, mirrored=self._mirrored)
+        zero = self.zero
+        numels = [b.numel for b in zero.plan]
+        zm.load_state(zero.master, optimizer,
+                      [zm.take(w, s, n) for w, s, n in zip(whole, zero.shards, numels)],
+                      copy_masters=not zero.aliased)
+        if zero.mirror is not None:
+            zm.load_state(zero.mirror.master, zero.mirror.optimizer,
+                          [zm.take(w, s, n) for w, s, n in zip(whole, zero.mirror.shards, numels)],
+                          copy_masters=True)
+        self.health.zero = zero
 
     def peer_state(self) -> dict[str, Any]:
         """What a replacement rank takes from a healthy peer besides the weights."""
         scaler = self.loss_scaler
+        zero = None
+        if self.zero is not None:  # the replacement takes its shard in _zero_regroup
+            from flowtrain.zero import mirror as zm
+
+            zero = {"layout": self._layout, "described": zm.describe(
+                zm.shard_state(self.zero.master, self.optimizer))}
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.zero is None else None,
+            "zero": zero,
             "lr_scheduler": self.lr_scheduler.state_dict()
             if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict")
             else None,
@@ -159,13 +258,16 @@ class PeerRecovery:
         if self.dp_rank == source or not load:
             return
         state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if state["lr_scheduler"] is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if state["loss_scaler"] is not None and hasattr(self.loss_scaler, "load_state_dict"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         for name, value in state["counters"].items():
             setattr(self, name, value)
+        if state.get("zero") is not None:
+            self._zero_regroup(list(state["zero"]["layout"]), state["zero"]["described"])
         log.warning("took the model and training state from a peer",
                     global_steps=self.global_steps, generation=self.peer.generation
                     if self.peer is not None else None)

@@ -128,7 +128,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    "secret) for jobs whose hosts talk over untrusted networks; frames are "
                    "signed either way")
     p.add_argument("--peer-recovery", action="store_true",
-                   help="data-parallel (ZeRO 0) jobs on one node: when a rank dies the others "
+                   help="data-parallel (ZeRO 0-2, no offload) jobs on one node: when a rank "
+                   "dies the others "
                    "drop the step in flight, re-form the process group among themselves and go "
                    "on without a restart; with --max-restarts N the launcher starts up to N "
                    "replacement ranks, which take the weights and optimizer state from a "

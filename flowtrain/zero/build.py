@@ -63,10 +63,11 @@ def stage3_buckets(parts: EngineParts, groups: list[int] | None) -> tuple[Bucket
 
 
 def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.Optimizer,
-               ) -> tuple[ZeroOptimizer, Stage3Params | None]:
+               *, mirrored: bool = False) -> tuple[ZeroOptimizer, Stage3Params | None]:
     """The ZeroOptimizer over the engine's gradient ``buckets`` (pointed at by ``optimizer``)
     and, for stage 3 on several ranks, the Stage3Params that gathers parameters around each
-    module."""
+    module. ``mirrored`` (stages 1-2 under ``launch --peer-recovery``): each rank also keeps
+    the next rank's shard (``flowtrain.zero.mirror``), and stage 2 all-reduces for it."""
     from flowtrain.zero.sharded import ZeroOptimizer
 
     zcfg = parts.config.zero_optimization
@@ -80,9 +81,10 @@ def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.
         offload_param = _Placement(torch.device("cpu"))
     zero = ZeroOptimizer(parts.trainable, buckets, stage=parts.zero_stage,
                          world_size=parts.world_size, rank=parts.dp_rank,
-                         group=parts.dp_group, reduce_scatter=zcfg.reduce_scatter,
+                         group=parts.dp_group,
+                         reduce_scatter=zcfg.reduce_scatter and not mirrored,
                          offload_optimizer=offload_optimizer, offload_param=offload_param,
-                         norm_over_world=parts.model_parallel, tp=parts.tp)
+                         norm_over_world=parts.model_parallel, tp=parts.tp, mirrored=mirrored)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
         if parts.zero_stage == 3:

@@ -43,7 +43,7 @@ class ZeroOptimizer:
                  stage: int, world_size: int, rank: int, group: Any = None,
                  reduce_scatter: bool = True, offload_optimizer: Any = None,
                  offload_param: Any = None, norm_over_world: bool = False,
-                 tp: int = 1) -> None:
+                 tp: int = 1, mirrored: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer implements stages 1, 2 and 3, got {stage}")
         self.params = list(params)
@@ -93,6 +93,13 @@ class ZeroOptimizer:
                 s = self.shards[b]  # stage 1 fp32: a view of the all-reduced bucket, no copy
                 master.grad = buckets.buffer(b).narrow(0, s.start, s.numel)
         self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
+        # launch --peer-recovery: a mirror of the next rank's shard (flowtrain.zero.mirror)
+        if mirrored and (self.scattered or offload_optimizer is not None or stage == 3):
+            raise ValueError("a ZeRO shard mirror needs whole reduced gradients and the "
+                             "optimizer on the compute device: stages 1-2 without "
+                             "reduce-scatter or optimizer offload")
+        self.mirrored = mirrored and world_size > 1
+        self.mirror: Any = None
         self.fused_copy = False
         self.optimizer: torch.optim.Optimizer | None = None
         # the engine's shared-memory channel (ranks of one host, CPU): the after-step
@@ -223,6 +230,10 @@ class ZeroOptimizer:
             list(zip(self.master, self.model_shards))
         self.fused_copy = point_optimizer_at(optimizer, groups, copies)
         self.optimizer = optimizer
+        if self.mirrored:
+            from flowtrain.zero.mirror import ShardMirror
+
+            self.mirror = ShardMirror(self, optimizer)
 
     def _stepped_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer ``replace_in_optimizer`` pointed at the master shards."""
@@ -264,37 +275,47 @@ class ZeroOptimizer:
             self.offloader.step(self, sources, coef)
         else:
             optimizer = self._stepped_optimizer()
-            # flowtrain's fused optimizers read each shard's reduced gradient times coef
-            # themselves (read_grads_from): no pass writes or scales fp32 gradients
-            fold = hasattr(optimizer, "read_grads_from")
-            kept, pairs = [], []
-            for master, src in zip(self.master, sources):
-                if not self._persistent_grads:
-                    grad = torch.empty(src.shape, dtype=torch.float32, device=src.device)
-                    if fold:  # never written: it only gives the optimizer its layout
-                        pairs.append((grad, src))
-                    else:  # the fp32 copy and the unscale/clip multiply in one pass per shard
-                        unscale_and_check(src, grad, coef)
-                    master.grad = grad
-                elif master.grad is None:  # kept since __init__
-                    raise RuntimeError("a ZeRO master shard has no gradient at the step")
-                elif fold:
-                    pairs.append((master.grad, master.grad))
-                else:
-                    kept.append(master.grad)
-            if coef != 1.0 and kept:
-                torch._foreach_mul_(kept, coef)
-            if fold:
-                cast(Any, optimizer).read_grads_from(pairs, coef)
-            optimizer.step()
-            if not self._persistent_grads:
-                for master in self.master:
-                    master.grad = None
+            self._step_shards(optimizer, self.master, sources, coef, self._persistent_grads)
+            if self.mirror is not None:  # the same step on the next rank's shard
+                self.mirror.follow(optimizer)
+                self._step_shards(self.mirror.optimizer, self.mirror.master,
+                                  self.mirror.sources(self), coef, self._persistent_grads)
             if not self.aliased and not self.fused_copy:
                 with torch.no_grad():
                     torch._foreach_copy_(self.model_shards, [m.detach() for m in self.master])
         self.all_gather()
         return False, norm
+
+    @staticmethod
+    def _step_shards(optimizer: torch.optim.Optimizer, masters: Sequence[torch.nn.Parameter],
+                     sources: Sequence[torch.Tensor], coef: float, persistent: bool) -> None:
+        """Steps ``optimizer`` over ``masters`` on the reduced gradients ``sources`` times
+        ``coef``. flowtrain's fused optimizers read each shard's reduced gradient times coef
+        themselves (read_grads_from): no pass writes or scales fp32 gradients."""
+        fold = hasattr(optimizer, "read_grads_from")
+        kept, pairs = [], []
+        for master, src in zip(masters, sources):
+            if not persistent:
+                grad = torch.empty(src.shape, dtype=torch.float32, device=src.device)
+                if fold:  # never written: it only gives the optimizer its layout
+                    pairs.append((grad, src))
+                else:  # the fp32 copy and the unscale/clip multiply in one pass per shard
+                    unscale_and_check(src, grad, coef)
+                master.grad = grad
+            elif master.grad is None:  # kept since __init__
+                raise RuntimeError("a ZeRO master shard has no gradient at the step")
+            elif fold:
+                pairs.append((master.grad, master.grad))
+            else:
+                kept.append(master.grad)
+        if coef != 1.0 and kept:
+            torch._foreach_mul_(kept, coef)
+        if fold:
+            cast(Any, optimizer).read_grads_from(pairs, coef)
+        optimizer.step()
+        if not persistent:
+            for master in masters:
+                master.grad = None
 
     def _grad_sources(self) -> list[torch.Tensor]:
         """Each bucket's reduced gradient slice for this rank (still loss-scaled)."""

@@ -13,8 +13,12 @@ while it takes its state from its peers (after the weights, before the optimizer
 SIGNAL REFORM:<R> the rank is SIGKILLed as with KILL, and the first process of rank R
 SIGKILLs itself as it starts to re-form the group after that loss.
 
+With ZERO (1 or 2) the engine runs that ZeRO stage; each step line then also carries the
+digests of the rank's own optimizer shard and of the mirror it keeps of the next rank's shard,
+and ``optim`` is its own shard's.
+
 argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank), JOINER or
-      REFORM:<R>] [WAIT_FROM]
+      REFORM:<R>] [WAIT_FROM] [ZERO]
 """
 
 from __future__ import annotations
@@ -60,12 +64,25 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+def shard_digest(masters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> str:
+    """The digest of a ZeRO shard: its master weights and its optimizer state."""
+    from flowtrain.zero.mirror import shard_state
+
+    tensors = []
+    for entries in shard_state(masters, optimizer):
+        for key in sorted(entries):
+            value = entries[key]
+            tensors.append(value if torch.is_tensor(value) else torch.tensor(float(value)))
+    return digest(tensors)
+
+
 def main() -> None:
     out, steps, kill_at, kill_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         int(sys.argv[4])
     sleep_s = float(sys.argv[5])
     sig = signal.SIGSTOP if sys.argv[6:7] == ["STOP"] else signal.SIGKILL
     wait_from = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    zero = int(sys.argv[8]) if len(sys.argv) > 8 else 0
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
@@ -101,6 +118,8 @@ def main() -> None:
     # and a lone survivor's own gradient is larger than the group's mean
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9,
            "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
     engine, optimizer, *_ = flowtrain.initialize(model=model,
                                                  model_parameters=model.parameters(), config=cfg)
     log = open(f"{out}.rank{rank}.pid{os.getpid()}.jsonl", "a")
@@ -110,9 +129,19 @@ def main() -> None:
         log.flush()
 
     params = list(model.parameters())
+
+    def optim() -> dict[str, object]:
+        if not zero:
+            return {"optim": digest(optimizer_tensors(optimizer))}
+        mirror = engine.zero.mirror
+        return {"layout": list(engine._layout),
+                "optim": shard_digest(engine.zero.master, optimizer),
+                "mirror": shard_digest(mirror.master, mirror.optimizer)
+                if mirror is not None else None}
+
     if replacement:
         record(event="joined", step=engine.global_steps, weights=digest(params),
-               optim=digest(optimizer_tensors(optimizer)), members=engine.peer.members)
+               members=engine.peer.members, **optim())
     while engine.global_steps < steps:
         step = engine.global_steps
         members = list(engine.peer.members)
@@ -124,7 +153,7 @@ def main() -> None:
             record(event="dropped", step=step + 1)
             continue
         record(event="step", step=engine.global_steps, loss=float(loss.detach()), members=members,
-               weights=digest(params), optim=digest(optimizer_tensors(optimizer)))
+               weights=digest(params), **optim())
         if not replacement and rank == kill_rank and engine.global_steps == kill_at:
             os.kill(os.getpid(), sig)
         time.sleep(sleep_s)
