@@ -227,10 +227,10 @@ def test_a_second_rank_lost_during_the_reform_leaves_one_survivor_going(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 # stage 1, rank 2 lost: its shard comes from rank 1's mirror; stage 2, rank 0 lost: from rank 2's
-# (the last rank mirrors the first)
-@pytest.mark.parametrize(("zero", "killed"), [(1, 2), (2, 0)])
+# (the last rank mirrors the first); a bf16 model: fp32 master shards apart from the weights
+@pytest.mark.parametrize(("zero", "killed"), [("1", 2), ("2", 0), ("2:bf16", 1)])
 def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
-        tmp_path: Path, zero: int, killed: int) -> None:
+        tmp_path: Path, zero: str, killed: int) -> None:
     """ZeRO-1/2 under --peer-recovery: every rank keeps a mirror of the next rank's optimizer
     shard, equal to it bit for bit after every step; after a loss the survivors rebuild the
     lost shard from its mirror and re-cut the state for two ranks, after the join for three;
@@ -238,7 +238,7 @@ def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
     survivors = [r for r in range(3) if r != killed]
     out = tmp_path / "out"
     launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, "KILL",
-           str(WAIT_FROM), str(zero), run_dir=tmp_path / "run", timeout=110,
+           str(WAIT_FROM), zero, run_dir=tmp_path / "run", timeout=110,
            extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
     procs = _records(out)
     for rank in survivors:
@@ -273,11 +273,14 @@ def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
     members = {s: r["members"] for s, r in survivor.items()}
     assert members[KILL_AT + 1] == survivors and members[joined["step"] + 1] == [0, 1, 2]
     reference = _reference_losses(members)
+    # the fp32 cases hold the recovery to the reference's rounding; the bf16 model (its mirrors'
+    # fp32 masters and the fused copy to the model) only to bf16's
+    rel = 2e-2 if zero.endswith("bf16") else 1e-5
     for rank, runs in procs.items():
         for _, records in runs:
             for r in records:
                 if r["event"] == "step":
-                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
+                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=rel,
                                                       abs=1e-6), (rank, r["step"])
     finals = {procs[r][-1][1][-1]["weights"] for r in (0, 1, 2)}
     assert len(finals) == 1

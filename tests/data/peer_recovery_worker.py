@@ -13,7 +13,7 @@ while it takes its state from its peers (after the weights, before the optimizer
 SIGNAL REFORM:<R> the rank is SIGKILLed as with KILL, and the first process of rank R
 SIGKILLs itself as it starts to re-form the group after that loss.
 
-With ZERO (1 or 2) the engine runs that ZeRO stage; each step line then also carries the
+With ZERO (1 or 2, or 1:bf16 / 2:bf16 for a bf16 model) the engine runs that ZeRO stage; each step line then also carries the
 digests of the rank's own optimizer shard and of the mirror it keeps of the next rank's shard,
 and ``optim`` is its own shard's.
 
@@ -50,7 +50,8 @@ def make_model() -> nn.Module:
 def digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        t = t.detach().contiguous()
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -82,7 +83,8 @@ def main() -> None:
     sleep_s = float(sys.argv[5])
     sig = signal.SIGSTOP if sys.argv[6:7] == ["STOP"] else signal.SIGKILL
     wait_from = int(sys.argv[7]) if len(sys.argv) > 7 else 0
-    zero = int(sys.argv[8]) if len(sys.argv) > 8 else 0
+    zero_arg = sys.argv[8].split(":") if len(sys.argv) > 8 else ["0"]
+    zero = int(zero_arg[0])
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     replacement = os.environ.get("FLOWTRAIN_PEER_JOIN") == "1"
@@ -120,6 +122,10 @@ def main() -> None:
            "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     if zero:
         cfg["zero_optimization"] = {"stage": zero}
+    dtype = torch.float32
+    if zero_arg[1:] == ["bf16"]:
+        cfg["bf16"] = {"enabled": True}
+        dtype = torch.bfloat16
     engine, optimizer, *_ = flowtrain.initialize(model=model,
                                                  model_parameters=model.parameters(), config=cfg)
     log = open(f"{out}.rank{rank}.pid{os.getpid()}.jsonl", "a")
@@ -146,7 +152,7 @@ def main() -> None:
         step = engine.global_steps
         members = list(engine.peer.members)
         x, y = batch(step, rank)
-        loss = nn.functional.mse_loss(engine(x), y)
+        loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
         if engine.global_steps == step:  # dropped: a rank was lost; redo it
