@@ -113,7 +113,7 @@ class Framework:
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("flowtrain", "flowtrain's engine: DeepSpeed's buckets and ZeRO, sends while it "
-                           "computes, ZeRO-1 all-reduces"),
+                           "computes", zero1_reduce_scatter=True),
     Framework("deepspeed", "DeepSpeed: ZeRO-1 reduce-scatters, its pipeline engine waits on "
                            "each send, its PipelineModule cuts stages by parameter count, "
                            "the model's loss is torch's eager cross-entropy",

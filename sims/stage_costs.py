@@ -130,10 +130,14 @@ class StageCosts:
         self.channel = (self.engine is not None and bool(self.engine.channel)
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
-        # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards
-        zero1_scatters = self.options.zero1_reduce == "reduce_scatter" or \
-            get_framework(self.options.framework).zero1_reduce_scatter
-        self.reduce_op = "reduce_scatter" if self.stage_no >= 2 or (
+        # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards, and ZeRO-1 into
+        # each rank's slice of its whole buckets where the framework does; zero_optimization's
+        # reduce_scatter false all-reduces at stages 1-2 (stage 3 always scatters)
+        scatters = bool(getattr(self.zero, "reduce_scatter", True))
+        zero1_scatters = self.options.zero1_reduce == "reduce_scatter" or (
+            scatters and get_framework(self.options.framework).zero1_reduce_scatter)
+        self.reduce_op = "reduce_scatter" if self.stage_no == 3 or (
+            self.stage_no == 2 and scatters) or (
             self.stage_no == 1 and zero1_scatters) else "all_reduce"
 
     def overheads(self) -> dict[str, float]:

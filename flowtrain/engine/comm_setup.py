@@ -46,6 +46,10 @@ class EngineComm:
                                 channel=self.channel,
                                 shards=self.zero.grad_shards if self.zero is not None and
                                 self.zero.scattered else None,
+                                # a bucket in the channel's arena is summed in place, whole
+                                slices=self.zero.slices if self.zero is not None and
+                                self.zero.sliced and not (self.channel is not None and
+                                                          self.channel.arena_bytes) else None,
                                 interrupt=(lambda: peer.interrupt) if peer is not None else None)
         self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
         self._reducer_actor = reducer

@@ -73,7 +73,7 @@ class BucketReducer(Actor):
                  predivide: float = 1.0, prescale: bool = False, group: Any = None,
                  stages: Stages | None = None, timeout: float = comm.DEFAULT_TIMEOUT,
                  channel: Any = None, shards: list[torch.Tensor] | None = None,
-                 interrupt: Any = None) -> None:
+                 slices: list[tuple[int, int]] | None = None, interrupt: Any = None) -> None:
         """``interrupt`` (--peer-recovery): a callable giving the asyncio.Event set when the
         group's membership changes; with it a failed or interrupted reduce does not fail the
         actor: ``Flush`` reports it (``ReduceReport.error``) and the engine drops the step."""
@@ -83,8 +83,13 @@ class BucketReducer(Actor):
         # ZeRO stages 2-3: reduce-scatter each bucket and add the result into this rank's
         # gradient shard instead of all-reducing it (the shards accumulate over micro-batches).
         self.shards = shards
+        # ZeRO stage 1 (``slices``: this rank's (start, numel) of each bucket): reduce-scatter
+        # into the rank's own slice of the bucket, the only part its optimizer steps on; the
+        # rest of the bucket keeps this rank's local sums (DeepSpeed's stage 1 reduce-scatters
+        # too). Half the traffic of an all-reduce.
+        self.slices = slices
         self.on_reduced: Any = None  # called with a bucket index once its final reduce is done
-        self._op = "all_reduce" if shards is None else "reduce_scatter"
+        self._op = "all_reduce" if shards is None and slices is None else "reduce_scatter"
         self._shard_buffers: dict[int, torch.Tensor] = {}
         self.world_size = world_size
         self.comm_dtype = comm_dtype
@@ -231,8 +236,8 @@ class BucketReducer(Actor):
             if self.on_reduced is not None:
                 self.on_reduced(index)
             for ref in self.stages["after_reduce"]:
-                reduced = self.buckets.buffer(index) if self.shards is None else \
-                    self.shards[index]
+                reduced = self.shards[index] if self.shards is not None else \
+                    self._own(index)
                 await ref.ask(BucketReduced(index, reduced, self._step))
         self._inflight.clear()
         self._ready.clear()
@@ -258,6 +263,16 @@ class BucketReducer(Actor):
         launched = time.perf_counter()
         if self.shards is not None:
             work, buffer = self._launch_scatter(index, self.shards[index], buffer)
+        elif self.slices is not None:
+            start, numel = self.slices[index]
+            if self.channel is not None:
+                # the channel sums out of its slots, so the result may land in the input
+                out = buffer.narrow(0, start, numel)
+                work = self.channel.reduce_scatter_async(buffer, out)
+                buffer = out
+            else:
+                work, buffer = self._launch_scatter(index, buffer.narrow(0, start, numel),
+                                                    buffer)
         elif self.channel is not None and buffer is grad:
             # the channel applies the after-sum scale (a bucket in its arena is read by the
             # peers until they are done, so this rank must not scale it afterwards)
@@ -279,6 +294,14 @@ class BucketReducer(Actor):
             return self.channel.reduce_scatter_async(buffer, out), out
         return comm.reduce_scatter_single(out, buffer, group=self.group, async_op=True), out
 
+    def _own(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s reduced gradients: all of it, or with ``slices`` this rank's."""
+        grad = self.buckets.buffer(index)
+        if self.slices is None:
+            return grad
+        start, numel = self.slices[index]
+        return grad.narrow(0, start, numel)
+
     def _post_scale(self) -> float:
         return 1.0 if self.prescale else self.predivide / self.world_size
 
@@ -290,6 +313,13 @@ class BucketReducer(Actor):
                 shard.add_(buffer.to(shard.device), alpha=post)
             else:
                 shard.add_(buffer.to(shard.device))
+            return
+        if self.slices is not None:
+            own = self._own(index)
+            if buffer.data_ptr() != own.data_ptr() or buffer.dtype != own.dtype:
+                own.copy_(buffer)
+            if post != 1.0:
+                own.mul_(post)
             return
         grad = self.buckets.buffer(index)
         if buffer is grad and self.channel is not None:

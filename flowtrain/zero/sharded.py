@@ -60,6 +60,9 @@ class ZeroOptimizer:
         # zero_optimization.reduce_scatter false (stage 2) all-reduces and slices, as stage 1.
         self.scattered = stage >= 2 and world_size > 1 and (reduce_scatter or stage == 3)
         self.partitioned = [stage == 3 and world_size > 1 and b.partitioned for b in self.plan]
+        # Stage 1 keeps whole gradient buckets; with reduce_scatter (DeepSpeed's default) the
+        # reducer sums only this rank's slice of each (``slices``), the part it steps.
+        self.sliced = stage == 1 and world_size > 1 and reduce_scatter
         self.shards: list[Shard] = [shard_of(b.numel, world_size, rank) for b in self.plan]
         # tensor parallel (``tp`` ranks): a parameter not split over the group is held alike by
         # all of them, so its share of the norm summed over the world counts 1/tp
@@ -105,6 +108,11 @@ class ZeroOptimizer:
         # the engine's shared-memory channel (ranks of one host, CPU): the after-step
         # all-gather goes through it instead of torch.distributed
         self.channel: Any = None
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        """This rank's (start, numel) in each bucket."""
+        return [(s.start, s.numel) for s in self.shards]
 
     def _replicated_runs(self) -> list[tuple[int, int, int]]:
         """(bucket, start, length) runs of this rank's shards that hold parameters replicated
