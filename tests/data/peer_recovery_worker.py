@@ -13,9 +13,9 @@ while it takes its state from its peers (after the weights, before the optimizer
 SIGNAL REFORM:<R> the rank is SIGKILLed as with KILL, and the first process of rank R
 SIGKILLs itself as it starts to re-form the group after that loss.
 
-With ZERO (1 or 2, or 1:bf16 / 2:bf16 for a bf16 model) the engine runs that ZeRO stage; each step line then also carries the
-digests of the rank's own optimizer shard and of the mirror it keeps of the next rank's shard,
-and ``optim`` is its own shard's.
+With ZERO (1 or 2, or 1:bf16 / 2:bf16 for a bf16 model) the engine runs that ZeRO stage; each
+step line then also carries the digests of the rank's own optimizer shard and of the mirror it
+keeps of the next rank's shard, and ``optim`` is its own shard's.
 
 argv: OUT STEPS KILL_AT KILL_RANK SLEEP_S [SIGNAL: KILL, STOP (a frozen rank), JOINER or
       REFORM:<R>] [WAIT_FROM] [ZERO]
