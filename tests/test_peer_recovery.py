@@ -68,6 +68,35 @@ def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, 
     return losses
 
 
+def _assert_losses_match(procs: dict[int, list[tuple[int, list[dict[str, Any]]]]],
+                         members: dict[int, list[int]], rel: float = 1e-5) -> None:
+    """Every committed step's loss of every process equals the single-process reference's."""
+    reference = _reference_losses(members)
+    for rank, runs in procs.items():
+        for _, records in runs:
+            for r in records:
+                if r["event"] == "step":
+                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=rel,
+                                                      abs=1e-6), (rank, r["step"])
+
+
+def _launch_with_a_loss(tmp_path: Path, killed: int, how: str, *more: str,
+                        ) -> dict[int, list[tuple[int, list[dict[str, Any]]]]]:
+    """Three ranks under --peer-recovery (one replacement, started 1 s after the loss), rank
+    ``killed`` lost after step KILL_AT; checks that each survivor is the process it started
+    as and recorded steps 1..N once each; returns the records."""
+    out = tmp_path / "out"
+    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, how,
+           str(WAIT_FROM), *more, run_dir=tmp_path / "run", timeout=110,
+           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
+    procs = _records(out)
+    for rank in (r for r in range(3) if r != killed):
+        assert len(procs[rank]) == 1, f"rank {rank} was restarted: {[p for p, _ in procs[rank]]}"
+        steps = [r["step"] for r in procs[rank][0][1] if r["event"] == "step"]
+        assert steps == list(range(1, STEPS + 1))
+    return procs
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 # rank 0 also hosts the first group's TCPStore; a replacement rank 0 is the lowest member of
@@ -77,18 +106,9 @@ def _reference_losses(members_by_step: dict[int, list[int]]) -> dict[tuple[int, 
 def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, killed: int,
                                                              how: str) -> None:
     survivors = [r for r in range(3) if r != killed]
-    out = tmp_path / "out"
-    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, how,
-           str(WAIT_FROM),
-           run_dir=tmp_path / "run", timeout=110,
-           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
-    procs = _records(out)
-
     # the survivors are the processes they started as, with steps 1..N once each
+    procs = _launch_with_a_loss(tmp_path, killed, how)
     for rank in survivors:
-        assert len(procs[rank]) == 1, f"rank {rank} was restarted: {[p for p, _ in procs[rank]]}"
-        steps = [r["step"] for r in procs[rank][0][1] if r["event"] == "step"]
-        assert steps == list(range(1, STEPS + 1))
         dropped = [r["step"] for r in procs[rank][0][1] if r["event"] == "dropped"]
         assert dropped and all(s == KILL_AT + 1 for s in dropped)
 
@@ -121,13 +141,7 @@ def test_survivors_go_on_and_a_replacement_joins_from_a_peer(tmp_path: Path, kil
     assert members[KILL_AT + 1] == survivors
     assert members[join_step + 1] == [0, 1, 2]
 
-    reference = _reference_losses(members)
-    for rank, runs in procs.items():
-        for _, records in runs:
-            for r in records:
-                if r["event"] == "step":
-                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
-                                                      abs=1e-6), (rank, r["step"])
+    _assert_losses_match(procs, members)
 
     job = json.loads((tmp_path / "run" / "job.json").read_text())
     assert job["status"] == "succeeded" and job["exit_code"] == 0
@@ -206,13 +220,7 @@ def test_a_second_rank_lost_during_the_reform_leaves_one_survivor_going(
     assert members[KILL_AT] == [0, 1, 2]
     assert members[KILL_AT + 1] == [survivor]
     assert members[joined["step"] + 1] == sorted([survivor, 2])
-    reference = _reference_losses(members)
-    for rank, runs in procs.items():
-        for _, recs in runs:
-            for r in recs:
-                if r["event"] == "step":
-                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=1e-5,
-                                                      abs=1e-6), (rank, r["step"])
+    _assert_losses_match(procs, members)
     finals = {procs[r][-1][1][-1]["weights"] for r in (survivor, 2)}
     assert len(finals) == 1
     job = json.loads((tmp_path / "run" / "job.json").read_text())
@@ -236,15 +244,7 @@ def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
     lost shard from its mirror and re-cut the state for two ranks, after the join for three;
     every committed step's losses match the unsharded single-process reference."""
     survivors = [r for r in range(3) if r != killed]
-    out = tmp_path / "out"
-    launch(3, WORKER, str(out), str(STEPS), str(KILL_AT), str(killed), SLEEP_S, "KILL",
-           str(WAIT_FROM), zero, run_dir=tmp_path / "run", timeout=110,
-           extra=["--peer-recovery", "--max-restarts", "1", "--peer-respawn-delay", "1"])
-    procs = _records(out)
-    for rank in survivors:
-        assert len(procs[rank]) == 1, f"rank {rank} was restarted"
-        steps = [r["step"] for r in procs[rank][0][1] if r["event"] == "step"]
-        assert steps == list(range(1, STEPS + 1))
+    procs = _launch_with_a_loss(tmp_path, killed, "KILL", zero)
     (_, first), (_, second) = procs[killed]
     joined = second[0]
     assert joined["event"] == "joined" and KILL_AT < joined["step"] < STEPS
@@ -272,16 +272,9 @@ def test_zero_survivors_recut_the_shards_and_a_replacement_takes_its_own(
 
     members = {s: r["members"] for s, r in survivor.items()}
     assert members[KILL_AT + 1] == survivors and members[joined["step"] + 1] == [0, 1, 2]
-    reference = _reference_losses(members)
     # the fp32 cases hold the recovery to the reference's rounding; the bf16 model (its mirrors'
     # fp32 masters and the fused copy to the model) only to bf16's
-    rel = 2e-2 if zero.endswith("bf16") else 1e-5
-    for rank, runs in procs.items():
-        for _, records in runs:
-            for r in records:
-                if r["event"] == "step":
-                    assert r["loss"] == pytest.approx(reference[(r["step"], rank)], rel=rel,
-                                                      abs=1e-6), (rank, r["step"])
+    _assert_losses_match(procs, members, rel=2e-2 if zero.endswith("bf16") else 1e-5)
     finals = {procs[r][-1][1][-1]["weights"] for r in (0, 1, 2)}
     assert len(finals) == 1
 
