@@ -57,11 +57,16 @@ class ShmChannel:
     into its own), then copies the others' finished shares (a reduce-scatter and an all-gather
     in shared memory). Peers read a rank's arena tensor until they are done, so its owner
     calls ``quiesce`` before it next writes the tensor (zeroing the gradients).
+
+    With ``shared_bytes`` the file also holds one region of that size for the whole host
+    (``shared_region``), which every rank maps at the same place: ZeRO-3 keeps the model's
+    parameters there, each rank writing only its own shard, so a parameter "gather" on this host
+    is a view and a ``barrier`` where the shards change.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, rank: int, world_size: int,
                  slot_bytes: int, create: bool, timeout: float = 600.0,
-                 arena_bytes: int = 0) -> None:
+                 arena_bytes: int = 0, shared_bytes: int = 0) -> None:
         most = _HEADER_BYTES // (_FLAG_SETS * _FLAG_STRIDE * 8)
         if world_size < 2 or world_size > most:
             raise ValueError(f"shared-memory channel needs 2..{most} ranks, got {world_size}")
@@ -70,8 +75,10 @@ class ShmChannel:
         self.slot_bytes = slot_bytes - slot_bytes % 64
         self.timeout = timeout
         self.arena_bytes = -(-arena_bytes // _ALIGN) * _ALIGN
+        self.shared_bytes = -(-shared_bytes // _ALIGN) * _ALIGN
         self.path = Path(path)
-        size = _HEADER_BYTES + world_size * (self.slot_bytes + self.arena_bytes)
+        size = _HEADER_BYTES + world_size * (self.slot_bytes + self.arena_bytes) + \
+            self.shared_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
@@ -97,6 +104,9 @@ class ShmChannel:
                                          offset=arenas_at + r * self.arena_bytes)
                         for r in range(world_size)] if self.arena_bytes else []
         self._arena_ptr = self._arenas[rank].data_ptr() if self._arenas else 0
+        self._shared = torch.frombuffer(self._map, dtype=torch.uint8, count=self.shared_bytes,
+                                        offset=arenas_at + world_size * self.arena_bytes) \
+            if self.shared_bytes else None
         # peers sleep on the flags and are woken by the rank raising one (polling without it)
         self._futex = futex() if os.environ.get(SHM_POLL) is None else None
         self._requests: queue.Queue[Any] = queue.Queue()
@@ -147,6 +157,21 @@ class ShmChannel:
             return view.zero_()
 
         return allocate
+
+    def shared_region(self) -> torch.Tensor:
+        """The host's shared region (``shared_bytes`` bytes, the same memory on every rank)."""
+        if self._shared is None:
+            raise ValueError("this shared-memory channel was opened without a shared region "
+                             "(shared_bytes=0)")
+        return self._shared
+
+    def barrier_async(self) -> concurrent.futures.Future[None]:
+        """Queues a barrier: it completes once every rank has queued it (after everything each
+        queued before it). Writes a rank made to the shared region before queueing it are
+        visible to every rank once it completes."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._requests.put((("barrier",), future))
+        return future
 
     def quiesce(self) -> None:
         """Waits until every peer has finished reading this rank's arena (all collectives
@@ -209,6 +234,8 @@ class ShmChannel:
                 kind, *args = request
                 if kind == "gather":
                     self._all_gather(*args)
+                elif kind == "barrier":
+                    self._barrier()
                 elif kind == "arena":
                     self._reduce_arena(*args)
                 elif kind == "reduce":
@@ -248,6 +275,14 @@ class ShmChannel:
                     at = r * k + start
                     flat[at:at + n].copy_(self._slots[r][:nbytes].view(flat.dtype))
             self._raise(self._read, seq)
+
+    def _barrier(self) -> None:
+        self._seq += 1
+        seq = self._seq
+        self._raise(self._written, seq)
+        self._wait(self._written, seq, "reach the barrier")
+        # a round of its own: the next one waits for every rank's read flag to pass it
+        self._raise(self._read, seq)
 
     def _reduce_arena(self, offset: int, tensor: torch.Tensor, scale: float) -> None:
         """All-reduce of a tensor in the arenas, without a copy into a slot: every rank sums its
@@ -356,7 +391,7 @@ _opened = 0
 
 
 def open_channel(rank: Any, *, slot_bytes: int, timeout: float,
-                 arena_bytes: int = 0) -> ShmChannel:
+                 arena_bytes: int = 0, shared_bytes: int = 0) -> ShmChannel:
     """Creates (local rank 0) or attaches (the others) the host's channel, agreeing on the file
     through the control plane, and unlinks it once everyone has it mapped, so nothing is left
     in /dev/shm even if the job crashes."""
@@ -370,13 +405,13 @@ def open_channel(rank: Any, *, slot_bytes: int, timeout: float,
         path = _SHM_DIR / f"flowtrain-{os.getpid()}-{os.urandom(6).hex()}"
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
                              slot_bytes=slot_bytes, create=True, timeout=timeout,
-                             arena_bytes=arena_bytes)
+                             arena_bytes=arena_bytes, shared_bytes=shared_bytes)
         rank.kv_set(key, str(path))
     else:
         path = Path(rank.kv_get(key, timeout=timeout))
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
                              slot_bytes=slot_bytes, create=False, timeout=timeout,
-                             arena_bytes=arena_bytes)
+                             arena_bytes=arena_bytes, shared_bytes=shared_bytes)
     rank.barrier(f"{key}-mapped", timeout=timeout)
     if env.local_rank == 0:
         path.unlink(missing_ok=True)

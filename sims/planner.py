@@ -290,7 +290,8 @@ def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
             if chunks is not None else None,
             param_gather_overlap=opts.param_gather_overlap or fw.param_gather_overlap,
             fsdp=opts.fsdp or fw.fsdp_units,
-            blocking_p2p=opts.blocking_p2p or fw.blocks_sends(v))
+            blocking_p2p=opts.blocking_p2p or fw.blocks_sends(v),
+            shared_params=priced.shared_params)
         stages.append(_Stage(params, weights, total_weight, flops, act_bytes, stage))
         _price_passes(priced, stages[-1], work, cfg)
         stage.build()

@@ -193,6 +193,68 @@ def test_all_gather_puts_every_shard_everywhere(tmp_path: Path, world: int) -> N
             assert torch.equal(torch.load(tmp_path / f"{r}.pt")[i], expected)
 
 
+SHARED = 4096  # bytes of the host-shared region in the tests below
+
+
+def _shared_run(channel: ShmChannel, rank: int, world: int) -> list[torch.Tensor]:
+    """Each rank writes its slice of the shared region, then barriers, then reads the whole
+    region: after the barrier every rank sees every slice. Three rounds, each rewriting the
+    slices with new values after a barrier that orders the reads before the writes."""
+    region = channel.shared_region().view(torch.float32)
+    per = region.numel() // world
+    seen = []
+    for step in range(3):
+        channel.barrier_async().result(timeout=20)  # the previous round's reads are done
+        region[rank * per:(rank + 1) * per].fill_(100.0 * step + rank)
+        channel.barrier_async().result(timeout=20)  # every slice written
+        seen.append(region.clone())
+    return seen
+
+
+def _shared_peer(path: str, rank: int, world: int, out: str) -> None:
+    channel = ShmChannel(path, rank=rank, world_size=world, slot_bytes=SLOT, create=False,
+                         timeout=20, shared_bytes=SHARED)
+    torch.save(_shared_run(channel, rank, world), out)
+    channel.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_region_is_one_memory_ordered_by_barriers(tmp_path: Path, world: int) -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-shared{world}"
+    channel = ShmChannel(path, rank=0, world_size=world, slot_bytes=SLOT, create=True,
+                         timeout=20, shared_bytes=SHARED)
+    mine = _with_peers(channel, path, world, _shared_peer, (), tmp_path,
+                       lambda: _shared_run(channel, 0, world))
+    per = SHARED // 4 // world
+    for step in range(3):
+        expected = torch.zeros(SHARED // 4)
+        for r in range(world):
+            expected[r * per:(r + 1) * per] = 100.0 * step + r
+        assert torch.equal(mine[step], expected)
+        for r in range(1, world):
+            assert torch.equal(torch.load(tmp_path / f"{r}.pt")[step], expected)
+
+
+def test_barrier_waits_for_every_rank_and_names_the_missing_one() -> None:
+    path = Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-barrier"
+    channel = ShmChannel(path, rank=0, world_size=2, slot_bytes=SLOT, create=True, timeout=0.3,
+                         shared_bytes=SHARED)
+    try:
+        future = channel.barrier_async()
+        with pytest.raises(ShmTimeout, match=r"ranks \[1\] did not reach the barrier"):
+            future.result(timeout=5)
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+    bare = ShmChannel(path, rank=0, world_size=2, slot_bytes=SLOT, create=True, timeout=0.3)
+    try:
+        with pytest.raises(ValueError, match="without a shared region"):
+            bare.shared_region()
+    finally:
+        bare.close()
+        path.unlink(missing_ok=True)
+
+
 def _voluntary_switches(thread_id: int) -> int:
     for line in Path(f"/proc/self/task/{thread_id}/status").read_text().splitlines():
         if line.startswith("voluntary_ctxt_switches:"):

@@ -153,6 +153,26 @@ def test_reduces_go_over_the_shared_memory_channel_where_the_engine_uses_it() ->
     assert reduce.interference is None
 
 
+def test_zero3_gathers_nothing_where_the_host_shares_the_parameters() -> None:
+    """ZeRO-3 over the shared-memory channel uses the host's one copy of the parameters
+    (flowtrain.zero.stage3): the plan has no gathers; with zero3_shared_params false, or over
+    gloo, each use's gather is the data-parallel all-gather of the bucket."""
+    hw = cpu_profile()
+    work = Workload("two layers", (("l.0.weight", (64, 64), "float32", 4),
+                                   ("l.1.weight", (64, 64), "float32", 4)), 1e5)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 4096}
+
+    def gathers(**flowtrain: Any) -> list[float]:
+        cfg = sim_config(2, zero_optimization=zero, flowtrain=flowtrain)
+        return [t.duration for t in build_plan(work, cfg, Layout(1, 2), hw).tasks
+                if t.kind == "gather"]
+
+    assert gathers() == [] and gathers(data_channel="shm") == []
+    nbytes = 64 * 64 * 4
+    for own in (gathers(zero3_shared_params=False), gathers(data_channel="torch")):
+        assert own and all(d == pytest.approx(1e-3 + nbytes / 1e9, rel=0.05) for d in own), own
+
+
 def test_optimizer_step_as_the_engine_runs_it() -> None:
     hw = cpu_profile()
     kernel, bandwidth = 1e-5, 20e9

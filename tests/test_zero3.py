@@ -14,7 +14,7 @@ import torch
 from helpers import DATA, check_cases, launch, rank_results
 
 WORKER = DATA / "zero3_worker.py"
-CASES = ["s1", "s1_offload", "s2", "s2_offload", "s3", "s3_offload"]
+CASES = ["s1", "s1_offload", "s2", "s2_offload", "s3", "s3_offload", "s3_gathers"]
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.multiprocess]
 
@@ -54,12 +54,13 @@ def test_losses_and_weights_match_stage0(zero3_run: Any, world: int, case: str) 
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["s3", "s3_offload"])
+@pytest.mark.parametrize("case", ["s3", "s3_offload", "s3_gathers"])
 def test_stage3_partitions_parameters_between_uses(zero3_run: Any, world: int,
                                                    case: str) -> None:
     """Weights above the persistence threshold (20 elements) are empty between steps; norms
-    and biases (16 elements) stay; every use gathered (reuse distance 0 re-gathers the block
-    run twice and the checkpointed block's recompute)."""
+    and biases (16 elements) stay; with gathers every use gathered (reuse distance 0
+    re-gathers the block run twice and the checkpointed block's recompute), with the
+    host-shared parameters (the ranks of one host, the default) none is."""
     ranks = zero3_run("compare", world)
     got = ranks[0][case]
     assert got["released"] == ["blocks.0.fc.weight", "blocks.1.fc.weight",
@@ -67,7 +68,11 @@ def test_stage3_partitions_parameters_between_uses(zero3_run: Any, world: int,
     # per micro-batch, forward then backward: inp, block0, block1 (and its recompute),
     # block2 twice; padded to a multiple of the world size
     assert got["trace_len"] >= 10
-    assert got["gathered_numel"] > 20 * 2 * (8 * 16 + 3 * 16 * 16)
+    assert got["shared"] == (case != "s3_gathers")
+    if got["shared"]:
+        assert got["gathered_numel"] == 0
+    else:
+        assert got["gathered_numel"] > 20 * 2 * (8 * 16 + 3 * 16 * 16)
     for r in range(world):
         shard = ranks[r][case]["memory"]
         full = ranks[r]["s0"]["memory"]
@@ -100,7 +105,7 @@ def test_run_directory_records_spans_and_plan(zero3_run: Any) -> None:
     plan with the forward FLOPs of one micro-batch (torch.utils.flop_counter)."""
     zero3_run("compare", 2)
     run_dir = zero3_run.dirs[("all", 2)]
-    # the compare part's last engine: stage 3 with offload, 20 steps (then 6 memory engines
+    # the compare part's last engine: stage 3 with gathers, 20 steps (then 6 memory engines
     # of 2 steps each)
     lines = [json.loads(x) for x in (run_dir / "spans" / "rank1.jsonl").read_text().splitlines()]
     last = lines[-32:-12]

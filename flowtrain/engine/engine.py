@@ -310,7 +310,13 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         if self._run_dir is None or self.global_rank != 0:
             return out
         try:
-            write_plan(self._run_dir, config=self.config.to_dict(), world_size=self.world_size,
+            config = self.config.to_dict()
+            if self.world_size > 1:
+                # what carried the reduces (an unset choice is decided by the host), so a plan
+                # of this run lays out the collectives it ran
+                config.setdefault("flowtrain", {})["data_channel"] = \
+                    "shm" if self.channel is not None else "torch"
+            write_plan(self._run_dir, config=config, world_size=self.world_size,
                        param_specs=self._param_specs(),
                        forward_flops_per_micro_batch=self.health.forward_flops,
                        forward_ops_per_micro_batch=summary)
@@ -418,6 +424,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                     ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
                 for ref in self.stages["after_reduce"]:
                     ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
+        if self.stage3 is not None:
+            self.stage3.before_write()
         with self.timer.span("optimizer", names.OPTIMIZER_STEP):
             skipped = self._optimizer_step()
         if self.stage3 is not None:

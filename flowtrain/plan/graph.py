@@ -150,6 +150,8 @@ class StageLayout:
     ``blocking_p2p``: the stage waits for each pipeline send to complete before its next pass
     (Megatron's and DeepSpeed's 1F1B wait on their point-to-point requests), instead of sending
     while it computes.
+    ``shared_params`` (ZeRO-3, CPU ranks of one host): the ranks use the host's one copy of the
+    parameters in shared memory, so a use gathers nothing.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
@@ -160,7 +162,7 @@ class StageLayout:
                  overheads: Collection[str] = (),
                  chunk_params: Sequence[Sequence[int]] | None = None,
                  param_gather_overlap: bool = False, fsdp: bool = False,
-                 blocking_p2p: bool = False) -> None:
+                 blocking_p2p: bool = False, shared_params: bool = False) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -209,6 +211,9 @@ class StageLayout:
         # the gathers each segment waits for before its first forward (param_gather_overlap)
         self.gathers_before: dict[int, list[int]] = {}
         self.uses = self._stage3_uses(zero) if self.partitioned else None
+        # ZeRO-3 ranks of one host sharing its copy of the parameters (flowtrain.zero.stage3):
+        # each use is a view, no gather
+        self.shared_params = shared_params and self.uses is not None
         self.params, self.forward_flops, self.chunk_flops = params, forward_flops, chunk_flops
         self.micro_batch, self.bucket_numel = micro_batch, bucket_numel
         self.comm_dtype = comm_dtype
@@ -238,7 +243,8 @@ class StageLayout:
             reduce_every_micro_batch=self.reduce_every_mb, stage=self.stage, stages=self.pp,
             schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
             chunk_flops=self.chunk_flops,
-            stage3=(self.uses, self.trace) if self.uses is not None else None)
+            stage3=(self.uses, self.trace) if self.uses is not None and not self.shared_params
+            else None)
 
     def _stage3_uses(self, zero: Any) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -510,6 +516,8 @@ class StageLayout:
             return []
         bucket = self.bucket_of_seg[j]  # set with the uses
         if bucket is None:
+            return []
+        if self.shared_params:
             return []
         s, graph = self.stage, self.graph
         pos = self.use_pos[(direction, bucket)]

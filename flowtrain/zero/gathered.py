@@ -117,6 +117,7 @@ class GatheredParameters:
     def _publish(self, place: _Place, buckets: list[int]) -> None:
         zero = place.zero
         src = self._source_rank(zero.world_size, zero.group)
+        fulls = []
         for b in buckets:
             full = zero.flat_params[b]
             if full is None:
@@ -124,6 +125,10 @@ class GatheredParameters:
                 full = place.stage3.live[b]
             if zero.world_size > 1:
                 comm.broadcast(full, src=src, group=zero.group)
+            fulls.append(full)
+        if place.stage3 is not None:
+            place.stage3.before_write()  # host-shared shards: peers done reading them
+        for b, full in zip(buckets, fulls):
             zero.store_full(b, full)
 
 

@@ -108,6 +108,11 @@ class ZeroOptimizer:
         # the engine's shared-memory channel (ranks of one host, CPU): the after-step
         # all-gather goes through it instead of torch.distributed
         self.channel: Any = None
+        # counts the collective writes to the model shards (steps, loads, publishes): stage 3
+        # with host-shared parameters (``share_params``) synchronizes before reading peers'
+        # shards after one
+        self.write_epoch = 0
+        self.shared: dict[int, torch.Tensor] = {}
 
     @property
     def slices(self) -> list[tuple[int, int]]:
@@ -187,6 +192,46 @@ class ZeroOptimizer:
             shard = shard.to(self.device, non_blocking=True)
         return comm.all_gather_single(full, shard, group=group, async_op=True), full
 
+    def shared_layout(self) -> list[tuple[int, int, torch.dtype]]:
+        """(bucket, byte offset, dtype) of each partitioned bucket's whole padded buffer in a
+        host-shared region laid out by ``share_params``; the region's size is the last end."""
+        out, at = [], 0
+        for b, part in enumerate(self.partitioned):
+            if part:
+                shard = self.model_shards[b]
+                out.append((b, at, shard.dtype))
+                at += -(-self.shards[b].padded * shard.element_size() // 64) * 64
+        return out
+
+    def shared_bytes(self) -> int:
+        layout = self.shared_layout()
+        if not layout:
+            return 0
+        b, at, dtype = layout[-1]
+        return at + self.shards[b].padded * torch.empty((), dtype=dtype).element_size()
+
+    def share_params(self, region: torch.Tensor) -> None:
+        """Moves stage 3's partitioned model shards into ``region``, a byte buffer every rank of
+        this host maps (``flowtrain.shm``): each bucket's whole padded buffer lies there once,
+        and this rank's shard (and, for fp32 models, the master the optimizer steps in place)
+        becomes its slice, so the ranks' steps write the host's one copy of the parameters
+        and a bucket is used without an all-gather. The caller synchronizes the ranks before
+        any reads a peer's slice."""
+        with torch.no_grad():
+            for b, at, dtype in self.shared_layout():
+                s = self.shards[b]
+                nbytes = s.padded * torch.empty((), dtype=dtype).element_size()
+                full = region[at:at + nbytes].view(dtype)
+                mine = full.narrow(0, s.start, s.numel)
+                mine.copy_(self.model_shards[b])
+                # set_ keeps every holder of these tensors (the optimizer, a fused copy-out)
+                where = (mine.untyped_storage(), mine.storage_offset(), mine.size(),
+                         mine.stride())
+                self.model_shards[b].set_(*where)
+                if self.aliased:
+                    self.master[b].set_(*where)
+                self.shared[b] = full
+
     def attach(self, b: int, full: torch.Tensor) -> None:
         """Makes bucket ``b``'s parameters views of a gathered buffer (training thread)."""
         for slot in self.plan[b].slots:
@@ -210,6 +255,7 @@ class ZeroOptimizer:
                 shard.copy_(piece)
             if not self.aliased:
                 self.master[b].copy_(shard)
+        self.write_epoch += 1
 
     def partitioned_numel(self, b: int) -> int:
         return self.plan[b].numel
@@ -291,6 +337,7 @@ class ZeroOptimizer:
             if not self.aliased and not self.fused_copy:
                 with torch.no_grad():
                     torch._foreach_copy_(self.model_shards, [m.detach() for m in self.master])
+        self.write_epoch += 1
         self.all_gather()
         return False, norm
 
@@ -354,6 +401,7 @@ class ZeroOptimizer:
             with torch.no_grad():
                 for m, s in zip(self.master, self.model_shards):
                     s.copy_(m.detach())
+        self.write_epoch += 1
         self.all_gather()
 
     def zero_grads(self) -> None:

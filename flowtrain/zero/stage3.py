@@ -7,6 +7,11 @@ outputs' gradients) it asks the fetcher for the module's buckets, plus a prefetc
 buckets the observed order says come next; after forward the buckets are released unless they
 are used again within ``stage3_max_reuse_distance`` elements, and after backward once their
 gradients have landed. Small parameters (``stage3_param_persistence_threshold``) never leave.
+
+Ranks of one host on the CPU (the shared-memory channel) keep the host's one copy of the
+parameters in shared memory instead (``ZeroOptimizer.share_params``): each rank still owns and
+steps only its shard, but using a bucket is a view of the shared buffer, with a barrier before
+a step writes the shards and before the first use after one, in place of the gathers.
 """
 
 from __future__ import annotations
@@ -133,6 +138,10 @@ class Stage3Params:
         self._direction = "fwd"  # the pass now running, and its micro-batch
         self._micro_batch = 0
         self.spans: list[tuple[str, float, float]] = []
+        # host-shared parameters (``share``): the channel whose barriers order the shard
+        # writes and reads, and the write epoch of the shards the last barrier published
+        self.channel: Any = None
+        self._synced_epoch = -1
         self._numel = [b.numel for b in zero.plan]
         index = {id(p): i for i, p in enumerate(params)}
         bucket_of = {s.index: b.index for b in zero.plan for s in b.slots}
@@ -177,9 +186,45 @@ class Stage3Params:
 
     # -- use, prefetch, release ------------------------------------------------------------------
 
+    def share(self, channel: Any) -> None:
+        """Host-shared parameters from here on: the partitioned shards move into ``channel``'s
+        shared region (``ZeroOptimizer.share_params``); every rank must call it."""
+        self.release_all()
+        self.zero.share_params(channel.shared_region())
+        self.channel = channel
+        self._synced_epoch = -1  # the moved shards: a barrier before the first use
+
+    def _barrier(self, what: str) -> None:
+        future = self.channel.barrier_async()
+        try:
+            future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise comm.CollectiveTimeout(f"ZeRO-3 shared parameters: a rank did not reach the "
+                                         f"barrier {what} within {self.timeout:g} s") from None
+
+    def _published(self) -> None:
+        """Every rank's latest shard writes visible before this rank reads a peer's slice."""
+        if self._synced_epoch != self.zero.write_epoch:
+            self._barrier("before reading the parameters")
+            self._synced_epoch = self.zero.write_epoch
+
+    def before_write(self) -> None:
+        """Every rank done reading the shared parameters before the shards change (the
+        optimizer step, a published modification); a no-op without shared parameters."""
+        if self.channel is not None:
+            self._barrier("before the parameter shards change")
+
     def use(self, units: tuple[int, ...]) -> None:
         if self._recording is not None:
             self._recording.extend(units)
+        if self.channel is not None:
+            self._published()
+            for b in units:
+                if b not in self.live:
+                    full = self.zero.shared[b]
+                    self.zero.attach(b, full)
+                    self.live[b] = full
+            return
         prefetch = self._advance_and_prefetch(units) if self._in_micro_batch else ()
         need = tuple(b for b in units if b not in self.live)
         if not need and not prefetch:
@@ -279,6 +324,15 @@ class Stage3Params:
         """The partitioned ones of ``buckets`` that are not gathered yet, gathered (every rank
         must call it with the same buckets); returns them, for ``release_buckets``."""
         need = tuple(b for b in buckets if self.zero.partitioned[b] and b not in self.live)
+        if need and self.channel is not None:
+            # a private copy: changes made inside GatheredParameters reach the shards only
+            # when published, by the modifier rank's values
+            self._published()
+            for b in need:
+                full = self.zero.shared[b].clone()
+                self.zero.attach(b, full)
+                self.live[b] = full
+            return list(need)
         if need:
             reply = self.fetcher.ask_from_thread(Gather(need), timeout=self.timeout)
             for b, full in zip(need, reply.buffers):

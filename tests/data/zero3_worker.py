@@ -100,15 +100,18 @@ def train(engine: Any, steps: int) -> list[float]:
     return losses
 
 
-def run(stage: int, offload: bool) -> dict[str, Any]:
+def run(stage: int, offload: bool, shared: bool = True) -> dict[str, Any]:
     model = make_model(dist.get_rank())
-    engine, _, _, _ = flowtrain.initialize(model=model, config=config(stage, offload))
+    cfg = config(stage, offload)
+    cfg["flowtrain"] = {"zero3_shared_params": shared}
+    engine, _, _, _ = flowtrain.initialize(model=model, config=cfg)
     losses = train(engine, STEPS)
     out: dict[str, Any] = {"losses": losses}
     if engine.stage3 is not None:
         # between steps, partitioned parameters are empty placeholders on every rank
         out["released"] = sorted(n for n, p in model.named_parameters() if p.numel() == 0)
         out["gathered_numel"] = engine.stage3.fetcher_actor.gathered_numel
+        out["shared"] = engine.stage3.channel is not None
         out["trace_len"] = len(engine.stage3.trace or [])
     out["params"] = {k: v.flatten().tolist() for k, v in engine.module_state_dict().items()}
     out["memory"] = engine.memory_breakdown()
@@ -119,11 +122,14 @@ def run(stage: int, offload: bool) -> dict[str, Any]:
 def mode_compare(out: str | None) -> dict[str, Any]:
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
-    for stage, offload in ((0, False), (1, False), (1, True), (2, False), (2, True),
-                           (3, False), (3, True)):
-        name = f"s{stage}" + ("_offload" if offload else "")
+    # s3_gathers: stage 3 gathering each bucket into the rank's own buffer (as across hosts)
+    # instead of the host-shared parameters; last, so its spans are the run's last engine's
+    for stage, offload, shared in ((0, False, True), (1, False, True), (1, True, True),
+                                   (2, False, True), (2, True, True), (3, False, True),
+                                   (3, True, True), (3, False, False)):
+        name = f"s{stage}" + ("_offload" if offload else "") + ("" if shared else "_gathers")
         try:
-            result[name] = run(stage, offload)
+            result[name] = run(stage, offload, shared)
         except Exception:
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
