@@ -130,12 +130,13 @@ class StageCosts:
         self.channel = (self.engine is not None and bool(self.engine.channel)
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
                         and cfg.flowtrain.data_channel != "torch")
-        # ZeRO-3 over the channel keeps the host's one copy of the parameters in shared memory
-        # (flowtrain.zero.stage3): using a bucket is a view of it, no gather. A run's record
-        # names the channel it used; a plan's "auto" is the channel where this host has one.
+        # ZeRO over the channel keeps the host's one copy of the parameters in shared memory
+        # (flowtrain.zero.sharded share_params): no all-gather after the step, and a stage-3
+        # use is a view of it, no gather. A run's record names the channel it used; a plan's
+        # "auto" is the channel where this host has one.
         channel = cfg.flowtrain.data_channel
-        self.shared_params = self.partitioned and layout.nodes == 1 and self.tp == 1 and \
-            bool(cfg.flowtrain.zero3_shared_params) and \
+        self.shared_params = self.stage_no >= 1 and self.dp > 1 and self.pp == 1 and \
+            layout.nodes == 1 and self.tp == 1 and bool(cfg.flowtrain.zero_shared_params) and \
             (channel == "shm" or (channel is None and self.channel))
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards, and ZeRO-1 into
         # each rank's slice of its whole buckets where the framework does; zero_optimization's

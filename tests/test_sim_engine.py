@@ -155,7 +155,7 @@ def test_reduces_go_over_the_shared_memory_channel_where_the_engine_uses_it() ->
 
 def test_zero3_gathers_nothing_where_the_host_shares_the_parameters() -> None:
     """ZeRO-3 over the shared-memory channel uses the host's one copy of the parameters
-    (flowtrain.zero.stage3): the plan has no gathers; with zero3_shared_params false, or over
+    (flowtrain.zero.stage3): the plan has no gathers; with zero_shared_params false, or over
     gloo, each use's gather is the data-parallel all-gather of the bucket."""
     hw = cpu_profile()
     work = Workload("two layers", (("l.0.weight", (64, 64), "float32", 4),
@@ -169,8 +169,22 @@ def test_zero3_gathers_nothing_where_the_host_shares_the_parameters() -> None:
 
     assert gathers() == [] and gathers(data_channel="shm") == []
     nbytes = 64 * 64 * 4
-    for own in (gathers(zero3_shared_params=False), gathers(data_channel="torch")):
+    for own in (gathers(zero_shared_params=False), gathers(data_channel="torch")):
         assert own and all(d == pytest.approx(1e-3 + nbytes / 1e9, rel=0.05) for d in own), own
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_needs_no_all_gather_after_the_step_where_the_host_shares_the_parameters(
+        stage: int) -> None:
+    hw = cpu_profile()
+
+    def allgathers(**flowtrain: Any) -> list[str]:
+        cfg = sim_config(2, zero_optimization={"stage": stage}, flowtrain=flowtrain)
+        return [t.name for t in build_plan(tiny_workload(), cfg, Layout(1, 2), hw).tasks
+                if t.kind == "allgather"]
+
+    assert allgathers() == []
+    assert allgathers(zero_shared_params=False) and allgathers(data_channel="torch")
 
 
 def test_optimizer_step_as_the_engine_runs_it() -> None:

@@ -181,10 +181,11 @@ class FlowtrainSection(Section):
     # reduced without a copy into a slot. Off by default: end to end it has cost CPU time so
     # far (benchmarks/dp_vs_ddp.py), though the reduce itself is faster.
     shm_arena: Bool = False
-    # ZeRO-3 with the shm channel: the host's one copy of the parameters lives in shared
-    # memory, each rank writing its own shard, and a bucket is used without an all-gather.
-    # false gathers each bucket into the rank's own buffer around its use, as across hosts.
-    zero3_shared_params: Bool = True
+    # ZeRO 1-3 with the shm channel: the host's one copy of the parameters lives in shared
+    # memory, each rank writing its own shard of it, so no all-gather follows the step and
+    # stage 3 uses a bucket without gathering it. false gives each rank its own copy and the
+    # all-gathers, as across hosts.
+    zero_shared_params: Bool = True
     # A model on the CPU: glibc's malloc keeps memory freed within a step for the next one
     # (flowtrain/host_memory.py) unless MALLOC_* / GLIBC_TUNABLES or LD_PRELOAD chose otherwise.
     keep_freed_host_memory: Bool = True

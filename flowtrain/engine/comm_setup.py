@@ -86,23 +86,30 @@ class EngineComm:
                                 model_parallel=self.model_parallel, module=self.module,
                                 largest_bucket_bytes=slot, arena_bytes=self._arena_bytes())
 
-    def _open_gather_channel(self) -> Any:
-        """ZeRO-3 on the shared-memory channel: a second channel for the parameters. With
-        ``flowtrain.zero3_shared_params`` it holds the host's one copy of them
-        (``Stage3Params.share``) and orders their writes and reads; otherwise it carries the
-        parameter gathers, which the fetcher issues while the reducer's reduce-scatters are in
-        flight (as they have a process group of their own on torch.distributed)."""
-        if self.channel is None or self.stage3 is None or self.zero is None or \
-                any(s.device.type != "cpu" for s in self.zero.model_shards):
+    def _open_param_channel(self) -> Any:
+        """ZeRO on the shared-memory channel: a second channel for the parameters. With
+        ``flowtrain.zero_shared_params`` it holds the host's one copy of them
+        (``ZeroOptimizer.share_params``) and orders their writes and reads; otherwise, at stage
+        3, it carries the parameter gathers, which the fetcher issues while the reducer's
+        reduce-scatters are in flight (as they have a process group of their own on
+        torch.distributed)."""
+        if self.channel is None or self.zero is None or \
+                any(s.device.type != "cpu" for s in self.zero.model_shards) or \
+                any(f is not None and f.device.type != "cpu" for f in self.zero.flat_params):
             return None
         from flowtrain import comm, shm
 
-        if self.config.flowtrain.zero3_shared_params:
+        if self.config.flowtrain.zero_shared_params:
             channel = shm.open_channel(self._rank, slot_bytes=64 + 64,
                                        timeout=comm.DEFAULT_TIMEOUT,
                                        shared_bytes=self.zero.shared_bytes())
-            self.stage3.share(channel)
+            if self.stage3 is not None:
+                self.stage3.share(channel)
+            else:
+                self.zero.share_params(channel)
             return channel
+        if self.stage3 is None:
+            return None
         elem = max(s.element_size() for s in self.zero.model_shards)
         largest = max(s.numel() for s in self.zero.model_shards) * elem
         channel = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,

@@ -137,7 +137,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             self._groups = param_groups(optimizer, self.trainable)
         self.plan = self._make_plan(order=None)
         self.channel = None
-        self._gather_channel: Any = None
+        self._param_channel: Any = None
         # launch --peer-recovery: the group may lose and regain ranks without a restart
         self.peer = self._peer_group()
         self.step_dropped = False  # the last step() dropped its step (a rank was lost)
@@ -157,7 +157,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
-            self._gather_channel = self._open_gather_channel()
+            self._param_channel = self._open_param_channel()
             self._order_settled = True  # shard layouts never change
         self.reducer = None
         if self.peer is not None:
@@ -424,8 +424,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                     ref.ask_from_thread(BucketFull(index, grad, self.global_steps))
                 for ref in self.stages["after_reduce"]:
                     ref.ask_from_thread(BucketReduced(index, grad, self.global_steps))
-        if self.stage3 is not None:
-            self.stage3.before_write()
+        if self.zero is not None:
+            self.zero.before_write()  # host-shared parameters: every rank done reading them
         with self.timer.span("optimizer", names.OPTIMIZER_STEP):
             skipped = self._optimizer_step()
         if self.stage3 is not None:
@@ -513,9 +513,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if self._gather_channel is not None:
-            self._gather_channel.close()
-            self._gather_channel = None
+        if self._param_channel is not None:
+            if self.zero is not None:
+                self.zero.unshare_params()
+            self._param_channel.close()
+            self._param_channel = None
         self.wait_for_checkpoint()
 
 

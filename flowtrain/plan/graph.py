@@ -150,8 +150,9 @@ class StageLayout:
     ``blocking_p2p``: the stage waits for each pipeline send to complete before its next pass
     (Megatron's and DeepSpeed's 1F1B wait on their point-to-point requests), instead of sending
     while it computes.
-    ``shared_params`` (ZeRO-3, CPU ranks of one host): the ranks use the host's one copy of the
-    parameters in shared memory, so a use gathers nothing.
+    ``shared_params`` (ZeRO, CPU ranks of one host): the ranks keep the host's one copy of the
+    parameters in shared memory, so nothing is all-gathered after the step and a stage-3 use
+    gathers nothing.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
 
@@ -207,13 +208,13 @@ class StageLayout:
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
         self.reduce_every_mb = self.stage_no >= 2 and stages == 1
         self.gather_ahead = param_gather_overlap and self.stage_no in (1, 2) and dp > 1 and \
-            any(not b.partitioned for b in self.buckets)
+            any(not b.partitioned for b in self.buckets) and not shared_params
         # the gathers each segment waits for before its first forward (param_gather_overlap)
         self.gathers_before: dict[int, list[int]] = {}
         self.uses = self._stage3_uses(zero) if self.partitioned else None
-        # ZeRO-3 ranks of one host sharing its copy of the parameters (flowtrain.zero.stage3):
-        # each use is a view, no gather
-        self.shared_params = shared_params and self.uses is not None
+        # ZeRO ranks of one host sharing its copy of the parameters (ZeroOptimizer.share_params):
+        # no all-gather after the step, and a stage-3 use is a view, no gather
+        self.shared_params = shared_params
         self.params, self.forward_flops, self.chunk_flops = params, forward_flops, chunk_flops
         self.micro_batch, self.bucket_numel = micro_batch, bucket_numel
         self.comm_dtype = comm_dtype
@@ -562,7 +563,8 @@ class StageLayout:
             numel = sum(self._shard(b.numel) for b in self.buckets)
             finished = [graph.add(s, names.OPTIMIZER_STEP, "optimizer", "compute", "optimizer",
                                   after, arg=numel, nbytes=numel * 16)]
-        if self.stage_no >= 1 and self.dp > 1 and not self.gather_ahead:
+        if self.stage_no >= 1 and self.dp > 1 and not self.gather_ahead and \
+                not self.shared_params:
             for b in whole:
                 graph.add(s, names.allgather(b.index), "allgather", "comm:dp", "all_gather",
                           finished, nbytes=b.numel * self.param_elem)

@@ -4,6 +4,7 @@ the buckets every rank keeps whole, and stage 3's partitioned parameter storage.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 from collections.abc import Sequence
@@ -112,6 +113,11 @@ class ZeroOptimizer:
         # with host-shared parameters (``share_params``) synchronizes before reading peers'
         # shards after one
         self.write_epoch = 0
+        # host-shared parameters (``share_params``): the channel whose region holds them and
+        # whose barriers order their writes and reads; stage 3's partitioned buckets there
+        self.param_channel: Any = None
+        self._param_timeout = comm.DEFAULT_TIMEOUT
+        self.synced_epoch = 0  # the write epoch every rank's reads see since the last barrier
         self.shared: dict[int, torch.Tensor] = {}
 
     @property
@@ -193,14 +199,12 @@ class ZeroOptimizer:
         return comm.all_gather_single(full, shard, group=group, async_op=True), full
 
     def shared_layout(self) -> list[tuple[int, int, torch.dtype]]:
-        """(bucket, byte offset, dtype) of each partitioned bucket's whole padded buffer in a
-        host-shared region laid out by ``share_params``; the region's size is the last end."""
+        """(bucket, byte offset, dtype) of each bucket's whole padded buffer in a host-shared
+        region laid out by ``share_params``; the region's size is the last end."""
         out, at = [], 0
-        for b, part in enumerate(self.partitioned):
-            if part:
-                shard = self.model_shards[b]
-                out.append((b, at, shard.dtype))
-                at += -(-self.shards[b].padded * shard.element_size() // 64) * 64
+        for b, shard in enumerate(self.model_shards):
+            out.append((b, at, shard.dtype))
+            at += -(-self.shards[b].padded * shard.element_size() // 64) * 64
         return out
 
     def shared_bytes(self) -> int:
@@ -210,13 +214,17 @@ class ZeroOptimizer:
         b, at, dtype = layout[-1]
         return at + self.shards[b].padded * torch.empty((), dtype=dtype).element_size()
 
-    def share_params(self, region: torch.Tensor) -> None:
-        """Moves stage 3's partitioned model shards into ``region``, a byte buffer every rank of
-        this host maps (``flowtrain.shm``): each bucket's whole padded buffer lies there once,
+    def share_params(self, channel: Any, timeout: float = comm.DEFAULT_TIMEOUT) -> None:
+        """Moves the model's parameters into ``channel``'s shared region (``flowtrain.shm``),
+        which every rank of this host maps: each bucket's whole padded buffer lies there once,
         and this rank's shard (and, for fp32 models, the master the optimizer steps in place)
-        becomes its slice, so the ranks' steps write the host's one copy of the parameters
-        and a bucket is used without an all-gather. The caller synchronizes the ranks before
-        any reads a peer's slice."""
+        becomes its slice. The ranks' steps then write the host's one copy of the parameters:
+        the buckets every rank keeps whole need no all-gather after the step (the model's
+        parameters are views of the region), and stage 3 uses a partitioned bucket as a view
+        of it (``shared``). Barriers order the writes and the reads: ``before_write`` before a
+        step, and one where the all-gather was. Every rank must call it, with equal
+        parameters (after the model broadcast)."""
+        region = channel.shared_region()
         with torch.no_grad():
             for b, at, dtype in self.shared_layout():
                 s = self.shards[b]
@@ -230,7 +238,52 @@ class ZeroOptimizer:
                 self.model_shards[b].set_(*where)
                 if self.aliased:
                     self.master[b].set_(*where)
-                self.shared[b] = full
+                if self.partitioned[b]:
+                    self.shared[b] = full
+                else:
+                    self.flat_params[b] = full
+                    self.attach(b, full)
+        self.param_channel = channel
+        self._param_timeout = timeout
+        self.barrier("after moving the parameters into shared memory")
+        self.synced_epoch = self.write_epoch
+
+    def unshare_params(self) -> None:
+        """The model's whole parameters back in this process's own memory (the engine is done:
+        what a rank then does to its model stays its own)."""
+        if self.param_channel is None:
+            return
+        with torch.no_grad():
+            for b, full in enumerate(self.flat_params):
+                if full is not None:
+                    own = full.clone()
+                    self.flat_params[b] = own
+                    self.attach(b, own)
+        self.param_channel = None
+
+    def barrier(self, what: str) -> None:
+        """Every rank of the host-shared parameters reaches this point (``what`` names it in
+        the error of a rank that does not)."""
+        future = self.param_channel.barrier_async()
+        try:
+            future.result(timeout=self._param_timeout)
+        except concurrent.futures.TimeoutError:
+            raise comm.CollectiveTimeout(f"ZeRO shared parameters: a rank did not reach the "
+                                         f"barrier {what} within {self._param_timeout:g} s"
+                                         ) from None
+
+    def published(self) -> None:
+        """Every rank's latest writes to the host-shared parameters visible before this rank
+        reads a peer's slice (a barrier where a write came since the last one)."""
+        if self.param_channel is not None and self.synced_epoch != self.write_epoch:
+            self.barrier("before reading the parameters")
+            self.synced_epoch = self.write_epoch
+
+    def before_write(self) -> None:
+        """Every rank done reading the host-shared parameters before the shards change (the
+        optimizer step, a published modification); a no-op without them."""
+        if self.param_channel is not None:
+            self.barrier("before the parameter shards change")
 
     def attach(self, b: int, full: torch.Tensor) -> None:
         """Makes bucket ``b``'s parameters views of a gathered buffer (training thread)."""
@@ -383,6 +436,11 @@ class ZeroOptimizer:
         """Every rank's updated slice to every rank, in place, for the buckets kept whole: one
         collective per bucket. Stage 3's partitioned buckets are gathered on use."""
         if self.world_size == 1:
+            return
+        if self.param_channel is not None:
+            # each rank wrote its slice of the host's one copy: visible once all have
+            self.barrier("after the parameter shards changed")
+            self.synced_epoch = self.write_epoch
             return
         pairs = [(flat, shard) for flat, shard in zip(self.flat_params, self.model_shards)
                  if flat is not None]

@@ -138,10 +138,8 @@ class Stage3Params:
         self._direction = "fwd"  # the pass now running, and its micro-batch
         self._micro_batch = 0
         self.spans: list[tuple[str, float, float]] = []
-        # host-shared parameters (``share``): the channel whose barriers order the shard
-        # writes and reads, and the write epoch of the shards the last barrier published
+        # host-shared parameters (``share``): the channel whose region holds them
         self.channel: Any = None
-        self._synced_epoch = -1
         self._numel = [b.numel for b in zero.plan]
         index = {id(p): i for i, p in enumerate(params)}
         bucket_of = {s.index: b.index for b in zero.plan for s in b.slots}
@@ -187,32 +185,20 @@ class Stage3Params:
     # -- use, prefetch, release ------------------------------------------------------------------
 
     def share(self, channel: Any) -> None:
-        """Host-shared parameters from here on: the partitioned shards move into ``channel``'s
-        shared region (``ZeroOptimizer.share_params``); every rank must call it."""
+        """Host-shared parameters from here on: every bucket moves into ``channel``'s shared
+        region (``ZeroOptimizer.share_params``); every rank must call it."""
         self.release_all()
-        self.zero.share_params(channel.shared_region())
+        self.zero.share_params(channel, self.timeout)
         self.channel = channel
-        self._synced_epoch = -1  # the moved shards: a barrier before the first use
-
-    def _barrier(self, what: str) -> None:
-        future = self.channel.barrier_async()
-        try:
-            future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise comm.CollectiveTimeout(f"ZeRO-3 shared parameters: a rank did not reach the "
-                                         f"barrier {what} within {self.timeout:g} s") from None
 
     def _published(self) -> None:
         """Every rank's latest shard writes visible before this rank reads a peer's slice."""
-        if self._synced_epoch != self.zero.write_epoch:
-            self._barrier("before reading the parameters")
-            self._synced_epoch = self.zero.write_epoch
+        self.zero.published()
 
     def before_write(self) -> None:
         """Every rank done reading the shared parameters before the shards change (the
         optimizer step, a published modification); a no-op without shared parameters."""
-        if self.channel is not None:
-            self._barrier("before the parameter shards change")
+        self.zero.before_write()
 
     def use(self, units: tuple[int, ...]) -> None:
         if self._recording is not None:

@@ -103,15 +103,17 @@ def train(engine: Any, steps: int) -> list[float]:
 def run(stage: int, offload: bool, shared: bool = True) -> dict[str, Any]:
     model = make_model(dist.get_rank())
     cfg = config(stage, offload)
-    cfg["flowtrain"] = {"zero3_shared_params": shared}
+    cfg["flowtrain"] = {"zero_shared_params": shared}
     engine, _, _, _ = flowtrain.initialize(model=model, config=cfg)
     losses = train(engine, STEPS)
     out: dict[str, Any] = {"losses": losses}
+    if engine.zero is not None:
+        # the parameters in the host's shared memory (flowtrain.zero_shared_params)
+        out["shared"] = engine.zero.param_channel is not None
     if engine.stage3 is not None:
         # between steps, partitioned parameters are empty placeholders on every rank
         out["released"] = sorted(n for n, p in model.named_parameters() if p.numel() == 0)
         out["gathered_numel"] = engine.stage3.fetcher_actor.gathered_numel
-        out["shared"] = engine.stage3.channel is not None
         out["trace_len"] = len(engine.stage3.trace or [])
     out["params"] = {k: v.flatten().tolist() for k, v in engine.module_state_dict().items()}
     out["memory"] = engine.memory_breakdown()
@@ -122,12 +124,13 @@ def run(stage: int, offload: bool, shared: bool = True) -> dict[str, Any]:
 def mode_compare(out: str | None) -> dict[str, Any]:
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
-    # s3_gathers: stage 3 gathering each bucket into the rank's own buffer (as across hosts)
-    # instead of the host-shared parameters; last, so its spans are the run's last engine's
+    # "_own": each rank its own copy of the parameters, all-gathered after the step (and at
+    # stage 3 gathered for each use), as across hosts, instead of the host's shared copy;
+    # s3_own last, so its spans are the run's last engine's
     for stage, offload, shared in ((0, False, True), (1, False, True), (1, True, True),
                                    (2, False, True), (2, True, True), (3, False, True),
-                                   (3, True, True), (3, False, False)):
-        name = f"s{stage}" + ("_offload" if offload else "") + ("" if shared else "_gathers")
+                                   (3, True, True), (2, False, False), (3, False, False)):
+        name = f"s{stage}" + ("_offload" if offload else "") + ("" if shared else "_own")
         try:
             result[name] = run(stage, offload, shared)
         except Exception:
