@@ -59,9 +59,9 @@ class ShmChannel:
     calls ``quiesce`` before it next writes the tensor (zeroing the gradients).
 
     With ``shared_bytes`` the file also holds one region of that size for the whole host
-    (``shared_region``), which every rank maps at the same place: ZeRO-3 keeps the model's
-    parameters there, each rank writing only its own shard, so a parameter "gather" on this host
-    is a view and a ``barrier`` where the shards change.
+    (``shared_region``), which every rank maps at the same place: ZeRO keeps the model's
+    parameters there, each rank writing only its own shard, so a parameter all-gather on this
+    host is a ``barrier`` where the shards change and a stage-3 gather is a view.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, rank: int, world_size: int,

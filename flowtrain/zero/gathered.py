@@ -126,8 +126,7 @@ class GatheredParameters:
             if zero.world_size > 1:
                 comm.broadcast(full, src=src, group=zero.group)
             fulls.append(full)
-        if place.stage3 is not None:
-            place.stage3.before_write()  # host-shared shards: peers done reading them
+        zero.before_write()  # host-shared parameters: peers done reading them
         for b, full in zip(buckets, fulls):
             zero.store_full(b, full)
 

@@ -109,8 +109,8 @@ class ZeroOptimizer:
         # the engine's shared-memory channel (ranks of one host, CPU): the after-step
         # all-gather goes through it instead of torch.distributed
         self.channel: Any = None
-        # counts the collective writes to the model shards (steps, loads, publishes): stage 3
-        # with host-shared parameters (``share_params``) synchronizes before reading peers'
+        # counts the collective writes to the model shards (steps, loads, publishes): with
+        # host-shared parameters (``share_params``) a rank synchronizes before reading peers'
         # shards after one
         self.write_epoch = 0
         # host-shared parameters (``share_params``): the channel whose region holds them and

@@ -138,8 +138,6 @@ class Stage3Params:
         self._direction = "fwd"  # the pass now running, and its micro-batch
         self._micro_batch = 0
         self.spans: list[tuple[str, float, float]] = []
-        # host-shared parameters (``share``): the channel whose region holds them
-        self.channel: Any = None
         self._numel = [b.numel for b in zero.plan]
         index = {id(p): i for i, p in enumerate(params)}
         bucket_of = {s.index: b.index for b in zero.plan for s in b.slots}
@@ -189,22 +187,12 @@ class Stage3Params:
         region (``ZeroOptimizer.share_params``); every rank must call it."""
         self.release_all()
         self.zero.share_params(channel, self.timeout)
-        self.channel = channel
-
-    def _published(self) -> None:
-        """Every rank's latest shard writes visible before this rank reads a peer's slice."""
-        self.zero.published()
-
-    def before_write(self) -> None:
-        """Every rank done reading the shared parameters before the shards change (the
-        optimizer step, a published modification); a no-op without shared parameters."""
-        self.zero.before_write()
 
     def use(self, units: tuple[int, ...]) -> None:
         if self._recording is not None:
             self._recording.extend(units)
-        if self.channel is not None:
-            self._published()
+        if self.zero.param_channel is not None:
+            self.zero.published()
             for b in units:
                 if b not in self.live:
                     full = self.zero.shared[b]
@@ -310,10 +298,10 @@ class Stage3Params:
         """The partitioned ones of ``buckets`` that are not gathered yet, gathered (every rank
         must call it with the same buckets); returns them, for ``release_buckets``."""
         need = tuple(b for b in buckets if self.zero.partitioned[b] and b not in self.live)
-        if need and self.channel is not None:
+        if need and self.zero.param_channel is not None:
             # a private copy: changes made inside GatheredParameters reach the shards only
             # when published, by the modifier rank's values
-            self._published()
+            self.zero.published()
             for b in need:
                 full = self.zero.shared[b].clone()
                 self.zero.attach(b, full)
