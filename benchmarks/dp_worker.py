@@ -31,6 +31,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=96, help="vocabulary size")
     parser.add_argument("--n-head", type=int, default=8, help="attention heads")
     parser.add_argument("--out", required=True, help="file to append the result line to")
+    parser.add_argument("--kept-heap", action="store_true",
+                        help="torch modes: glibc's malloc set as flowtrain.initialize sets it "
+                             "(flowtrain/host_memory.py), to tell the engine's gain from the "
+                             "allocator's")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -60,6 +64,12 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
     else:
+        if args.kept_heap:
+            from flowtrain import host_memory
+
+            if not host_memory.keep_freed_memory():
+                raise SystemExit("--kept-heap: glibc's malloc settings could not be applied "
+                                 f"({host_memory.user_has_chosen() or 'not glibc'})")
         if args.mode == "ddp":
             dist.init_process_group("gloo")
             model = torch.nn.parallel.DistributedDataParallel(model)

@@ -14,14 +14,17 @@ log = get_logger("flowtrain.host_memory")
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-# glibc's own ceiling for its adaptive mmap threshold on 64-bit hosts: tensors up to this size
-# come from the heap and are reused; larger ones keep their own mapping as before
-MMAP_THRESHOLD = 32 * 2**20
-# free memory the heap keeps at its top before returning it: a step's activations and
-# gradients are freed and allocated again within milliseconds, so returning them costs a page
-# fault per 4 KiB on the next step
-TRIM_THRESHOLD = 4 * MMAP_THRESHOLD
+_M_MMAP_MAX = -4
+# mallopt(3): a trim threshold of -1 turns trimming off. The heap keeps its high-water mark, as
+# torch's CUDA caching allocator keeps device memory: a training step frees its activations,
+# logits and gradients and allocates the same sizes again milliseconds later, and every page
+# handed back costs a fault (and the kernel zeroing it) on the next step.
+NEVER_TRIM = -1
+# No allocation gets a mapping of its own. glibc maps every block above its mmap threshold
+# (at most 32 MiB on 64-bit hosts, and no mallopt value can raise it further) and unmaps it on
+# free, so a step's large tensors (a 50k-vocabulary head's logits and their gradient are some
+# hundred MiB) were faulted in again on every step however the thresholds were set.
+NO_MMAP = 0
 
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
                   "MALLOC_MMAP_MAX_")
@@ -45,10 +48,12 @@ def user_has_chosen() -> str | None:
 
 
 def keep_freed_memory() -> bool:
-    """Raises glibc's trim and mmap thresholds for this process (once); returns whether they
-    are in force. Without it, a ZeRO step's pattern of frees (gradients dropped as they are
-    bucketed, gathered parameters released) lets the heap shrink and regrow every step: some
-    thousands of minor page faults per step."""
+    """Makes glibc serve every allocation of this process from its heaps and never shrink them
+    (once); returns whether that is in force. Without it, a ZeRO step's pattern of frees
+    (gradients dropped as they are bucketed, gathered parameters released) lets the heap shrink
+    and regrow every step, and every tensor above 32 MiB is mapped and unmapped: thousands to
+    hundreds of thousands of minor page faults per step. The price is that the process keeps
+    its peak heap: memory freed after the peak stays available to this process only."""
     global _applied
     if _applied:
         return True
@@ -56,7 +61,7 @@ def keep_freed_memory() -> bool:
         return False
     why = user_has_chosen()
     if why is not None:
-        log.debug("malloc thresholds left as they are", reason=why)
+        log.debug("malloc settings left as they are", reason=why)
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -65,6 +70,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _applied = bool(mallopt(_M_TRIM_THRESHOLD, NEVER_TRIM)) and \
+        bool(mallopt(_M_MMAP_MAX, NO_MMAP))
     return _applied

@@ -186,8 +186,9 @@ class FlowtrainSection(Section):
     # stage 3 uses a bucket without gathering it. false gives each rank its own copy and the
     # all-gathers, as across hosts.
     zero_shared_params: Bool = True
-    # A model on the CPU: glibc's malloc keeps memory freed within a step for the next one
-    # (flowtrain/host_memory.py) unless MALLOC_* / GLIBC_TUNABLES or LD_PRELOAD chose otherwise.
+    # A model on the CPU: glibc's malloc serves every allocation from its heap and keeps memory
+    # freed within a step for the next one (flowtrain/host_memory.py), at the cost of holding
+    # the peak heap, unless MALLOC_* / GLIBC_TUNABLES or LD_PRELOAD chose otherwise.
     keep_freed_host_memory: Bool = True
     # Seconds between rank heartbeats; null keeps the launcher's environment setting.
     heartbeat_interval: Annotated[float | None, Float(gt=0, optional=True)] = None
