@@ -137,6 +137,8 @@ def run(engine: str, case: str, dtype: str, args: argparse.Namespace, tmp: Path,
             "median_step_samples_per_s": rows[0]["samples_per_step"] / median_step,
             "cpu_step_ms": 1000 * max(r["cpu_step_s"] for r in rows),
             "peak_rss": [r["peak_rss_mib"] for r in rows],
+            # the ranks' peak PSS added up: what the host held (a shared page counted once)
+            "host_pss": sum(r["peak_pss_mib"] for r in rows),
             "engine_rss": [r["peak_rss_mib"] - r["rss_before_engine_mib"] for r in rows],
             "losses": losses, "params": rows[0]["params"], "optimizer": rows[0]["optimizer"],
             "channel": rows[0]["channel"], "threads": rows[0]["threads"],
@@ -268,7 +270,7 @@ def bench_shape(args: argparse.Namespace, cases: list[str], dtypes: list[str],
         print(f"  {engine} optimizer: {'; '.join(seen) or '-'}")
 
     print(f"\n{'case':22s} {'engine':9s} {'samples/s':>9s} {'med-step':>8s} {'CPU ms':>7s} "
-          f"{'peak RSS/rank MiB':>18s} "
+          f"{'peak RSS/rank MiB':>18s} {'host PSS MiB':>12s} "
           f"{'engine RSS MiB':>14s} {'init s':>6s} {'final loss':>10s}")
     label_of = ""
     for key in runs:
@@ -284,7 +286,7 @@ def bench_shape(args: argparse.Namespace, cases: list[str], dtypes: list[str],
         eng = statistics.median(max(r["engine_rss"]) for r in rs)
         print(f"{label:22s} {engine:9s} {med(rs, 'samples_per_s'):9.1f} "
               f"{med(rs, 'median_step_samples_per_s'):8.1f} {med(rs, 'cpu_step_ms'):7.1f} "
-              f"{rss:>18s} "
+              f"{rss:>18s} {med(rs, 'host_pss'):12.0f} "
               f"{eng:14.0f} {med(rs, 'init_s'):6.1f} {rs[-1]['losses'][-1]:10.5f}")
 
     zero_keys = [(case, dtype) for case, dtype in keys if case != DDP_CASE]
@@ -293,7 +295,7 @@ def bench_shape(args: argparse.Namespace, cases: list[str], dtypes: list[str],
               "RSS per rank and engine RSS (lower is better); loss: largest |difference| over "
               "all steps")
         print(f"{'case':22s} {'throughput':>10s} {'range':>11s} {'med-step':>8s} "
-              f"{'peak RSS':>9s} {'engine RSS':>10s} {'loss diff':>10s}")
+              f"{'peak RSS':>9s} {'host PSS':>9s} {'engine RSS':>10s} {'loss diff':>10s}")
         for case, dtype in zero_keys:
             label = case_label(case, dtype)
             ft, ds = results[("flowtrain", case, dtype)], results[("deepspeed", case, dtype)]
@@ -309,14 +311,15 @@ def bench_shape(args: argparse.Namespace, cases: list[str], dtypes: list[str],
                 statistics.median(max(r["peak_rss"]) for r in ds)
             eng = statistics.median(max(r["engine_rss"]) for r in ft) / \
                 statistics.median(max(r["engine_rss"]) for r in ds)
+            pss = med(ft, "host_pss") / med(ds, "host_pss")
             diff = max(abs(a - b) for a, b in zip(ft[-1]["losses"], ds[-1]["losses"]))
             print(f"{label:22s} {thr:10.3f} {ratio_range(ft, ds, 'samples_per_s'):>11s} "
-                  f"{thr_step:8.3f} {rss:9.3f} {eng:10.3f} {diff:10.2e}")
+                  f"{thr_step:8.3f} {rss:9.3f} {pss:9.3f} {eng:10.3f} {diff:10.2e}")
     if "ddp" in engines:
         print("\nZeRO / torch DDP: throughput (aim for flowtrain >= 0.95; range over rounds), "
               "peak RSS per rank; loss: largest |difference| from DDP's over all steps")
         print(f"{'case':22s} {'engine':9s} {'throughput':>10s} {'range':>11s} {'med-step':>8s} "
-              f"{'DDP CPU/CPU':>11s} {'peak RSS':>9s} {'loss diff':>10s}")
+              f"{'DDP CPU/CPU':>11s} {'peak RSS':>9s} {'host PSS':>9s} {'loss diff':>10s}")
         for case, dtype in zero_keys:
             label = case_label(case, dtype)
             ddp = results.get(("ddp", DDP_CASE, dtype), [])
@@ -332,15 +335,18 @@ def bench_shape(args: argparse.Namespace, cases: list[str], dtypes: list[str],
                 rss = statistics.median(max(r["peak_rss"]) for r in zs) / \
                     statistics.median(max(r["peak_rss"]) for r in ddp)
                 cpu = med(ddp, "cpu_step_ms") / med(zs, "cpu_step_ms")
+                pss = med(zs, "host_pss") / med(ddp, "host_pss")
                 diff = max(abs(a - b) for a, b in zip(zs[-1]["losses"], ddp[-1]["losses"]))
                 print(f"{label:22s} {engine:9s} {thr:10.3f} "
                       f"{ratio_range(zs, ddp, 'samples_per_s'):>11s} {thr_step:8.3f} "
-                      f"{cpu:11.3f} {rss:9.3f} {diff:10.2e}")
+                      f"{cpu:11.3f} {rss:9.3f} {pss:9.3f} {diff:10.2e}")
                 label = ""
     print("\nsamples/s over all timed steps; med-step = samples per step / the median step time "
           "(less hurt by a short load spike from other processes);\nCPU ms = the busiest "
           "rank's CPU time per step, every thread (the least disturbed by other jobs; it does "
           "not see time spent waiting);\n"
+          "host PSS = the ranks' peak proportional set sizes added up, sampled over two "
+          "untimed steps after the timed ones (a page shared by the ranks counts once);\n"
           "engine RSS = peak RSS minus the peak before initialize() (imports and the model); "
           "loss = mean over ranks of the last step's loss")
 

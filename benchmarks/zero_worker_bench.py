@@ -1,6 +1,6 @@
 """One rank of benchmarks/zero_vs_deepspeed.py: trains the benchmark GPT with flowtrain or DeepSpeed
 at one ZeRO stage, or with torch DDP (no sharding, the reference ZeRO's cost is measured
-against), and appends one JSON line (samples/s, peak RSS, losses, what ran) to --out.
+against), and appends one JSON line (samples/s, peak RSS and PSS, losses, what ran) to --out.
 
 flowtrain ranks come from ``flowtrain launch``, DeepSpeed and DDP ranks from torchrun; all read
 RANK and WORLD_SIZE from the environment. A flowtrain config the engine cannot run yet ("not
@@ -16,7 +16,9 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -31,6 +33,38 @@ VOCAB = 96
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def pss_mib() -> float:
+    """This process's proportional set size: a page mapped by n processes counts 1/n in each,
+    so the ranks' figures add up to what the host holds (RSS counts a shared page in full on
+    every rank that maps it)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Pss line")
+
+
+def peak_pss_mib(run: Callable[[], object], interval_s: float = 0.005) -> float:
+    """The largest PSS seen while ``run()`` runs, sampled from a thread every ``interval_s``.
+    The kernel keeps no peak PSS as it does a peak RSS, and sampling costs CPU, so the caller
+    runs it over untimed steps."""
+    peak, done = pss_mib(), threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(interval_s):
+            peak = max(peak, pss_mib())
+
+    sampler = threading.Thread(target=sample, name="pss-sampler", daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join(timeout=5)
+    return max(peak, pss_mib())
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -215,6 +249,8 @@ def main() -> None:
         dist.barrier()
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
+    # two more steps, untimed, for the peak PSS; their losses are not reported
+    pss = peak_pss_mib(lambda: [step() for _ in range(2)]) if sys.platform == "linux" else 0.0
 
     if args.engine == "ddp":
         opt = f"{type(engine.optimizer).__name__} (fused={engine.fused})"
@@ -236,7 +272,7 @@ def main() -> None:
         # it far less than the wall clock
         "cpu_step_s": cpu / args.steps,
         "samples_per_step": args.grad_accum * args.micro_batch * world,
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(), "peak_pss_mib": pss,
         "rss_before_engine_mib": rss_before, "losses": losses, "optimizer": opt,
         "backend": backend, "channel": channel,
         "threads": torch.get_num_threads(),
