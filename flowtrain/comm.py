@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from flowtrain import env as envnames
 from flowtrain.log import get_logger
+from flowtrain.netaddr import is_loopback
 
 log = get_logger("flowtrain.comm")
 
@@ -93,17 +94,6 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
                                 timeout=timedelta(seconds=timeout))
     log.debug("process group ready", backend=backend, world_size=dist.get_world_size())
     return backend
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _loopback_store(timeout: float) -> Any:

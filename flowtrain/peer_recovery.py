@@ -266,7 +266,7 @@ class PeerGroup:
 
     def _host(self) -> str:
         addr = self.rank.env.master_addr
-        from flowtrain.comm import is_loopback
+        from flowtrain.netaddr import is_loopback
 
         return addr if is_loopback(addr) else socket.getfqdn()
 

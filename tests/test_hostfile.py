@@ -9,12 +9,12 @@ import pytest
 from flowtrain.launch.envfile import load_env_files, parse_env_file, remote_exports
 from flowtrain.launch.hostfile import (
     LaunchInputError,
-    all_loopback,
     apply_filters,
     is_local_host,
     parse_hostfile,
     read_hostfile,
 )
+from flowtrain.netaddr import all_loopback, is_loopback
 
 
 def test_parse_slots_comments_and_blank_lines() -> None:
@@ -106,3 +106,20 @@ def test_remote_exports() -> None:
                "FLOWTRAIN_JOB_SECRET": "ab", "PATH": "/bin"}
     out = remote_exports(environ, {"MY_VAR": "1"})
     assert out == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "FLOWTRAIN_SSH": "ssh", "MY_VAR": "1"}
+
+
+@pytest.mark.parametrize("host,literal,resolved", [
+    ("localhost", True, True), ("localhost.localdomain", True, True),
+    ("127.0.0.1", True, True), ("127.0.1.1", True, True), ("::1", True, True),
+    ("[::1]", True, True), ("10.1.2.3", False, False), ("node7.invalid", False, False),
+])
+def test_is_loopback_literal_and_resolved(host: str, literal: bool, resolved: bool) -> None:
+    assert is_loopback(host) is literal
+    assert is_loopback(host, resolve=True) is resolved
+
+
+def test_is_loopback_resolves_a_name_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert not is_loopback("myhost") and is_loopback("myhost", resolve=True)

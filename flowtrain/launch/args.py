@@ -13,9 +13,10 @@ from pathlib import Path
 
 from flowtrain import env as fenv
 from flowtrain.launch.affinity import parse_core_list, split
-from flowtrain.launch.hostfile import LaunchInputError, all_loopback, apply_filters, read_hostfile
+from flowtrain.launch.hostfile import LaunchInputError, apply_filters, read_hostfile
 from flowtrain.launch.peer_flags import add_peer_arguments, apply_peer_flags, declares_local_rank
 from flowtrain.launch.rundir import new_job_id
+from flowtrain.netaddr import all_loopback
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SSH = "ssh -o BatchMode=yes"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from pathlib import Path
+
+from flowtrain.netaddr import is_loopback
 
 
 class LaunchInputError(ValueError):
@@ -130,23 +131,6 @@ def apply_filters(hosts: dict[str, int], include: str | None,
 
 def is_local_host(host: str) -> bool:
     """True for names that mean this machine: localhost, loopback addresses, our hostname."""
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    return host in (socket.gethostname(), socket.getfqdn())
+    return is_loopback(host) or host in (socket.gethostname(), socket.getfqdn())
 
 
-def all_loopback(hosts: list[str]) -> bool:
-    """True when every host is a loopback name, so the control plane may bind 127.0.0.1."""
-    def loop(h: str) -> bool:
-        if h in ("localhost", "localhost.localdomain"):
-            return True
-        try:
-            return ipaddress.ip_address(h).is_loopback
-        except ValueError:
-            return False
-    return all(loop(h) for h in hosts)

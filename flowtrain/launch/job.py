@@ -19,21 +19,18 @@ from flowtrain.control.coordinator import tcp_endpoint
 from flowtrain.launch.affinity import CORES_ENV, format_cores
 from flowtrain.launch.args import LaunchConfig, free_port
 from flowtrain.launch.envfile import load_env_files, remote_exports
-from flowtrain.launch.hostfile import LaunchInputError, all_loopback
+from flowtrain.launch.hostfile import LaunchInputError
 from flowtrain.launch.multinode import derived_secret, node_command, read_secret_from_stdin
 from flowtrain.launch.rundir import RunDir, mark_stale_jobs
 from flowtrain.launch.summary import Outcome, collect_outcome, format_report
 from flowtrain.launch.supervisor import NODE_RESULT_MARKER, Child, Supervisor, describe_exit
 from flowtrain.log import configure_logging, get_logger, log_level
+from flowtrain.netaddr import all_loopback, is_loopback
 
 if TYPE_CHECKING:
     from flowtrain.telemetry.launcher import JobTelemetry
 
 log = get_logger("flowtrain.launch")
-
-
-def _is_loopback(host: str) -> bool:
-    return all_loopback([host])
 
 
 def _job_secret(cfg: LaunchConfig, hosting_alone: bool) -> bytes:
@@ -275,7 +272,7 @@ def _run_launch(cfg: LaunchConfig, user_umask: int) -> int:
         bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), \
             ("127.0.0.1" if loop else socket.getfqdn()), 0
     elif mode == "multi":
-        loop = _is_loopback(cfg.master_addr)
+        loop = is_loopback(cfg.master_addr)
         bind, advertise, port = ("127.0.0.1" if loop else "0.0.0.0"), cfg.master_addr, \
             cfg.master_port + 1
     else:

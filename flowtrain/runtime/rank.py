@@ -20,6 +20,7 @@ from flowtrain import comm
 from flowtrain.env import LOG_LEVEL, RankEnv, read_rank_env
 from flowtrain.errors import RankAborted, RankFailure, write_error_file
 from flowtrain.log import configure_logging, get_logger, log_level
+from flowtrain.netaddr import is_loopback
 from flowtrain.runtime.actor import DEFAULT_ASK_TIMEOUT, ActorFailed
 from flowtrain.runtime.system import Failure, Runtime
 from flowtrain.runtime.watch import MainThreadWatch
@@ -77,7 +78,7 @@ class Rank:
 
         endpoint, secret_hex = "", ""
         if self.env.rank == 0:
-            loopback = self.env.world_size == 1 or _is_loopback(self.env.master_addr)
+            loopback = self.env.world_size == 1 or is_loopback(self.env.master_addr, resolve=True)
             secret = os.urandom(32)
             self.coordinator = Coordinator(
                 world_size=self.env.world_size, secret=secret,
@@ -350,10 +351,3 @@ def _hard_exit_after(seconds: float) -> None:
     time.sleep(seconds)
     log.error("main thread did not unwind after the abort; exiting", grace_s=seconds)
     os._exit(143)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return socket.gethostbyname(host).startswith("127.")
-    except OSError:
-        return False
