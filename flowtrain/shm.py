@@ -5,6 +5,7 @@ kernel copies. Collectives run one at a time on the channel's own thread."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import mmap
 import os
 import queue
@@ -36,6 +37,10 @@ _FUTEX_NAP = 0.05
 
 class ShmTimeout(TimeoutError):
     """A peer did not reach the collective in time; names the ranks that were missing."""
+
+
+class ShmSpaceError(OSError):
+    """/dev/shm has too little room for a shared-memory channel."""
 
 
 def available() -> bool:
@@ -84,6 +89,7 @@ class ShmChannel:
         try:
             if create:
                 os.ftruncate(fd, size)
+                self._reserve(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise ValueError(f"shared-memory file {self.path} has {os.fstat(fd).st_size} "
                                  f"bytes, expected {size}: ranks disagree on the channel size")
@@ -115,6 +121,35 @@ class ShmChannel:
         self._closed = False
 
     # -- public --------------------------------------------------------------------------------
+
+    def _reserve(self, fd: int, size: int) -> None:
+        """Claims the file's pages now. A tmpfs file is sparse: without this, a /dev/shm too
+        small for it (Docker's default is 64 MiB) is found only when a rank first writes past
+        the room left, and the kernel kills that rank with SIGBUS instead of an error."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate: stays sparse
+                return
+            self.path.unlink(missing_ok=True)
+            if exc.errno != errno.ENOSPC:
+                raise
+            stat = os.statvfs(self.path.parent)
+            free = stat.f_bavail * stat.f_frsize
+            mib = 2**20
+            parts = [f"{self.world_size} slots of {self.slot_bytes / mib:.1f} MiB"]
+            if self.arena_bytes:
+                parts.append(f"{self.world_size} gradient arenas of "
+                             f"{self.arena_bytes / mib:.1f} MiB")
+            if self.shared_bytes:
+                parts.append(f"the host's parameters, {self.shared_bytes / mib:.1f} MiB")
+            raise ShmSpaceError(
+                f"{self.path.parent} has {free / mib:.0f} MiB free, but the shared-memory "
+                f"channel needs {size / mib:.0f} MiB ({', '.join(parts)}). Give it more room "
+                "(docker run --shm-size=...; a Kubernetes emptyDir with medium Memory), or "
+                "leave shared memory: \"flowtrain\": {\"data_channel\": \"torch\"} reduces "
+                "over gloo, {\"zero_shared_params\": false} keeps a private copy of the "
+                "parameters per rank") from exc
 
     def all_reduce_async(self, tensor: torch.Tensor,
                          scale: float = 1.0) -> concurrent.futures.Future[None]:

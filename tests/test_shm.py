@@ -296,3 +296,42 @@ def test_a_waiting_rank_sleeps_until_its_peer_arrives(monkeypatch: pytest.Monkey
         first.close()
         second.close()
         path.unlink(missing_ok=True)
+
+
+def _channel_path() -> Path:
+    return Path("/dev/shm") / f"flowtrain-test-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def test_creating_a_channel_claims_its_pages() -> None:
+    # a sparse tmpfs file would be found too big for /dev/shm only by a write, with SIGBUS
+    path = _channel_path()
+    channel = ShmChannel(path, rank=0, world_size=2, slot_bytes=4 * 2**20, create=True,
+                         timeout=5.0, shared_bytes=8 * 2**20)
+    try:
+        stat = os.stat(path)
+        assert stat.st_blocks * 512 >= stat.st_size >= 16 * 2**20
+    finally:
+        channel.close()
+        path.unlink(missing_ok=True)
+
+
+def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from flowtrain import shm
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    path = _channel_path()
+    with pytest.raises(shm.ShmSpaceError) as info:
+        ShmChannel(path, rank=0, world_size=2, slot_bytes=2**20, create=True, timeout=5.0,
+                   arena_bytes=3 * 2**20, shared_bytes=5 * 2**20)
+    message = str(info.value)
+    assert "needs 13 MiB" in message and "MiB free" in message
+    assert "2 slots of 1.0 MiB" in message and "2 gradient arenas of 3.0 MiB" in message
+    assert "the host's parameters, 5.0 MiB" in message
+    assert "--shm-size" in message and '"data_channel": "torch"' in message
+    assert not path.exists()  # nothing left behind in /dev/shm
