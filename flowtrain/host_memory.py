@@ -22,8 +22,8 @@ _M_MMAP_MAX = -4
 NEVER_TRIM = -1
 # No allocation gets a mapping of its own. glibc maps every block above its mmap threshold
 # (at most 32 MiB on 64-bit hosts, and no mallopt value can raise it further) and unmaps it on
-# free, so a step's large tensors (a 50k-vocabulary head's logits and their gradient are some
-# hundred MiB) were faulted in again on every step however the thresholds were set.
+# free: with mmap allowed, a step's large tensors (a 50k-vocabulary head's logits and their
+# gradient are some hundred MiB) are faulted in again on every step, whatever the thresholds.
 NO_MMAP = 0
 
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
