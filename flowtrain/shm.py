@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -425,11 +425,23 @@ class ShmChannel:
 _opened = 0
 
 
-def open_channel(rank: Any, *, slot_bytes: int, timeout: float,
-                 arena_bytes: int = 0, shared_bytes: int = 0) -> ShmChannel:
+@overload
+def open_channel(rank: Any, *, slot_bytes: int, timeout: float, arena_bytes: int = 0,
+                 shared_bytes: int = 0, fallback: Literal[False] = False) -> ShmChannel: ...
+
+
+@overload
+def open_channel(rank: Any, *, slot_bytes: int, timeout: float, arena_bytes: int = 0,
+                 shared_bytes: int = 0, fallback: bool) -> ShmChannel | None: ...
+
+
+def open_channel(rank: Any, *, slot_bytes: int, timeout: float, arena_bytes: int = 0,
+                 shared_bytes: int = 0, fallback: bool = False) -> ShmChannel | None:
     """Creates (local rank 0) or attaches (the others) the host's channel, agreeing on the file
     through the control plane, and unlinks it once everyone has it mapped, so nothing is left
-    in /dev/shm even if the job crashes."""
+    in /dev/shm even if the job crashes. With ``fallback``, a /dev/shm too small for it gives
+    None on every rank of the host (local rank 0 finds out and tells the others through the
+    same key), and the caller goes on without shared memory; otherwise ShmSpaceError."""
     global _opened
     env = rank.env
     # Numbered: an engine rebuilt in the same job opens a new channel under a fresh key (every
@@ -438,12 +450,22 @@ def open_channel(rank: Any, *, slot_bytes: int, timeout: float,
     key = f"shm-channel-{env.node_rank}-{_opened}"
     if env.local_rank == 0:
         path = _SHM_DIR / f"flowtrain-{os.getpid()}-{os.urandom(6).hex()}"
-        channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
-                             slot_bytes=slot_bytes, create=True, timeout=timeout,
-                             arena_bytes=arena_bytes, shared_bytes=shared_bytes)
+        try:
+            channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
+                                 slot_bytes=slot_bytes, create=True, timeout=timeout,
+                                 arena_bytes=arena_bytes, shared_bytes=shared_bytes)
+        except ShmSpaceError as exc:
+            if not fallback:
+                raise
+            log.warning("no room in shared memory; going on without it", reason=str(exc))
+            rank.kv_set(key, "")  # "" tells the other ranks of the host
+            return None
         rank.kv_set(key, str(path))
     else:
-        path = Path(rank.kv_get(key, timeout=timeout))
+        told = rank.kv_get(key, timeout=timeout)
+        if not told:
+            return None
+        path = Path(told)
         channel = ShmChannel(path, rank=env.local_rank, world_size=env.local_world_size,
                              slot_bytes=slot_bytes, create=False, timeout=timeout,
                              arena_bytes=arena_bytes, shared_bytes=shared_bytes)
@@ -463,6 +485,8 @@ def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parall
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     # the shared-memory channel spans every rank of the job: one data-parallel group only
     single_host = rank.env.local_world_size == world_size and not model_parallel
+    # automatic: a /dev/shm too small for the channel sends the reduces to torch.distributed
+    automatic = choice is None
     if choice is None:
         choice = "shm" if on_cpu and single_host and available() else "torch"
     if choice != "shm":
@@ -473,4 +497,5 @@ def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parall
                          f"host {rank.env.local_world_size}, model on "
                          f"{next(module.parameters()).device}")
     return open_channel(rank, slot_bytes=min(largest_bucket_bytes, 64 * 2**20) + 64,
-                        timeout=comm.DEFAULT_TIMEOUT, arena_bytes=arena_bytes)
+                        timeout=comm.DEFAULT_TIMEOUT, arena_bytes=arena_bytes,
+                        fallback=automatic)

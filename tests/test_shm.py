@@ -335,3 +335,47 @@ def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
     assert "the host's parameters, 5.0 MiB" in message
     assert "--shm-size" in message and '"data_channel": "torch"' in message
     assert not path.exists()  # nothing left behind in /dev/shm
+
+
+class _HostRank:
+    """What open_channel needs of a flowtrain rank: its place on the host and the control
+    plane's key-value store, here a dict the host's ranks share."""
+
+    def __init__(self, local_rank: int, store: dict[str, Any]) -> None:
+        from types import SimpleNamespace
+
+        self.env = SimpleNamespace(local_rank=local_rank, local_world_size=2, node_rank=0)
+        self.store = store
+
+    def kv_set(self, key: str, value: Any) -> None:
+        self.store[key] = value
+
+    def kv_get(self, key: str, timeout: float = 1.0) -> Any:
+        return self.store[key]
+
+    def barrier(self, name: str, timeout: float = 1.0) -> None:
+        pass
+
+
+def test_no_room_in_dev_shm_falls_back_on_every_rank_or_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from flowtrain import shm
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    store: dict[str, Any] = {}
+    opened = shm._opened
+    # local rank 0 finds there is no room and tells rank 1 through the channel's key
+    assert shm.open_channel(_HostRank(0, store), slot_bytes=2**20, timeout=1.0,
+                            fallback=True) is None
+    assert list(store.values()) == [""]
+    monkeypatch.setattr(shm, "_opened", opened)  # rank 1's process numbers its channels alike
+    assert shm.open_channel(_HostRank(1, store), slot_bytes=2**20, timeout=1.0,
+                            fallback=True) is None
+    # without fallback (data_channel "shm" asked for by name) it is the error
+    with pytest.raises(shm.ShmSpaceError, match="MiB free"):
+        shm.open_channel(_HostRank(0, {}), slot_bytes=2**20, timeout=1.0)

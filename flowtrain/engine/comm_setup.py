@@ -99,23 +99,27 @@ class EngineComm:
             return None
         from flowtrain import comm, shm
 
+        # A /dev/shm too small for either channel (open_channel's fallback) leaves each rank
+        # its own copy of the parameters, and then stage 3's gathers to torch.distributed.
         if self.config.flowtrain.zero_shared_params:
             channel = shm.open_channel(self._rank, slot_bytes=64 + 64,
                                        timeout=comm.DEFAULT_TIMEOUT,
-                                       shared_bytes=self.zero.shared_bytes())
-            if self.stage3 is not None:
-                self.stage3.share(channel)
-            else:
-                self.zero.share_params(channel)
-            return channel
+                                       shared_bytes=self.zero.shared_bytes(), fallback=True)
+            if channel is not None:
+                if self.stage3 is not None:
+                    self.stage3.share(channel)
+                else:
+                    self.zero.share_params(channel)
+                return channel
         if self.stage3 is None:
             return None
         elem = max(s.element_size() for s in self.zero.model_shards)
         largest = max(s.numel() for s in self.zero.model_shards) * elem
-        channel = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,
-                                   timeout=comm.DEFAULT_TIMEOUT)
-        self.stage3.fetcher_actor.channel = channel
-        return channel
+        gather = shm.open_channel(self._rank, slot_bytes=min(largest, 64 * 2**20) + 64,
+                                  timeout=comm.DEFAULT_TIMEOUT, fallback=True)
+        if gather is not None:
+            self.stage3.fetcher_actor.channel = gather
+        return gather
 
     def _arena_bytes(self) -> int:
         """The shared-memory arena the gradient buckets live in (0: none): buckets that last
