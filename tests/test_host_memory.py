@@ -66,11 +66,14 @@ def test_freed_memory_stays_on_the_heap_for_reuse(mib: int) -> None:
     assert on_heap and kept
     pages = mib * 2**20 // 4096
     assert faults < pages // 10, (faults, pages)
-    # glibc's default maps a tensor this size on its own and unmaps it when freed: every
-    # allocation faults its pages in again
+    # glibc's default maps a tensor this size on its own and unmaps it when freed
     _, on_heap_by_default, _, faults_by_default = _probe("default", mib)
     assert not on_heap_by_default
-    assert faults_by_default >= pages * 9 // 10, (faults_by_default, pages)
+    if mib > 32:
+        # above the 32 MiB ceiling of glibc's adaptive mmap threshold, every allocation is
+        # mapped and faults its pages in again (below it, a free raises the threshold and
+        # later allocations may come from the heap)
+        assert faults_by_default >= pages * 9 // 10, (faults_by_default, pages)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
