@@ -120,8 +120,6 @@ class ShmChannel:
         self._thread.start()
         self._closed = False
 
-    # -- public --------------------------------------------------------------------------------
-
     def _reserve(self, fd: int, size: int) -> None:
         """Claims the file's pages now. A tmpfs file is sparse: without this, a /dev/shm too
         small for it (Docker's default is 64 MiB) is found only when a rank first writes past
@@ -150,6 +148,8 @@ class ShmChannel:
                 "leave shared memory: \"flowtrain\": {\"data_channel\": \"torch\"} reduces "
                 "over gloo, {\"zero_shared_params\": false} keeps a private copy of the "
                 "parameters per rank") from exc
+
+    # -- public --------------------------------------------------------------------------------
 
     def all_reduce_async(self, tensor: torch.Tensor,
                          scale: float = 1.0) -> concurrent.futures.Future[None]:
