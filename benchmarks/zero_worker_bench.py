@@ -38,12 +38,8 @@ def peak_rss_mib() -> float:
 def pss_mib() -> float:
     """This process's proportional set size: a page mapped by n processes counts 1/n in each,
     so the ranks' figures add up to what the host holds (RSS counts a shared page in full on
-    every rank that maps it)."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/smaps_rollup has no Pss line")
+    every rank that maps it). psutil reads /proc/self/smaps_rollup where the kernel has it."""
+    return psutil.Process().memory_full_info().pss / 2**20
 
 
 def peak_pss_mib(run: Callable[[], object], interval_s: float = 0.005) -> float:
