@@ -43,6 +43,16 @@ class ShmSpaceError(OSError):
     """/dev/shm has too little room for a shared-memory channel."""
 
 
+def _size(nbytes: int, digits: int) -> str:
+    """``nbytes`` for a message: MiB from 1 MiB up, so that a small slot does not read "0.0 MiB"
+    below that."""
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.{digits}f} MiB"
+    if nbytes >= 2**10:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return f"{nbytes} bytes"
+
+
 def available() -> bool:
     return _SHM_DIR.is_dir() and os.access(_SHM_DIR, os.W_OK)
 
@@ -134,16 +144,15 @@ class ShmChannel:
                 raise
             stat = os.statvfs(self.path.parent)
             free = stat.f_bavail * stat.f_frsize
-            mib = 2**20
-            parts = [f"{self.world_size} slots of {self.slot_bytes / mib:.1f} MiB"]
+            parts = [f"{self.world_size} slots of {_size(self.slot_bytes, 1)}"]
             if self.arena_bytes:
                 parts.append(f"{self.world_size} gradient arenas of "
-                             f"{self.arena_bytes / mib:.1f} MiB")
+                             f"{_size(self.arena_bytes, 1)}")
             if self.shared_bytes:
-                parts.append(f"the host's parameters, {self.shared_bytes / mib:.1f} MiB")
+                parts.append(f"the host's parameters, {_size(self.shared_bytes, 1)}")
             raise ShmSpaceError(
-                f"{self.path.parent} has {free / mib:.0f} MiB free, but the shared-memory "
-                f"channel needs {size / mib:.0f} MiB ({', '.join(parts)}). Give it more room "
+                f"{self.path.parent} has {_size(free, 0)} free, but the shared-memory "
+                f"channel needs {_size(size, 0)} ({', '.join(parts)}). Give it more room "
                 "(docker run --shm-size=...; a Kubernetes emptyDir with medium Memory), or "
                 "leave shared memory: \"flowtrain\": {\"data_channel\": \"torch\"} reduces "
                 "over gloo, {\"zero_shared_params\": false} keeps a private copy of the "

@@ -335,6 +335,12 @@ def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
     assert "the host's parameters, 5.0 MiB" in message
     assert "--shm-size" in message and '"data_channel": "torch"' in message
     assert not path.exists()  # nothing left behind in /dev/shm
+    # sizes below a MiB are not rounded to "0.0 MiB"
+    with pytest.raises(shm.ShmSpaceError) as info:
+        ShmChannel(path, rank=0, world_size=2, slot_bytes=128, create=True, timeout=5.0,
+                   arena_bytes=3 * 2**10)
+    assert "2 slots of 128 bytes" in str(info.value)
+    assert "2 gradient arenas of 3.0 KiB" in str(info.value)
 
 
 class _HostRank:
