@@ -496,7 +496,7 @@ def data_channel(choice: str | None, rank: Any, *, world_size: int, model_parall
     single_host = rank.env.local_world_size == world_size and not model_parallel
     # automatic: a /dev/shm too small for the channel sends the reduces to torch.distributed
     automatic = choice is None
-    if choice is None:
+    if automatic:
         choice = "shm" if on_cpu and single_host and available() else "torch"
     if choice != "shm":
         return None

@@ -315,8 +315,9 @@ def test_creating_a_channel_claims_its_pages() -> None:
         path.unlink(missing_ok=True)
 
 
-def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_room_in_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm full: claiming a channel's pages fails as the kernel fails it."""
     import errno
 
     from flowtrain import shm
@@ -325,6 +326,12 @@ def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
+
+
+def test_too_little_room_in_dev_shm_is_an_error_that_names_the_sizes(
+        no_room_in_dev_shm: None) -> None:
+    from flowtrain import shm
+
     path = _channel_path()
     with pytest.raises(shm.ShmSpaceError) as info:
         ShmChannel(path, rank=0, world_size=2, slot_bytes=2**20, create=True, timeout=5.0,
@@ -364,15 +371,9 @@ class _HostRank:
 
 
 def test_no_room_in_dev_shm_falls_back_on_every_rank_or_raises(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import errno
-
+        no_room_in_dev_shm: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from flowtrain import shm
 
-    def full(fd: int, offset: int, size: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(shm.os, "posix_fallocate", full)
     store: dict[str, Any] = {}
     opened = shm._opened
     # local rank 0 finds there is no room and tells rank 1 through the channel's key
