@@ -5,13 +5,13 @@ samples/s, peak RSS per rank, the ratios and the engines' losses side by side.
 
     python benchmarks/zero_vs_deepspeed.py [--rounds 2] [--steps 8] [--cases 1,2,3,2o]
         [--dtypes fp32,bf16] [--grad-accum 2] [--torch-adam] [--data-channel shm|torch|auto]
-        [--engines flowtrain,deepspeed,ddp] [--shapes L,E,S;L,E,S]
+        [--engines flowtrain,deepspeed,ddp] [--shapes L,E,S[,V];L,E,S[,V]]
         [worker flags such as --n-layer 8 --n-embd 384 --micro-batch 8]
 
 torch DDP is the reference what sharding costs is measured against (the aim: every flowtrain
 stage within 5% of it); it runs once per round and dtype (fp32 only), with torch's fused AdamW
 (torch.optim.AdamW without --torch-adam is fused=True) and clip_grad_norm_. ``--shapes`` runs
-each GPT shape (layers, width, sequence length) in turn.
+each GPT shape (layers, width, sequence length and optionally vocabulary) in turn.
 
 Cases: "1", "2", "3" are ZeRO stages, a trailing "o" adds offload_optimizer device cpu. A flowtrain
 case the engine refuses as "not supported yet" is printed as "not available" (see
@@ -150,13 +150,17 @@ def med(runs: list[dict], key: str) -> float:
 
 
 def parse_shapes(text: str) -> list[list[str]]:
-    """Worker flags for each "layers,width,seq" of ``text`` (";"-separated)."""
+    """Worker flags for each "layers,width,seq[,vocab]" of ``text`` (";"-separated)."""
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = [f.strip() for f in part.split(",")]
-        if len(fields) != 3 or not all(f.isdigit() for f in fields):
-            raise SystemExit(f"--shapes: {part!r} is not layers,width,seq (3 integers)")
-        shapes.append(["--n-layer", fields[0], "--n-embd", fields[1], "--seq-len", fields[2]])
+        if len(fields) not in (3, 4) or not all(f.isdigit() for f in fields):
+            raise SystemExit(f"--shapes: {part!r} is not layers,width,seq or "
+                             "layers,width,seq,vocab (3 or 4 integers)")
+        flags = ["--n-layer", fields[0], "--n-embd", fields[1], "--seq-len", fields[2]]
+        if len(fields) == 4:
+            flags += ["--vocab", fields[3]]
+        shapes.append(flags)
     return shapes
 
 
@@ -188,7 +192,7 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="which engines to run, comma separated (default: all three)")
     parser.add_argument("--shapes", default="",
-                        help="layers,width,seq;... GPT shapes run in turn (default: the "
+                        help="layers,width,seq[,vocab];... GPT shapes run in turn (default: the "
                              "worker's --n-layer/--n-embd/--seq-len)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     args, model_args = parser.parse_known_args()

@@ -28,6 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
+# The vocabulary when --vocab is not given: a tiny one, so the blocks (what ZeRO shards and
+# overlaps) dominate the step; --vocab 50304 gives a GPT-2-sized embedding and head instead.
 VOCAB = 96
 
 
@@ -139,7 +141,7 @@ def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, tor
     gen = torch.Generator().manual_seed(1000 + rank)
     out = []
     for _ in range(args.data_batches):
-        b = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=gen)
+        b = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=gen)
         out.append((b[:, :-1].contiguous(), b[:, 1:].contiguous()))
     return out
 
@@ -174,6 +176,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=256, help="model width")
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
     parser.add_argument("--data-batches", type=int, default=4,
                         help="distinct micro-batches per rank")
     parser.add_argument("--out", required=True, help="file to append the result line to")
@@ -201,7 +204,7 @@ def main() -> None:
         initialize = flowtrain.initialize
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=args.seq_len, n_layer=args.n_layer,
+    model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
                           n_head=args.n_head, n_embd=args.n_embd))
     params = sum(p.numel() for p in model.parameters())
     data = batches(args, rank)
