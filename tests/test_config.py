@@ -581,3 +581,15 @@ def test_initialize_counts_total_num_steps_from_its_dataset(world1):
                                       config=DECAY, auto_values=args)
     assert engine.lr_scheduler.total_num_steps == 10
     engine.destroy()
+
+
+@pytest.mark.parametrize("key", ["sparse_gradients", "dump_state"])
+def test_inert_deepspeed_keys_warn_when_on_and_stay_quiet_when_off(key):
+    # flowtrain accepts these DeepSpeed keys but does nothing different for them; turned on,
+    # the user hears so instead of believing they took effect
+    with pytest.warns(ConfigWarning, match=f"{key} true has no effect in flowtrain"):
+        cfg = load_config({"train_batch_size": 1, key: True})
+    assert getattr(cfg, key) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"train_batch_size": 1, key: False})

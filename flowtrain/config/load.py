@@ -85,6 +85,7 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_siz
         zero_problems, notes = check_zero(cfg.zero_optimization, cfg.pipeline.stages,
                                           broken=lambda path: _is_broken(path, bad_locs))
         later += zero_problems
+        notes += _inert_keys(cfg)
     problems += [p for p in later if p.split(":", 1)[0] not in auto.unresolved]
     for note in notes:
         # stacklevel 2: the warning points at the caller of load_config.
@@ -273,6 +274,21 @@ def _is_broken(path: str, bad_locs: list[tuple[Any, ...]]) -> bool:
         if keys[:n] == parts[:n]:
             return True
     return False
+
+
+def _inert_keys(cfg: FlowtrainConfig) -> list[str]:
+    """A note for each DeepSpeed key the config turns on that changes nothing in flowtrain, so a
+    user is told rather than left to believe it took effect. Neither changes what is trained."""
+    notes = []
+    if cfg.sparse_gradients:
+        notes.append("sparse_gradients true has no effect in flowtrain: embedding gradients are "
+                     "all-reduced densely, which gives the same values as DeepSpeed's sparse "
+                     "reduce; remove the key to silence this")
+    if cfg.dump_state:
+        notes.append("dump_state true has no effect in flowtrain: it does not print "
+                     "DeepSpeed's engine-state dump at initialize; remove the key to silence "
+                     "this")
+    return notes
 
 
 def _check_sections(cfg: FlowtrainConfig, ctx: AutoContext,
