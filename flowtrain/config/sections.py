@@ -186,6 +186,11 @@ class FlowtrainSection(Section):
     # stage 3 uses a bucket without gathering it. false gives each rank its own copy and the
     # all-gathers, as across hosts.
     zero_shared_params: Bool = True
+    # Data parallel without ZeRO: an embedding tied to the output head has its gradient reduced
+    # in two parts (the head's at once in backward, the lookup's rows exchanged after), so its
+    # bucket need not wait for the end of backward (flowtrain/engine/embedding_rows.py). false
+    # reduces it whole once backward is done, as torch DDP does.
+    tied_embedding_rows: Bool = True
     # A model on the CPU: glibc's malloc serves every allocation from its heap and keeps memory
     # freed within a step for the next one (flowtrain/host_memory.py), at the cost of holding
     # the peak heap, unless MALLOC_* / GLIBC_TUNABLES or LD_PRELOAD chose otherwise.

@@ -16,6 +16,7 @@ from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.comm_setup import EngineComm
 from flowtrain.engine.dataloader import DistributedLoader
+from flowtrain.engine.embedding_rows import EmbeddingRows, tied_embeddings
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, lay_out_flat
 from flowtrain.engine.optim_step import OptimizerStep
@@ -164,6 +165,16 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             self._order_settled = True  # a replacement builds the same buckets without asking
         if self.world_size > 1:
             self._spawn_reducer()
+        # a tied embedding's gradient reduced in two parts, so that its bucket need not wait
+        # for the end of backward (flowtrain/engine/embedding_rows.py)
+        self._rows: EmbeddingRows | None = None
+        if self.world_size > 1 and not self.zero_stage and not self.model_parallel and \
+                self.peer is None and config.flowtrain.tied_embedding_rows:
+            tied = tied_embeddings(model)
+            if tied:
+                self._rows = EmbeddingRows(tied, world_size=self.world_size,
+                                           group=self.dp_group, device=self.device,
+                                           channel=self.channel)
 
         # measured spans and the plan, for `flowtrain simulate --compare` (launched runs only)
         self._run_dir = os.environ.get(RUN_DIR) or None
@@ -292,7 +303,15 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
     def _run_module(self, args: Any, kwargs: Any) -> Any:
         if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
             args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
-        return self.module(*args, **kwargs)
+        if self._rows is None:
+            return self.module(*args, **kwargs)
+        # stages that see a bucket as it is reduced would see the tied weight's gradient
+        # without its embedding rows: with them, the lookups run as usual
+        self._rows.active = not (self.stages["bucket_full"] or self.stages["after_reduce"])
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._rows.active = False
 
     def _forward_counting_flops(self, args: Any, kwargs: Any, mb: int) -> Any:
         """The first forward counts its FLOPs and its other ops (``flowtrain.profiling.census``,
@@ -368,6 +387,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                                 record_order=reduce_now and not self._order_settled), \
                 self.timer.span("backward", name or names.backward(mb)):
             run()
+        if self._rows is not None:
+            self._rows.after_backward(reduces=reduce_now)
         if self.transient:
             # buckets that did not fill (unused parameters) go too, then the micro-batch ends
             for index in range(len(self.plan.buckets)):
@@ -412,6 +433,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             with self.timer.span("comm", names.COMM_WAIT):
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
+                if self._rows is not None and report.error is None:
+                    self._rows.reduce()
             self.timer.record_spans(report.spans)
             error = report.error
         verdict = self._peer_vote(reduced, error)
@@ -498,6 +521,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         engine can be built in the same process; then waits for a checkpoint still being
         written (which needs none of them) and raises its error, if it failed."""
         self.buckets.remove_hooks()
+        if self._rows is not None:
+            self._rows.restore()
+            self._rows = None
         refs = ([self.reducer] if self.reducer is not None else []) + \
             [ref for point in self.stages.at.values() for ref in point]
         if self.stage3 is not None:
