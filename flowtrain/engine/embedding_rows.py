@@ -153,6 +153,10 @@ class EmbeddingRows:
         """Adds the average over ranks of the rows kept since the last reduce into the (already
         all-reduced) gradients. Every rank calls it at the same point of the step."""
         pending, self._pending = self._pending, {}
+        if not self.enabled and not pending:
+            # switched off on every rank at the same step, so no rank has rows left: skip the
+            # counts' all-gather, a synchronisation every later step would otherwise pay
+            return
         for index in range(len(self.modules)):
             # every rank takes part for every weight, with no rows if its tokens missed it
             self._reduce_one(index, pending.get(index, []))
