@@ -56,6 +56,10 @@ class Framework:
     # sequence layout (torch.cat of its chunks along dim 1) and every reduce-scatter's input out
     # of it: a read and a write of the gathered activation around each one
     sp_layout_copies: bool = False
+    # data parallel without ZeRO: a tied embedding's gradient split into the head's part,
+    # reduced during backward, and the lookup's rows exchanged after (flowtrain's
+    # flowtrain.engine.embedding_rows; the others reduce the weight whole once backward is done)
+    tied_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
@@ -113,7 +117,8 @@ class Framework:
 
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework("flowtrain", "flowtrain's engine: DeepSpeed's buckets and ZeRO, sends while it "
-                           "computes", zero1_reduce_scatter=True),
+                           "computes; a tied embedding's gradient split under data "
+                           "parallel", zero1_reduce_scatter=True, tied_rows=True),
     Framework("deepspeed", "DeepSpeed: ZeRO-1 reduce-scatters, its pipeline engine waits on "
                            "each send, its PipelineModule cuts stages by parameter count, "
                            "the model's loss is torch's eager cross-entropy",

@@ -9,6 +9,7 @@ finer where communication overlaps a pass; its docstring lists the task names), 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class _Stage:
     flops: float  # the stage's forward FLOPs of one sample
     act_bytes: float
     layout: StageLayout
+    # embedding weights tied to the head (stage-local indices): their compute is the head's
+    tied: frozenset[int] = frozenset()
 
 
 class LaidOutStep:
@@ -172,7 +175,7 @@ def _price_passes(costs: StageCosts, stage: _Stage, work: Workload, cfg: Any) ->
     costs.price_passes(stage.layout.segments, stage.layout.buckets, stage_flops=stage.flops,
                        work=work, weights=stage.weights, total_weight=stage.total_weight,
                        dtype=PRECISION_DTYPE[cfg.precision], cfg=cfg,
-                       act_bytes=stage.act_bytes)
+                       act_bytes=stage.act_bytes, with_head=stage.tied)
 
 
 def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
@@ -210,6 +213,43 @@ def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
     params = [[work.params[i] if work.split_for_tp else tp_shard(work.params[i], layout.tp)
                for i in indices] for indices in split]
     return params, split, chunks
+
+
+def _tied_params(work: Workload, cfg: Any, layout: Layout, indices: Sequence[int],
+                 params: Sequence[ParamSpec], splits: bool) -> tuple[set[int], dict[int, float]]:
+    """The embedding weights tied to the head (stage-local indices; none with pipeline stages,
+    where the head runs on another stage), and those of them
+    whose gradient the engine splits (``splits``: the framework does), each with the distinct
+    rows a rank exchanges a step, under the engine's own conditions: ZeRO stage 0, data
+    parallel, no pipeline or tensor parallelism, ``flowtrain.tied_embedding_rows`` on, and the
+    ranks' rows fewer than the vocabulary (else the engine reduces the weight densely from its
+    first step on)."""
+    if layout.pp > 1:
+        return set(), {}  # the head is on another stage than the embedding
+    local = {work.params[g][0]: i for i, g in enumerate(indices)}
+    tied = {local[name]: lookups for name, lookups in work.tied if name in local}
+    ft = getattr(cfg, "flowtrain", None)
+    if not (splits and tied and cfg.zero_optimization.stage == 0 and layout.dp > 1 and
+            layout.pp == 1 and layout.tp == 1 and getattr(ft, "tied_embedding_rows", True)):
+        return set(tied), {}
+    split = {}
+    for i, lookups in tied.items():
+        vocab = params[i][1][0]
+        tokens = lookups * int(cfg.train_micro_batch_size_per_gpu) * \
+            int(cfg.gradient_accumulation_steps)
+        rows = distinct_rows(tokens, vocab)
+        if layout.dp * rows <= vocab:
+            split[i] = rows
+    return set(tied), split
+
+
+def distinct_rows(tokens: float, vocab: int) -> float:
+    """The expected distinct ids among ``tokens`` draws from ``vocab`` equally likely ones:
+    vocab * (1 - (1 - 1/vocab)^tokens). Text repeats its frequent tokens more than uniform
+    draws do, so this is the most rows a rank's tokens are expected to touch."""
+    if vocab <= 1:
+        return float(min(vocab, tokens))
+    return -vocab * math.expm1(tokens * math.log1p(-1.0 / vocab))
 
 
 def lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
@@ -263,6 +303,7 @@ def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
         else:
             flops = work.forward_flops_per_sample * sum(weights) / total_weight
         priced = _stage_costs(s, cfg, layout, hw, options, params)
+        tied, split_rows = _tied_params(work, cfg, layout, indices, params, fw.tied_rows)
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
                                    or work.layer_input_bytes_per_sample)
@@ -291,8 +332,9 @@ def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
             param_gather_overlap=opts.param_gather_overlap or fw.param_gather_overlap,
             fsdp=opts.fsdp or fw.fsdp_units,
             blocking_p2p=opts.blocking_p2p or fw.blocks_sends(v),
-            shared_params=priced.shared_params)
-        stages.append(_Stage(params, weights, total_weight, flops, act_bytes, stage))
+            shared_params=priced.shared_params, split_rows=split_rows)
+        stages.append(_Stage(params, weights, total_weight, flops, act_bytes, stage,
+                             frozenset(tied)))
         _price_passes(priced, stages[-1], work, cfg)
         stage.build()
         stage_costs.append(priced)

@@ -6,6 +6,7 @@ each one's time."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Workload
@@ -42,6 +43,9 @@ PIPELINE_JOB_RANKS = 2
 class StageCosts:
     """The prices of one pipeline stage's tasks on hardware ``hw``; ``price_passes`` then
     prices the stage's passes, once its segments and buckets are laid out."""
+
+    # embedding weights tied to the head (``price_passes``)
+    with_head: frozenset[int] = frozenset()
 
     def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
                  params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
@@ -190,11 +194,15 @@ class StageCosts:
 
     def price_passes(self, segments: list[Segment], buckets: tuple[BucketPlan, ...], *,
                      stage_flops: float, work: Workload, weights: list[int], total_weight: int,
-                     dtype: str, cfg: Any, act_bytes: float) -> None:
+                     dtype: str, cfg: Any, act_bytes: float,
+                     with_head: Collection[int] = ()) -> None:
         """Each of the stage's ``segments``' forward and backward seconds (``stage_flops``: the
         stage's forward FLOPs of one sample; ``weights``: its parameters' unsharded element
-        counts), and a layer's tensor-parallel all-reduces of ``act_bytes``."""
+        counts), and a layer's tensor-parallel all-reduces of ``act_bytes``. ``with_head``:
+        embedding weights tied to the head (stage-local indices), whose FLOPs are the head's
+        matmul and are priced in the last segment, where the head runs."""
         self.segments, self.buckets, self.stage_flops = segments, buckets, stage_flops
+        self.with_head = frozenset(with_head)
         self.forward_s = [0.0] * len(segments)
         self.backward_s = [0.0] * len(segments)
         self.shape = RankShape(micro_batch=self.mb, tp=self.tp,
@@ -365,15 +373,21 @@ class StageCosts:
         if self.engine is not None:
             self._cost_engine_segments(work, weights, recompute)
             return
-        for j, seg in enumerate(self.segments):
-            for i in seg.params:
-                numel = _numel(self.params[i][1])
-                flops = weights[i] * scale
-                moved = numel * self.param_elem + weights[i] * act_scale
-                fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
-                bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
-                self.forward_s[j] += fwd
-                self.backward_s[j] += bwd + (fwd if recompute else 0.0)
+        for j, i in self._priced_params():
+            numel = _numel(self.params[i][1])
+            flops = weights[i] * scale
+            moved = numel * self.param_elem + weights[i] * act_scale
+            fwd = costs.compute_seconds(flops, moved, dtype, self.hw)
+            bwd = costs.compute_seconds(2 * flops, 2 * moved, dtype, self.hw)
+            self.forward_s[j] += fwd
+            self.backward_s[j] += bwd + (fwd if recompute else 0.0)
+
+    def _priced_params(self) -> list[tuple[int, int]]:
+        """(segment, stage-local parameter index) of each parameter, in the segment whose
+        passes run its compute: a tied embedding weight's in the last (the head's)."""
+        last = len(self.segments) - 1
+        return [(last if i in self.with_head else j, i)
+                for j, seg in enumerate(self.segments) for i in seg.params]
 
     def _cost_engine_segments(self, work: Workload, weights: list[int], recompute: bool) -> None:
         """Forward and backward per module at the rank's measured pass rates (its thread count,
@@ -387,10 +401,11 @@ class StageCosts:
             max(1, sum(weights)) / self.tp
         stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
         other = self._other_ops(census)
-        for j, seg in enumerate(self.segments):
-            modules: dict[str, list[int]] = {}
-            for i in seg.params:
-                modules.setdefault(self.params[i][0].rpartition(".")[0], []).append(i)
+        by_segment: dict[int, dict[str, list[int]]] = {}
+        for j, i in self._priced_params():
+            by_segment.setdefault(j, {}).setdefault(
+                self.params[i][0].rpartition(".")[0], []).append(i)
+        for j, modules in by_segment.items():
             for members in modules.values():
                 share = sum(weights[i] for i in members) / max(1, sum(weights))
                 flops = sum(weights[i] for i in members) * scale

@@ -67,6 +67,20 @@ def test_split_moves_the_tied_bucket_to_the_front(ranks: list[dict[str, Any]]) -
 
 
 @pytest.mark.multiprocess
+def test_the_run_records_the_rows_for_the_simulator(ranks: list[dict[str, Any]]) -> None:
+    """plan.json names the tied weight and its lookups per micro-batch (3 sequences of 5
+    tokens), from which the simulator prices the split; the rows' exchange is a span of its own
+    (``reduce/rows``) while the split is on, and none once it is off or never was."""
+    for case in ("rows_shm", "whole", "dense_fallback"):
+        assert ranks[0][case]["plan_tied"] == [{"param": "emb.weight",
+                                                "lookups_per_micro_batch": 15}], case
+    for r in range(2):
+        assert ranks[r]["rows_shm"]["rows_span"] and ranks[r]["rows_torch_gas2"]["rows_span"]
+        assert not ranks[r]["whole"]["rows_span"]
+        assert not ranks[r]["dense_fallback"]["rows_span"]
+
+
+@pytest.mark.multiprocess
 def test_rows_outnumbering_the_vocabulary_switch_the_split_off(
         ranks: list[dict[str, Any]]) -> None:
     for r in range(2):

@@ -149,17 +149,19 @@ class EmbeddingRows:
             weight.grad = torch.zeros_like(weight)
         return weight.grad
 
-    def reduce(self) -> None:
+    def reduce(self) -> bool:
         """Adds the average over ranks of the rows kept since the last reduce into the (already
-        all-reduced) gradients. Every rank calls it at the same point of the step."""
+        all-reduced) gradients. Every rank calls it at the same point of the step. Returns
+        whether the ranks exchanged anything (not once the split is off)."""
         pending, self._pending = self._pending, {}
         if not self.enabled and not pending:
             # switched off on every rank at the same step, so no rank has rows left: skip the
             # counts' all-gather, a synchronisation every later step would otherwise pay
-            return
+            return False
         for index in range(len(self.modules)):
             # every rank takes part for every weight, with no rows if its tokens missed it
             self._reduce_one(index, pending.get(index, []))
+        return True
 
     def _reduce_one(self, index: int, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         weight = self.modules[index].weight

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -322,12 +323,30 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
 
         self._plan_pending = False
         census = OpCensus()
-        with census, self.timer.span("forward", names.forward(mb)):
-            out = self._run_module(args, kwargs)
+        writes = self._run_dir is not None and self.global_rank == 0
+        # the tied embeddings' lookups, which the simulator needs to price the split of their
+        # gradient (the rows a rank exchanges)
+        lookups: dict[str, int] = {}
+        names_of = {id(p): n for n, p in zip(self._names, self.trainable)}
+
+        def count(module: torch.nn.Module, inputs: tuple[Any, ...], _: Any) -> None:
+            name = names_of[id(module.weight)]
+            lookups[name] = lookups.get(name, 0) + inputs[0].numel()
+
+        hooks = [module.register_forward_hook(count)
+                 for module in (tied_embeddings(self.module) if writes else [])
+                 if id(module.weight) in names_of]
+        try:
+            with census, self.timer.span("forward", names.forward(mb)):
+                out = self._run_module(args, kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
         summary = census.summary()
         self.health.forward_flops = summary["matmul_flops"] + summary["attention_flops"]
-        if self._run_dir is None or self.global_rank != 0:
+        if not writes:
             return out
+        assert self._run_dir is not None
         try:
             config = self.config.to_dict()
             if self.world_size > 1:
@@ -338,7 +357,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             write_plan(self._run_dir, config=config, world_size=self.world_size,
                        param_specs=self._param_specs(),
                        forward_flops_per_micro_batch=self.health.forward_flops,
-                       forward_ops_per_micro_batch=summary)
+                       forward_ops_per_micro_batch=summary,
+                       tied_embeddings=[{"param": n, "lookups_per_micro_batch": c}
+                                        for n, c in lookups.items()])
         except OSError as exc:
             log.warning("could not write the run's plan.json", error=str(exc))
         return out
@@ -434,7 +455,10 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
                 if self._rows is not None and report.error is None:
-                    self._rows.reduce()
+                    start = time.perf_counter()
+                    if self._rows.reduce():
+                        # a span of its own inside comm/wait, as the step plan names it
+                        self.timer.record_spans([(names.ROWS, start, time.perf_counter())])
             self.timer.record_spans(report.spans)
             error = report.error
         verdict = self._peer_vote(reduced, error)

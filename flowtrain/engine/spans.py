@@ -57,16 +57,19 @@ class SpanRecorder:
 def write_plan(run_dir: str | os.PathLike[str], *, config: dict[str, Any], world_size: int,
                param_specs: list[tuple[str, tuple[int, ...], str, int]],
                forward_flops_per_micro_batch: float,
-               forward_ops_per_micro_batch: dict[str, Any] | None = None) -> Path:
+               forward_ops_per_micro_batch: dict[str, Any] | None = None,
+               tied_embeddings: list[dict[str, Any]] | None = None) -> Path:
     """Rank 0's record of what the run planned (atomically replaced).
     ``forward_ops_per_micro_batch`` is the first forward's ``OpCensus.summary()`` (its matmul
-    and attention FLOPs, and its other ops by class)."""
+    and attention FLOPs, and its other ops by class); ``tied_embeddings`` the embedding weights
+    tied to a head, each ``{"param": name, "lookups_per_micro_batch": tokens looked up}``."""
     path = Path(run_dir) / "plan.json"
     data = {"v": SCHEMA_VERSION, "config": config, "world_size": world_size,
             "param_specs": [[n, list(s), d, e] for n, s, d, e in param_specs],
             "forward_flops_per_micro_batch": forward_flops_per_micro_batch,
             **({"forward_ops_per_micro_batch": forward_ops_per_micro_batch}
                if forward_ops_per_micro_batch is not None else {}),
+            **({"tied_embeddings": tied_embeddings} if tied_embeddings else {}),
             "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "machine": platform.machine(), "torch": torch.__version__,
                      "cuda": torch.cuda.is_available()}}

@@ -30,7 +30,7 @@ Task names (the first two path parts are the name the engine records for a span)
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -154,7 +154,13 @@ class StageLayout:
     parameters in shared memory, so nothing is all-gathered after the step and a stage-3 use
     gathers nothing.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
-    chunks, in chunk order; each pass is then one chunk's, laid out as its segments."""
+    chunks, in chunk order; each pass is then one chunk's, laid out as its segments.
+    ``split_rows`` (data parallel without ZeRO, pipeline or TP): tied embedding weights whose
+    gradient the engine splits (``flowtrain.engine.embedding_rows``), by stage-local index, each
+    with the distinct rows one rank exchanges a step. The head's part alone completes such a
+    weight's gradient, so it comes first in gradient order and its bucket is reduced after the
+    last segment's backward (the head's, the first to run); the rows go in one all-gather after
+    the reduces (``reduce/rows``)."""
 
     def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec], stages: int,
                  dp: int, tp: int, zero: Any, micro_batches: int, micro_batch: int,
@@ -163,7 +169,8 @@ class StageLayout:
                  overheads: Collection[str] = (),
                  chunk_params: Sequence[Sequence[int]] | None = None,
                  param_gather_overlap: bool = False, fsdp: bool = False,
-                 blocking_p2p: bool = False, shared_params: bool = False) -> None:
+                 blocking_p2p: bool = False, shared_params: bool = False,
+                 split_rows: Mapping[int, float] | None = None) -> None:
         unknown = set(overheads) - set(OVERHEADS)
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
@@ -201,10 +208,17 @@ class StageLayout:
             sizes = [sum(_size(params[i]) for i in chunk) for chunk in chunk_params]
             chunk_flops = [forward_flops * n / max(1, sum(sizes)) for n in sizes]
         units = [seg.params for seg in self.segments] if self.partitioned else None
+        self.split_rows = dict(split_rows or {}) \
+            if dp > 1 and self.stage_no == 0 and stages == 1 and tp == 1 else {}
+        order = None
+        if self.split_rows:
+            # the engine's observed order: the split weights' gradients are complete first
+            order = sorted(self.split_rows, reverse=True) + \
+                [i for i in range(len(params) - 1, -1, -1) if i not in self.split_rows]
         buckets = plan_units(params, units, bucket_numel=bucket_numel,
                              persistence_threshold=0 if self.fsdp else
                              zero.stage3_param_persistence_threshold) \
-            if units is not None else plan_buckets(params, bucket_numel)
+            if units is not None else plan_buckets(params, bucket_numel, order)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
         self.reduce_every_mb = self.stage_no >= 2 and stages == 1
         self.gather_ahead = param_gather_overlap and self.stage_no in (1, 2) and dp > 1 and \
@@ -229,9 +243,16 @@ class StageLayout:
         # the stage, send and chunk each kind of receive of each chunk gets its tensor from
         self.peers: dict[tuple[str, int | None], tuple[int, str, int | None]] = {}
         # a bucket's gradients are complete after the backward of its earliest-forward segment
+        # (a split weight's after the last segment's: the head's part is all it waits for)
         self.ready_after: dict[int, list[BucketPlan]] = {}
+        head = len(self.segments) - 1
         for b in self.buckets:
-            self.ready_after.setdefault(min(seg_of[s.index] for s in b.slots), []).append(b)
+            self.ready_after.setdefault(min(head if s.index in self.split_rows else
+                                            seg_of[s.index] for s in b.slots), []).append(b)
+        # the rows' all-gather: each rank's distinct rows, a token id and the fp32 row each
+        self.rows_bytes = int(sum(dp * math.ceil(rows) * (params[i][1][-1] + 1) * 4
+                                  for i, rows in self.split_rows.items())) \
+            if self.split_rows else None
 
     @cached_property
     def step_plan(self) -> StepPlan:
@@ -245,7 +266,7 @@ class StageLayout:
             schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
             chunk_flops=self.chunk_flops,
             stage3=(self.uses, self.trace) if self.uses is not None and not self.shared_params
-            else None)
+            else None, rows_bytes=self.rows_bytes)
 
     def _stage3_uses(self, zero: Any) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
@@ -368,7 +389,7 @@ class StageLayout:
         if self.gather_ahead and k == 0 and not backward:
             return True  # the first forward's segments wait for their parameter gathers
         reduces_here = self.dp > 1 and (self.reduce_every_mb or k == self.m - 1)
-        return backward and reduces_here and len(self.buckets) > 1
+        return backward and reduces_here and (len(self.buckets) > 1 or bool(self.split_rows))
 
     def _pass_tp(self, direction: str, k: int, last: int) -> int:
         """A whole pass's TP collectives after its compute, one set per layer of the stage."""
@@ -436,6 +457,7 @@ class StageLayout:
                 for b in self.buckets:
                     last = self._hand_off(k, b, last)
                     reduces.append(self._reduce(b, mb, last, reduces))
+                self._rows(last, reduces)
             return last
         n = len(self.segments)
         for j in range(n - 1, -1, -1):
@@ -460,7 +482,17 @@ class StageLayout:
                         chunk = last = self._hand_off(k, b, last)
                     reduces.append(self._reduce(b, mb, chunk, reduces))
         assert last is not None
+        if reduce_now:
+            self._rows(last, reduces)
         return last
+
+    def _rows(self, last: int, reduces: list[int]) -> None:
+        """The split weights' rows, all-gathered once the step's reduces are done (the engine
+        exchanges them in its wait for the reduces)."""
+        if self.rows_bytes is not None:
+            reduces.append(self.graph.add(self.stage, names.ROWS, "reduce", "comm:dp",
+                                          "all_gather", [last, reduces[-1] if reduces else None],
+                                          nbytes=self.rows_bytes))
 
     def _chunk_backward(self, k: int, c: int, last: int | None,
                         refs: list[tuple[int, str]]) -> int:

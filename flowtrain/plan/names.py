@@ -21,6 +21,9 @@ PIPE_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 PASSES = ("forward", "backward")
 DIRECTIONS = ("fwd", "bwd")
 COMM_WAIT = "comm/wait"
+# data parallel without ZeRO: a tied embedding's lookup rows, exchanged after the buckets'
+# reduces (flowtrain.engine.embedding_rows), inside the step's wait for them
+ROWS = "reduce/rows"
 OPTIMIZER_STEP = "optimizer/step"
 
 

@@ -132,6 +132,7 @@ def build_step_plan(
     virtual_stages: int = 1,
     chunk_flops: Sequence[float] | None = None,
     stage3: tuple[Stage3Uses, Sequence[int]] | None = None,
+    rows_bytes: int | None = None,
 ) -> StepPlan:
     """The plan of one step of a rank of pipeline stage ``stage`` of ``stages`` (its
     instructions in ``schedule`` order) in a data-parallel group of ``world_size``.
@@ -143,7 +144,9 @@ def build_step_plan(
     micro-batch (``stage3_uses`` over the bucket use order, and that order), each named for the
     use it serves. With the interleaved schedule the stage runs ``virtual_stages`` model chunks,
     a pass over chunk c costing ``chunk_flops[c]`` forward FLOPs (``forward_flops`` shared
-    evenly when not given)."""
+    evenly when not given). ``rows_bytes``: a tied embedding's gradient is split
+    (``flowtrain.engine.embedding_rows``) and its lookup rows, that many bytes gathered from all
+    ranks, are exchanged after the last reduce (``reduce/rows``)."""
     buckets = tuple(buckets) if buckets is not None else \
         plan_buckets(params, bucket_numel, order, groups=groups)
     gas = gradient_accumulation_steps
@@ -200,6 +203,9 @@ def build_step_plan(
         if not forward and world_size > 1 and (every or i == last_backward):
             # buckets launch as the backward produces them
             add_reduces(mb if every and gas > 1 else None, previous)
+    if world_size > 1 and rows_bytes is not None:
+        reduces.append(add(Task(names.ROWS, "reduce", "comm:dp", previous + tuple(reduces[-1:]),
+                                bytes=rows_bytes)))
     if world_size > 1:
         previous = (add(Task(names.COMM_WAIT, "wait", "compute", previous + tuple(reduces[-1:]))),)
     total = sum(b.numel for b in buckets)

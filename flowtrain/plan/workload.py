@@ -139,6 +139,10 @@ class Workload:
     # The model's shapes, when known (presets, published configurations): the simulator then
     # prices a GPU's ops one by one (sims.layer_ops).
     transformer: TransformerShape | None = None
+    # Embedding weights tied to the output head: (parameter name, token lookups per sample).
+    # The head's matmul is their compute, and data parallel without ZeRO splits their gradient
+    # (flowtrain.engine.embedding_rows).
+    tied: tuple[tuple[str, float], ...] = ()
 
     @staticmethod
     def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
@@ -166,11 +170,14 @@ class Workload:
             model.seq_len, gated_mlp=arch.gated_mlp, biases=not arch.gated_mlp,
             norm="rmsnorm" if arch.gated_mlp else "layernorm", dropout=bool(arch.dropout),
             rotary=arch.gated_mlp, tied=arch.tied_embeddings)
+        # a tied preset's first parameter is its token embedding (sims.models)
+        tied = ((params[0][0], float(model.seq_len)),) \
+            if arch is not None and arch.tied_embeddings and params else ()
         return cls(model.name, params, float(model.forward_flops_per_sample), model.seq_len,
                    model.hidden, model.layers, float(model.activation_bytes_per_sample),
                    float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
                    **cls.census_fields(getattr(model, "op_census", None), 1),
-                   transformer=shape)
+                   transformer=shape, tied=tied)
 
     @classmethod
     def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
@@ -183,7 +190,9 @@ class Workload:
         tp = int(tp_section.get("tp_size") or tp_section.get("autotp_size") or 1)
         # a tensor-parallel rank recorded its own parameters and FLOPs; the planner divides a
         # stage's FLOPs among the tp ranks, so it is given the group's
-        return cls(name, params, flops * tp, split_for_tp=tp > 1, **cls.census_fields(
+        tied = tuple((str(t["param"]), float(t["lookups_per_micro_batch"]) / micro_batch_size)
+                     for t in plan.get("tied_embeddings", ()))
+        return cls(name, params, flops * tp, split_for_tp=tp > 1, tied=tied, **cls.census_fields(
             plan.get("forward_ops_per_micro_batch"), micro_batch_size))
 
     @classmethod

@@ -8,8 +8,11 @@ torch DDP, on the same data. Every rank writes ``<out>.rank<R>.json``.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +21,8 @@ from torch import nn
 
 import flowtrain
 from engine_common import flat_params, start_watchdog, write
+from flowtrain.env import RUN_DIR
+from flowtrain.plan import names
 
 STEPS, MICRO, SEQ, LR = 6, 3, 5, 0.01
 
@@ -71,6 +76,12 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
             local.append(float(loss))
         losses.append(sum(local) / gas)
     split = engine._rows
+    # the last step's spans: the rows' exchange has one of its own while the split is on
+    rows_span = any(name == names.ROWS for name, _, _ in engine.timer.last_step[1])
+    # what this engine's first forward wrote to the run's plan.json (rank 0)
+    plan_file = Path(os.environ[RUN_DIR]) / "plan.json"
+    recorded = json.loads(plan_file.read_text()).get("tied_embeddings") \
+        if dist.get_rank() == 0 else None
     # the first bucket of the settled plan holds the gradient that arrived first in backward
     first = engine._names[engine.plan.buckets[0].slots[0].index]
     # the model called outside the engine looks up as usual: its gradient reaches the weight
@@ -79,7 +90,7 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
     outside = model.emb.weight.grad is not None and bool(model.emb.weight.grad[1:].abs().sum() > 0)
     out = {"losses": losses, "params": flat_params(model), "split": split is not None,
            "split_enabled": split is not None and split.enabled, "first_bucket": first,
-           "outside_grad": outside}
+           "outside_grad": outside, "rows_span": rows_span, "plan_tied": recorded}
     engine.destroy()
     return out
 
