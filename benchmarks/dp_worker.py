@@ -35,7 +35,13 @@ def main() -> None:
                         help="torch modes: glibc's malloc set as flowtrain.initialize sets it "
                              "(flowtrain/host_memory.py), to tell the engine's gain from the "
                              "allocator's")
+    parser.add_argument("--sync-steps", action="store_true",
+                        help="nocomm: the ranks wait for each other after every step (a "
+                             "barrier, no data), as any synchronous data parallel must: a "
+                             "rank slowed by the host holds the others up")
     args = parser.parse_args()
+    if args.sync_steps and args.mode != "nocomm":
+        parser.error("--sync-steps is for --mode nocomm")
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
@@ -70,8 +76,9 @@ def main() -> None:
             if not host_memory.keep_freed_memory():
                 raise SystemExit("--kept-heap: glibc's malloc settings could not be applied "
                                  f"({host_memory.user_has_chosen() or 'not glibc'})")
-        if args.mode == "ddp":
+        if args.mode == "ddp" or args.sync_steps:
             dist.init_process_group("gloo")
+        if args.mode == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
 
@@ -80,6 +87,8 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if args.sync_steps:
+                dist.barrier()
 
     for _ in range(args.warmup):
         step()
