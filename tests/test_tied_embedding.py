@@ -86,6 +86,11 @@ def test_rows_outnumbering_the_vocabulary_switch_the_split_off(
     for r in range(2):
         assert ranks[r]["dense_fallback"]["split"]
         assert not ranks[r]["dense_fallback"]["split_enabled"]
+        # the order observed with the split put the tied bucket first; once the split is off
+        # its gradient is complete only at the end of backward, so the buckets are rebuilt
+        # from a fresh observation, as without the split
+        assert ranks[r]["dense_fallback"]["first_bucket"] == ranks[r]["whole"]["first_bucket"]
+        assert ranks[r]["dense_fallback"]["first_bucket"] != "emb.weight"
 
 
 def test_only_plain_tied_embeddings_qualify() -> None:

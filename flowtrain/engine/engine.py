@@ -151,6 +151,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = self.world_size == 1 or self.model_parallel or \
             config.flowtrain.bucket_order == "reverse"
+        self._settle_after = 0  # the first step that may settle the order
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
 
@@ -266,6 +267,17 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         if not self.zero_stage:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
         return buckets
+
+    def _observe_order_again(self) -> None:
+        """The tied embedding's split was just switched off (on every rank at this step): its
+        gradient is complete only at the end of backward again, so an order observed with the
+        split (its bucket first, and buckets launch in order) would hold every reduce back until
+        then. The next step observes the order afresh and the buckets are rebuilt from it."""
+        if self.config.flowtrain.bucket_order == "reverse":
+            return  # a fixed order, never observed
+        self.buckets.observed_order.clear()
+        self._order_settled = False
+        self._settle_after = self.global_steps + 1
 
     def _settle_bucket_order(self) -> None:
         """After the first step: rebuild the buckets in the order gradients actually arrived
@@ -455,10 +467,12 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                 report = self.reducer.ask_from_thread(
                     Flush(self.global_steps, self._reduce_micro_batch(self.micro_steps - 1)))
                 if self._rows is not None and report.error is None:
-                    start = time.perf_counter()
+                    start, split = time.perf_counter(), self._rows.enabled
                     if self._rows.reduce():
                         # a span of its own inside comm/wait, as the step plan names it
                         self.timer.record_spans([(names.ROWS, start, time.perf_counter())])
+                    if split and not self._rows.enabled:
+                        self._observe_order_again()
             self.timer.record_spans(report.spans)
             error = report.error
         verdict = self._peer_vote(reduced, error)
@@ -479,7 +493,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
             self.stage3.end_step()
             self.timer.record_spans(self.stage3.spans)
             self.stage3.spans.clear()
-        if not self._order_settled and self.reducer is not None and not self._no_sync:
+        if not self._order_settled and self.reducer is not None and not self._no_sync and \
+                self.global_steps >= self._settle_after:
             self._settle_bucket_order()
         self.global_steps += 1
         self.global_samples += self.config.global_batch

@@ -22,7 +22,7 @@ from torch import nn
 import flowtrain
 from engine_common import flat_params, start_watchdog, write
 from flowtrain.env import RUN_DIR
-from flowtrain.plan import names
+from flowtrain.plan.names import ROWS
 
 STEPS, MICRO, SEQ, LR = 6, 3, 5, 0.01
 
@@ -77,7 +77,7 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
         losses.append(sum(local) / gas)
     split = engine._rows
     # the last step's spans: the rows' exchange has one of its own while the split is on
-    rows_span = any(name == names.ROWS for name, _, _ in engine.timer.last_step[1])
+    rows_span = any(name == ROWS for name, _, _ in engine.timer.last_step[1])
     # what this engine's first forward wrote to the run's plan.json (rank 0)
     plan_file = Path(os.environ[RUN_DIR]) / "plan.json"
     recorded = json.loads(plan_file.read_text()).get("tied_embeddings") \
