@@ -35,6 +35,9 @@ def main() -> None:
                         help="torch modes: glibc's malloc set as flowtrain.initialize sets it "
                              "(flowtrain/host_memory.py), to tell the engine's gain from the "
                              "allocator's")
+    parser.add_argument("--bucket-numel", type=int, default=0,
+                        help="flowtrain: zero_optimization.reduce_bucket_size in elements (0: "
+                             "the engine's default)")
     parser.add_argument("--sync-steps", action="store_true",
                         help="nocomm: the ranks wait for each other after every step (a "
                              "barrier, no data), as any synchronous data parallel must: a "
@@ -61,7 +64,10 @@ def main() -> None:
                      "wall_clock_breakdown": True, "communication_data_type": args.comm_dtype,
                      "optimizer": {"type": "AdamW", "params": {
                          "lr": 3e-4, "weight_decay": 0.01,
-                         **({"torch_adam": True} if os.environ.get("BENCH_TORCH_ADAM") else {})}}}
+                         **({"torch_adam": True} if os.environ.get("BENCH_TORCH_ADAM") else {})}},
+                     **({"zero_optimization": {"stage": 0,
+                                               "reduce_bucket_size": args.bucket_numel}}
+                        if args.bucket_numel else {})}
         engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config)
 
