@@ -583,7 +583,7 @@ def test_initialize_counts_total_num_steps_from_its_dataset(world1):
     engine.destroy()
 
 
-@pytest.mark.parametrize("key", ["sparse_gradients", "dump_state"])
+@pytest.mark.parametrize("key", ["sparse_gradients", "dump_state", "disable_allgather"])
 def test_inert_deepspeed_keys_warn_when_on_and_stay_quiet_when_off(key):
     # flowtrain accepts these DeepSpeed keys but does nothing different for them; turned on,
     # the user hears so instead of believing they took effect
@@ -593,3 +593,12 @@ def test_inert_deepspeed_keys_warn_when_on_and_stay_quiet_when_off(key):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config({"train_batch_size": 1, key: False})
+
+
+def test_a_sequence_parallel_dtype_is_named_as_inert_only_when_set():
+    with pytest.warns(ConfigWarning, match="seq_parallel_communication_data_type .*has no "
+                                           "effect in flowtrain"):
+        load_config({"train_batch_size": 1, "seq_parallel_communication_data_type": "bf16"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"train_batch_size": 1})

@@ -288,6 +288,15 @@ def _inert_keys(cfg: FlowtrainConfig) -> list[str]:
         notes.append("dump_state true has no effect in flowtrain: it does not print "
                      "DeepSpeed's engine-state dump at initialize; remove the key to silence "
                      "this")
+    if cfg.disable_allgather:
+        notes.append("disable_allgather true has no effect in flowtrain: ZeRO gathers the "
+                     "updated parameters as it always does (or shares one host copy); remove "
+                     "the key to silence this")
+    if "seq_parallel_communication_data_type" in cfg.model_fields_set:
+        notes.append(f"seq_parallel_communication_data_type "
+                     f"{cfg.seq_parallel_communication_data_type} has no effect in flowtrain: it "
+                     f"sets the dtype of DeepSpeed-Ulysses sequence-parallel all-to-alls, which "
+                     f"flowtrain does not run; remove the key to silence this")
     return notes
 
 
