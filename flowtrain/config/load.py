@@ -292,7 +292,7 @@ def _inert_keys(cfg: FlowtrainConfig) -> list[str]:
         notes.append("disable_allgather true has no effect in flowtrain: ZeRO gathers the "
                      "updated parameters as it always does (or shares one host copy); remove "
                      "the key to silence this")
-    if "seq_parallel_communication_data_type" in cfg.model_fields_set:
+    if cfg.seq_parallel_communication_data_type != "fp32":  # DeepSpeed's default
         notes.append(f"seq_parallel_communication_data_type "
                      f"{cfg.seq_parallel_communication_data_type} has no effect in flowtrain: it "
                      f"sets the dtype of DeepSpeed-Ulysses sequence-parallel all-to-alls, which "

@@ -20,7 +20,8 @@ off from the next step on. Every rank decides from the same gathered counts, so 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +74,27 @@ def tied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
             continue
         found.append(module)
     return found
+
+
+@contextlib.contextmanager
+def count_lookups(model: torch.nn.Module | None, params: dict[str, torch.nn.Parameter]
+                  ) -> Iterator[dict[str, int]]:
+    """Counts, while the block runs, the ids each of ``model``'s tied embeddings looks up, by
+    the name ``params`` gives its weight (no model: counts nothing)."""
+    names = {id(p): n for n, p in params.items()}
+    counts: dict[str, int] = {}
+
+    def count(module: torch.nn.Module, inputs: tuple[Any, ...], _: Any) -> None:
+        name = names[id(module.weight)]
+        counts[name] = counts.get(name, 0) + inputs[0].numel()
+
+    hooks = [m.register_forward_hook(count) for m in
+             (tied_embeddings(model) if model is not None else []) if id(m.weight) in names]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class EmbeddingRows:

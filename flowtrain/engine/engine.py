@@ -17,7 +17,7 @@ from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.comm_setup import EngineComm
 from flowtrain.engine.dataloader import DistributedLoader
-from flowtrain.engine.embedding_rows import EmbeddingRows, tied_embeddings
+from flowtrain.engine.embedding_rows import EmbeddingRows, count_lookups, tied_embeddings
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, lay_out_flat
 from flowtrain.engine.optim_step import OptimizerStep
@@ -336,24 +336,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         self._plan_pending = False
         census = OpCensus()
         writes = self._run_dir is not None and self.global_rank == 0
-        # the tied embeddings' lookups, which the simulator needs to price the split of their
-        # gradient (the rows a rank exchanges)
-        lookups: dict[str, int] = {}
-        names_of = {id(p): n for n, p in zip(self._names, self.trainable)}
-
-        def count(module: torch.nn.Module, inputs: tuple[Any, ...], _: Any) -> None:
-            name = names_of[id(module.weight)]
-            lookups[name] = lookups.get(name, 0) + inputs[0].numel()
-
-        hooks = [module.register_forward_hook(count)
-                 for module in (tied_embeddings(self.module) if writes else [])
-                 if id(module.weight) in names_of]
-        try:
-            with census, self.timer.span("forward", names.forward(mb)):
-                out = self._run_module(args, kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        # the tied embeddings' lookups: the simulator prices the split of their gradient by them
+        lookups = count_lookups(self.module if writes else None,
+                                dict(zip(self._names, self.trainable)))
+        with lookups as counted, census, self.timer.span("forward", names.forward(mb)):
+            out = self._run_module(args, kwargs)
         summary = census.summary()
         self.health.forward_flops = summary["matmul_flops"] + summary["attention_flops"]
         if not writes:
@@ -371,7 +358,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
                        forward_flops_per_micro_batch=self.health.forward_flops,
                        forward_ops_per_micro_batch=summary,
                        tied_embeddings=[{"param": n, "lookups_per_micro_batch": c}
-                                        for n, c in lookups.items()])
+                                        for n, c in counted.items()])
         except OSError as exc:
             log.warning("could not write the run's plan.json", error=str(exc))
         return out

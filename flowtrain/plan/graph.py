@@ -155,12 +155,11 @@ class StageLayout:
     gathers nothing.
     ``chunk_params`` (interleaved 1F1B): the stage-local parameter indices of each of its model
     chunks, in chunk order; each pass is then one chunk's, laid out as its segments.
-    ``split_rows`` (data parallel without ZeRO, pipeline or TP): tied embedding weights whose
-    gradient the engine splits (``flowtrain.engine.embedding_rows``), by stage-local index, each
-    with the distinct rows one rank exchanges a step. The head's part alone completes such a
-    weight's gradient, so it comes first in gradient order and its bucket is reduced after the
-    last segment's backward (the head's, the first to run); the rows go in one all-gather after
-    the reduces (``reduce/rows``)."""
+    ``split_rows`` (ZeRO 0, no pipeline or TP): tied embedding weights whose gradient the engine
+    splits (``flowtrain.engine.embedding_rows``), by stage-local index, with the distinct rows a
+    rank exchanges a step. Such a weight's gradient is first in gradient order, its bucket
+    reduced after the head's backward; the rows' all-gather (``reduce/rows``) follows the
+    reduces."""
 
     def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec], stages: int,
                  dp: int, tp: int, zero: Any, micro_batches: int, micro_batch: int,
@@ -487,8 +486,7 @@ class StageLayout:
         return last
 
     def _rows(self, last: int, reduces: list[int]) -> None:
-        """The split weights' rows, all-gathered once the step's reduces are done (the engine
-        exchanges them in its wait for the reduces)."""
+        """The split weights' rows, all-gathered after the step's reduces (in comm/wait)."""
         if self.rows_bytes is not None:
             reduces.append(self.graph.add(self.stage, names.ROWS, "reduce", "comm:dp",
                                           "all_gather", [last, reduces[-1] if reduces else None],
