@@ -218,19 +218,18 @@ def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
 def _tied_params(work: Workload, cfg: Any, layout: Layout, indices: Sequence[int],
                  params: Sequence[ParamSpec], splits: bool) -> tuple[set[int], dict[int, float]]:
     """The embedding weights tied to the head (stage-local indices; none with pipeline stages,
-    where the head runs on another stage), and those of them
-    whose gradient the engine splits (``splits``: the framework does), each with the distinct
-    rows a rank exchanges a step, under the engine's own conditions: ZeRO stage 0, data
-    parallel, no pipeline or tensor parallelism, ``flowtrain.tied_embedding_rows`` on, and the
-    ranks' rows fewer than the vocabulary (else the engine reduces the weight densely from its
-    first step on)."""
+    where the head runs on another stage), and those of them whose gradient the engine splits
+    (``splits``: the framework does), each with the distinct rows a rank exchanges a step, under
+    the engine's own conditions: ZeRO stage 0, data parallel, no tensor parallelism,
+    ``flowtrain.tied_embedding_rows`` on, and the ranks' rows fewer than the vocabulary (else
+    the engine reduces the weight densely from its first step on)."""
     if layout.pp > 1:
         return set(), {}  # the head is on another stage than the embedding
     local = {work.params[g][0]: i for i, g in enumerate(indices)}
     tied = {local[name]: lookups for name, lookups in work.tied if name in local}
     ft = getattr(cfg, "flowtrain", None)
     if not (splits and tied and cfg.zero_optimization.stage == 0 and layout.dp > 1 and
-            layout.pp == 1 and layout.tp == 1 and getattr(ft, "tied_embedding_rows", True)):
+            layout.tp == 1 and getattr(ft, "tied_embedding_rows", True)):
         return set(tied), {}
     split = {}
     for i, lookups in tied.items():

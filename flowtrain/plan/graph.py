@@ -207,8 +207,7 @@ class StageLayout:
             sizes = [sum(_size(params[i]) for i in chunk) for chunk in chunk_params]
             chunk_flops = [forward_flops * n / max(1, sum(sizes)) for n in sizes]
         units = [seg.params for seg in self.segments] if self.partitioned else None
-        self.split_rows = dict(split_rows or {}) \
-            if dp > 1 and self.stage_no == 0 and stages == 1 and tp == 1 else {}
+        self.split_rows = dict(split_rows or {})  # the planner decides where the engine splits
         order = None
         if self.split_rows:
             # the engine's observed order: the split weights' gradients are complete first
