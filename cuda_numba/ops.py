@@ -261,7 +261,8 @@ def unscale_and_check(grad: torch.Tensor, out: torch.Tensor, inv_scale: float) -
 
 
 def l2_norm(tensors: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """sqrt of the sum of squares over all tensors (float64 partial sums), a 0-dim float32."""
+    """sqrt of the sum of squares over all tensors (float64 partial sums; on CPU, fp16 tensors'
+    exact float32 squares are summed in float32 over runs of 256 first), a 0-dim float32."""
     fn = "l2_norm"
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]

@@ -185,6 +185,28 @@ def test_l2_norm_mixed_dtypes():
     assert math.isnan(cn.l2_norm([torch.tensor([1.0, math.nan])]).item())
 
 
+def test_l2_norm_fp16_float32_partials_stay_close():
+    # fp16 squares are summed in float32 chunks (exact squares, rounded sums): over several
+    # blocks and a range from subnormals to 65504 the norm stays within 1e-6 of float64's
+    gen = torch.Generator().manual_seed(6)
+    n = 3 * cpu.BLOCK + 1001
+    mags = torch.pow(10.0, torch.empty(n).uniform_(-7.5, 4.8, generator=gen))
+    h = (mags * torch.randn(n, generator=gen).sign()).clamp(-65504, 65504).half()
+    ref = torch.linalg.vector_norm(h.double())
+    torch.testing.assert_close(cn.l2_norm([h]).double(), ref, rtol=1e-6, atol=0)
+    # squares of one size, where float32 rounding piles up fastest: short chunks keep the
+    # error near 4e-8; one float32 sum per block would be several times 1e-7
+    flat = (torch.rand(8 * cpu.BLOCK, generator=gen) + 1).half()
+    torch.testing.assert_close(cn.l2_norm([flat]).double(),
+                               torch.linalg.vector_norm(flat.double()), rtol=1e-7, atol=0)
+    big = torch.full((5000,), 65504.0, dtype=torch.float16)  # largest square, no overflow
+    assert cn.l2_norm([big]).item() == pytest.approx(65504.0 * 5000 ** 0.5, rel=1e-6)
+    for bad in (math.inf, math.nan):
+        h2 = h.clone()
+        h2[2 * cpu.BLOCK + 300] = bad
+        assert not math.isfinite(cn.l2_norm([h2]).item())
+
+
 def _special_f32():
     rng = np.random.default_rng(5)
     specials = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
