@@ -32,16 +32,39 @@ def _sync() -> None:
 CLOCK: list[Callable[[], float]] = [time.perf_counter]
 
 
+# What each timed call finds in the CPU caches. Every implementation steps its own copy of
+# the state (~28 bytes a parameter, more than a last-level cache holds here), so a call
+# timed straight after another implementation's finds whatever that one left, and a fixed
+# order hands one side the same luck every round. "warm": an untimed call of the same
+# implementation just before (its own data as cached as the host allows, as in a training
+# loop whose model and optimizer state fit the cache); "cold": a write of CACHE_FLUSH_BYTES
+# first, so every call streams its state from memory (a model larger than the cache).
+CACHE = ["warm"]
+CACHE_FLUSH_BYTES = 1 << 30
+
+
+def _prepare(fn: Callable[[], object], flush: torch.Tensor | None) -> None:
+    if CACHE[0] == "warm":
+        fn()
+    elif flush is not None:
+        flush.add_(1)
+
+
 def _race(impls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     for fn in impls.values():  # warm: compile, page in, allocate state
         fn()
         fn()
+    flush = torch.zeros(CACHE_FLUSH_BYTES // 4) if CACHE[0] == "cold" else None
     times: dict[str, list[float]] = {k: [] for k in impls}
-    for _ in range(rounds):
-        for k, fn in impls.items():  # alternate so drift hits every implementation alike
+    order = list(impls)
+    for r in range(rounds):
+        # alternate so drift hits every implementation alike, and rotate the order so each
+        # follows every other equally often
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            _prepare(impls[k], flush)
             _sync()
             t0 = CLOCK[0]()
-            fn()
+            impls[k]()
             _sync()
             times[k].append(CLOCK[0]() - t0)
     return times
@@ -176,14 +199,17 @@ def main() -> None:
                     choices=["fp32", "bf16", "fp16"], help="the engine's precision(s)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall clock, or this process's CPU time (see CLOCK)")
+    ap.add_argument("--cache", choices=["warm", "cold"], default="warm",
+                    help="what each timed call finds in the CPU caches (see CACHE)")
     args = ap.parse_args()
+    CACHE[0] = args.cache
     if args.clock == "cpu":
         CLOCK[0] = time.process_time
     import cuda_numba
 
     cuda_numba.warm_up()
     print(f"device: {args.device}   torch threads: {torch.get_num_threads()}   "
-          f"clock: {args.clock}")
+          f"clock: {args.clock}   cache: {args.cache}")
     for precision in args.precision:
         times = bench_step(args, precision)
         n = sum(p.numel() for p in GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len,
