@@ -11,6 +11,9 @@ synchronous data parallel with free communication reaches).
         [--shapes L,E,S,V;L,E,S,V;...] [--no-single | --single-only]
         [worker flags such as --micro-batch 8]
 
+Each run warms up until the ranks' heaps stop growing (dp_worker.warm_up), then times
+``--steps`` steps.
+
 ``--shapes`` runs each GPT shape in turn (layers, width, sequence length, vocabulary; e.g.
 "4,256,128,50304;12,128,64,96;2,512,256,8192"), every case of a shape alternating with the
 others; without it, the worker's own shape flags (--n-layer, --n-embd, --seq-len, --vocab).
@@ -41,7 +44,8 @@ def run(case: str, mode: str, nproc: int, extra: list[str], args: argparse.Names
         raise SystemExit(f"{case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return {"samples_per_s": statistics.mean(r["samples_per_s"] for r in rows),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in rows), "params": rows[0]["params"]}
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rows), "params": rows[0]["params"],
+            "warmup_steps": max(r["warmup_steps"] for r in rows)}
 
 
 def parse_shapes(text: str) -> list[list[str]]:
@@ -101,10 +105,12 @@ def bench_shape(args: argparse.Namespace, shape: list[str], tmp: Path) -> None:
           f"{params / 1e6:.2f}M parameters, {1 if args.single_only else nproc} rank(s), "
           f"{args.rounds} alternating rounds of "
           f"{args.steps} steps; medians (range over rounds)")
-    print(f"{'case':24s} {'samples/s':>10s} {'range':>17s} {'peak RSS/rank MiB':>18s}")
+    warm = {n: [int(r["warmup_steps"]) for r in rs] for n, rs in results.items()}
+    print(f"{'case':24s} {'samples/s':>10s} {'range':>17s} {'peak RSS/rank MiB':>18s} "
+          f"{'warm-up steps':>14s}")
     for name in cases:
         print(f"{name:24s} {med[name]:10.1f} {min(rates[name]):8.1f}-{max(rates[name]):<8.1f} "
-              f"{rss[name]:18.0f}")
+              f"{rss[name]:18.0f} {min(warm[name]):>8d}-{max(warm[name]):<5d}")
     if not args.single_only:
         print_multi_rank(med, rates)
     if not args.no_single:

@@ -9,6 +9,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,13 +18,46 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
+# A step that faults in fewer fresh pages than this (400 KiB) found the heap at its size.
+QUIET_FAULTS = 100
+
+
+def warm_up(step: Callable[[], None], least: int, settle: int, most: int) -> int:
+    """Runs ``least`` untimed steps, then more until ``settle`` steps in a row faulted fewer
+    than QUIET_FAULTS fresh pages on every rank (at most ``most`` steps in all); returns how
+    many ran. Until glibc's heap reaches its high-water mark, a step now and then places a
+    large tensor (a 50k-vocabulary head's logits, 200 MB) in memory the process never
+    touched: tens of thousands of minor faults, half a second to a second of kernel time,
+    seen on this machine as late as the 12th step, and after three quiet steps in a row.
+    With independent ranks that costs one rank's rate; with synchronous ones (DDP,
+    flowtrain, the synced bound) every rank waits for it, so a short fixed warm-up charges
+    those modes for the allocator's growth, not for their steady step. Every mode uses the
+    same rule; ranks that talk agree on the count."""
+    done, quiet = 0, 0
+    talk = dist.is_initialized() and dist.get_world_size() > 1
+    while done < most and (done < least or quiet < settle):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step()
+        done += 1
+        faults = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before])
+        if talk:
+            dist.all_reduce(faults, op=dist.ReduceOp.MAX)
+        quiet = quiet + 1 if int(faults) < QUIET_FAULTS else 0
+    return done
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["flowtrain", "ddp", "nocomm", "plain"], required=True)
     parser.add_argument("--comm-dtype", default="fp32", help="flowtrain's communication_data_type")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="untimed steps first, at least (see --settle)")
+    parser.add_argument("--settle", type=int, default=4,
+                        help="then more untimed steps until this many in a row found the heap "
+                             "steady on every rank (see warm_up), 0 for none")
+    parser.add_argument("--warmup-max", type=int, default=30,
+                        help="the most untimed steps --settle may take")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=256, help="model width")
@@ -96,8 +130,7 @@ def main() -> None:
             if args.sync_steps:
                 dist.barrier()
 
-    for _ in range(args.warmup):
-        step()
+    warmup = warm_up(step, args.warmup, args.settle, args.warmup_max)
     if dist.is_initialized():
         dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -112,7 +145,7 @@ def main() -> None:
               # step, which other jobs on a shared machine disturb far less than the wall clock
               "cpu_step_s": cpu / args.steps,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "params": sum(p.numel() for p in model.parameters())}
+              "params": sum(p.numel() for p in model.parameters()), "warmup_steps": warmup}
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if dist.is_initialized():
