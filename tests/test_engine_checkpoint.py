@@ -1,6 +1,7 @@
 """Checkpoints end to end: a 2-rank run stopped at step 10 and resumed from its checkpoint
-continues exactly as the uninterrupted run (losses, lr, weights, ==), and a process killed in the
-middle of a save leaves the previous checkpoint as ``latest``, loadable."""
+continues exactly as the uninterrupted run (losses, lr, weights, ==, and the gradient buckets'
+layout), and a process killed in the middle of a save leaves the previous checkpoint as
+``latest``, loadable."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def _check_resume(run: Any, rng: bool) -> None:
             assert second[r]["losses"][k] == tail[k], f"rank {r} step {k}"
             assert second[r]["lrs"][k] == full[r]["lrs"][k], f"rank {r} step {k} lr"
         assert second[r]["params"] == full[r]["params"]
+        # the gradient buckets as the first half settled them, from the first resumed step on
+        # (this model's gradients arrive in another order than the engine starts with)
+        assert first[r]["layout"] != second[r]["layout_before_load"]
+        assert second[r]["layout_at_load"] == first[r]["layout"] == full[r]["layout"]
         if rng:  # the global torch generator continues where the uninterrupted run's is
             assert second[r]["torch_rng_next"] == full[r]["torch_rng_next"]
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain.config import FlowtrainConfig
+from flowtrain.engine.bucket_order import BucketOrder
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.comm_setup import EngineComm
 from flowtrain.engine.dataloader import DistributedLoader
@@ -49,7 +50,8 @@ log = get_logger("flowtrain.engine")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, EngineComm,
+                      torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -267,39 +269,6 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, EngineComm, to
         if not self.zero_stage:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
         return buckets
-
-    def _observe_order_again(self) -> None:
-        """The tied embedding's split was just switched off (on every rank at this step): its
-        gradient is complete only at the end of backward again, so an order observed with the
-        split (its bucket first, and buckets launch in order) would hold every reduce back until
-        then. The next step observes the order afresh and the buckets are rebuilt from it."""
-        if self.config.flowtrain.bucket_order == "reverse":
-            return  # a fixed order, never observed
-        self.buckets.observed_order.clear()
-        self._order_settled = False
-        self._settle_after = self.global_steps + 1
-
-    def _settle_bucket_order(self) -> None:
-        """After the first step: rebuild the buckets in the order gradients actually arrived
-        (rank 0's observation, broadcast so every rank uses the same plan)."""
-        self._order_settled = True
-        seen: list[int] = []
-        marks = set()
-        for i in self.buckets.observed_order:
-            if i not in marks:
-                marks.add(i)
-                seen.append(i)
-        seen += [i for i in range(len(self.trainable)) if i not in marks]
-        order = torch.tensor(seen, dtype=torch.int64)
-        dist.broadcast(order, src=0)
-        order_list = order.tolist()
-        if order_list == [s.index for b in self.plan.buckets for s in b.slots]:
-            return
-        self.buckets.remove_hooks()
-        self.plan = self._make_plan(order=order_list)
-        self.buckets = self._make_buckets(self.plan)
-        self._reducer_actor.use_buckets(self.buckets)
-        log.debug("buckets rebuilt in observed gradient order", buckets=len(self.plan.buckets))
 
     # -- the DeepSpeed surface --------------------------------------------------------------------
 

@@ -211,10 +211,10 @@ def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> No
                                                            "warmup_type": "linear"}})
     engine, _, loader, _ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset(), config=cfg)
-    start = 0
+    start, layout_at_load, layout_before_load = 0, None, engine.bucket_layout()
     if phase == "second":
         path, client = engine.load_checkpoint(ckpt_dir)
-        start = engine.global_steps
+        start, layout_at_load = engine.global_steps, engine.bucket_layout()
         assert path is not None and client == {"note": "half"}, (path, client)
     end = 10 if phase == "first" else STEPS
     losses, lrs = {}, {}
@@ -230,7 +230,9 @@ def mode_resume(out: str, ckpt_dir: str, phase: str, dropout: str = "0.3") -> No
     if phase == "first":
         engine.save_checkpoint(ckpt_dir, client_state={"note": "half"})
     write(out, {"start": start, "losses": losses, "lrs": lrs, "params": flat_params(model),
-                "global_steps": engine.global_steps, "torch_rng_next": torch.rand(3).tolist()})
+                "global_steps": engine.global_steps, "torch_rng_next": torch.rand(3).tolist(),
+                "layout_before_load": layout_before_load, "layout_at_load": layout_at_load,
+                "layout": engine.bucket_layout()})
 
 
 # -- crash mid-save (single process) --------------------------------------------------------------
