@@ -1,7 +1,7 @@
 """A tied embedding's gradient reduced in two parts (flowtrain/engine/embedding_rows.py): on 2
 real ranks against torch DDP, with the shared-memory and the gloo channel, with gradient
-accumulation, and the dense fallback when the ranks' rows outnumber the vocabulary; in this
-process, which modules qualify."""
+accumulation, and the dense fallback when the ranks' rows outnumber the vocabulary (which a
+resumed run keeps); in this process, which modules qualify."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("tied") / "out"
     launch(2, WORKER, str(out), "rows_shm,rows_torch_gas2,whole,ddp,ddp_gas2,dense_fallback,"
-           "ddp_small", run_dir=out.parent / "run", timeout=240)
+           "ddp_small,dense_resume", run_dir=out.parent / "run", timeout=240)
     return check_cases(rank_results(out, 2))
 
 
@@ -52,6 +52,20 @@ def test_split_tied_gradient_trains_as_ddp(ranks: list[dict[str, Any]], case: st
     params_close(ranks[0][case]["params"], ranks[0][ddp]["params"], f"{case} vs {ddp}")
     # the ranks' weights stay bit-identical: every rank adds the rows in the same order
     assert ranks[0][case]["params"] == ranks[1][case]["params"]
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_keeps_the_split_off_and_continues_exactly(
+        ranks: list[dict[str, Any]]) -> None:
+    for r in range(2):
+        run = ranks[r]["dense_resume"]
+        # switched off in the saved run's first step; off in the resumed engine before its
+        # first, with the buckets as the saved run had re-observed them
+        assert not run["saved"]["split_enabled"] and not run["loaded"]["split_enabled"]
+        assert run["loaded"]["layout"] == run["saved"]["layout"]
+        # bit for bit: the resumed steps reduce the tied gradient as the uninterrupted run did
+        assert run["resumed"]["losses"] == run["full"]["losses"][-len(run["resumed"]["losses"]):]
+        assert run["resumed"]["params"] == run["full"]["params"]
 
 
 @pytest.mark.multiprocess

@@ -49,9 +49,8 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
-            # the resumed run lays its gradient buckets out as this one did: the same sums
-            "bucket_order": engine.settled_bucket_order()
-            if hasattr(engine, "settled_bucket_order") else None,
+            # the resumed run reduces its gradients as this one did: the same sums
+            "layout": engine.layout_state() if hasattr(engine, "layout_state") else None,
             # world size and batch size say how far into the epoch the ranks are together
             "dataloader": {**loader.state_dict(), "world_size": engine.world_size,
                            "batch_size": loader.batch_size} if loader is not None else None,
@@ -123,8 +122,8 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
         log.info("resharding checkpoint", path=str(path), saved_zero_stage=saved_layout[0],
                  saved_world_size=saved_layout[1], zero_stage=engine.zero_stage,
                  world_size=engine.world_size)
-    if shared.get("bucket_order") is not None and hasattr(engine, "adopt_bucket_order"):
-        engine.adopt_bucket_order(shared["bucket_order"])  # before the tensors land in it
+    if shared.get("layout") is not None and hasattr(engine, "adopt_layout_state"):
+        engine.adopt_layout_state(shared["layout"])  # before the tensors land in its buckets
     if custom_load_fn is not None:
         load_through(engine, custom_load_fn, path / TENSOR_DIR, description)
     load_tensors(engine, path / TENSOR_DIR, description, params=custom_load_fn is None,

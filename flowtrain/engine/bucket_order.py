@@ -1,11 +1,13 @@
 """The order of ``FlowtrainEngine``'s gradient buckets (a mixin): observed in the first step
-(the order gradients arrive in backward), settled after it, and carried by checkpoints.
+(the order gradients arrive in backward), settled after it, and carried by checkpoints with
+whether a tied embedding's gradient is still reduced in two parts.
 
-A resumed run must lay the buckets out as the run it continues did. Which parameters share a
+A resumed run must reduce its gradients as the run it continues did. Which parameters share a
 bucket, and where each lies in it, decide the order of additions in the float32 gradient norm
-(one norm per bucket) and where the all-reduce cuts its chunks; a resumed run that observed
-the order afresh would take its first step in the unobserved layout, and its losses would
-part from the uninterrupted run's in the last bits."""
+(one norm per bucket) and where the all-reduce cuts its chunks; the tied embedding's split adds
+its rows after the dense reduce instead of before it. A resumed run that found these afresh
+would take its first step another way, and its losses would part from the uninterrupted run's
+in the last bits."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class BucketOrder:
     peer: Any
     reducer: Any
     _reducer_actor: Any
+    _rows: Any  # the tied embedding's split (flowtrain.engine.embedding_rows), or None
     _order_settled: bool
     _settle_after: int
     # methods of the engine (annotations only: stubs here would shadow them)
@@ -94,6 +97,23 @@ class BucketOrder:
         if not (self._observed_layout() and self._order_settled):
             return None
         return self.bucket_layout()
+
+    def layout_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of how this engine reduces its gradients: the settled bucket
+        order (``settled_bucket_order``) and whether the tied embedding's split is on (None
+        without one)."""
+        return {"bucket_order": self.settled_bucket_order(),
+                "tied_rows_split": self._rows.enabled if self._rows is not None else None}
+
+    def adopt_layout_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's ``layout_state`` (every rank loads the same one). A split the saved
+        run had switched off stays off from the first step here, which then reduces the tied
+        gradient densely as that run did."""
+        if state.get("tied_rows_split") is False and self._rows is not None:
+            self._rows.enabled = False
+        order = state.get("bucket_order")
+        if order is not None:
+            self.adopt_bucket_order(list(order))
 
     def adopt_bucket_order(self, order: list[int]) -> None:
         """A checkpoint's settled order (every rank loads the same one): the buckets are

@@ -25,6 +25,7 @@ from flowtrain.env import RUN_DIR
 from flowtrain.plan.names import ROWS
 
 STEPS, MICRO, SEQ, LR = 6, 3, 5, 0.01
+HALF = 3  # where the resumed case saves
 
 
 class TiedLM(nn.Module):
@@ -57,7 +58,7 @@ def loss_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]:
+def make_engine(vocab: int, gas: int, rows: bool, channel: str) -> tuple[TiedLM, Any]:
     model = make_model(vocab)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "Adam", "params": {"lr": LR}}, "gradient_clipping": 1.0,
@@ -65,8 +66,12 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
            "flowtrain": {"data_channel": channel, "tied_embedding_rows": rows}}
     engine, *_ = flowtrain.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg)
+    return model, engine
+
+
+def train(engine: Any, vocab: int, gas: int, steps: range) -> list[float]:
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         local = []
         for m in range(gas):
             x, y = batch(step, m, vocab)
@@ -75,6 +80,12 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
             engine.step()
             local.append(float(loss))
         losses.append(sum(local) / gas)
+    return losses
+
+
+def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]:
+    model, engine = make_engine(vocab, gas, rows, channel)
+    losses = train(engine, vocab, gas, range(STEPS))
     split = engine._rows
     # the last step's spans: the rows' exchange has one of its own while the split is on
     rows_span = any(name == ROWS for name, _, _ in engine.timer.last_step[1])
@@ -93,6 +104,25 @@ def run_engine(vocab: int, gas: int, rows: bool, channel: str) -> dict[str, Any]
            "outside_grad": outside, "rows_span": rows_span, "plan_tied": recorded}
     engine.destroy()
     return out
+
+
+def run_resume(vocab: int, ckpt: Path) -> dict[str, Any]:
+    """The dense fallback's run saved at step HALF, and a fresh engine resumed from that
+    checkpoint: its first step must reduce the tied gradient as the saved run had come to."""
+    model, engine = make_engine(vocab, 1, True, "torch")
+    losses = train(engine, vocab, 1, range(HALF))
+    engine.save_checkpoint(str(ckpt))
+    saved = {"split_enabled": engine._rows.enabled, "layout": engine.bucket_layout()}
+    losses += train(engine, vocab, 1, range(HALF, STEPS))
+    full = {"losses": losses, "params": flat_params(model)}
+    engine.destroy()
+    model, engine = make_engine(vocab, 1, True, "torch")
+    engine.load_checkpoint(str(ckpt))
+    loaded = {"split_enabled": engine._rows.enabled, "layout": engine.bucket_layout()}
+    resumed = {"losses": train(engine, vocab, 1, range(HALF, STEPS)),
+               "params": flat_params(model)}
+    engine.destroy()
+    return {"full": full, "resumed": resumed, "saved": saved, "loaded": loaded}
 
 
 def run_ddp(vocab: int, gas: int) -> dict[str, Any]:
@@ -127,6 +157,7 @@ CASES: dict[str, tuple[int, int, dict[str, Any] | None]] = {
     "ddp": (41, 1, None), "ddp_gas2": (41, 2, None),
     "dense_fallback": (7, 1, {"rows": True, "channel": "torch"}), "ddp_small": (7, 1, None),
 }
+RESUME = "dense_resume"  # the dense fallback saved at HALF and resumed (run_resume)
 
 
 def main() -> None:
@@ -135,10 +166,13 @@ def main() -> None:
     flowtrain.init_distributed()
     result: dict[str, Any] = {}
     for name in names.split(","):
-        vocab, gas, settings = CASES[name]
         try:
-            result[name] = run_ddp(vocab, gas) if settings is None else \
-                run_engine(vocab, gas, **settings)
+            if name == RESUME:
+                result[name] = run_resume(7, Path(out).parent / "resume_ckpt")
+            else:
+                vocab, gas, settings = CASES[name]
+                result[name] = run_ddp(vocab, gas) if settings is None else \
+                    run_engine(vocab, gas, **settings)
         except Exception:  # recorded so the other cases still report
             result[name] = {"error": traceback.format_exc()}
         dist.barrier()
