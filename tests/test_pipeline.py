@@ -356,9 +356,20 @@ def test_ends_partition_gives_the_first_and_last_stage_one_layer_fewer() -> None
     params += [(f"layers.{i}.w", (4, 4), "float32", 4) for i in range(126)]
     params += [("head.weight", (10, 4), "float32", 4)]
     ends = partition_costs(params, "ends", layer_of=layer_of)
-    assert ends is not None and ends[0] == ends[125] == 2.0 and ends[60] == 1.0
+    # the embedding and the loss are items of the cut, keyed next to the end layers
+    assert ends == {n: 1.0 for n in range(-1, 127)}
     chunks = split_stages(params, 32, ends)
     counts = [len({layer_of(params[i][0]) for i in c} - {None}) for c in chunks]
     assert counts == [3] + [4] * 30 + [3]
+    assert chunks[0][0] == 0 and chunks[-1][-1] == len(params) - 1
     # the plain even cut gives the first chunk four
     assert len({layer_of(params[i][0]) for i in split_stages(params, 32)[0]} - {None}) == 4
+    # chunks of one layer (16 stages x 8): "the first model chunk on the first stage has only
+    # the embedding, and the last model chunk on the last stage has only output projection and
+    # loss calculation"
+    single = split_stages(params, 128, ends)
+    assert single[0] == [0] and single[-1] == [len(params) - 1]
+    assert all(len(c) == 1 and layer_of(params[c[0]][0]) == k for k, c in
+               enumerate(single[1:-1]))
+    with pytest.raises(ValueError, match="pp 129 needs at least 129"):
+        split_stages(params, 129, ends)

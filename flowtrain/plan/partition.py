@@ -65,8 +65,9 @@ def partition_costs(params: Sequence[tuple[str, tuple[int, ...], str, int]], met
                     attention_flops_per_token: float = 0.0) -> dict[int, float] | None:
     """Each numbered layer's weight in a ``method`` cut (None for "layers": an even cut).
     "parameters": its parameters, with those before the first layer added to the first and
-    those after the last to the last; "ends": one each, two for the first and the last;
-    "balanced": its forward FLOPs per token (2 per weight,
+    those after the last to the last; "ends": one each, and one more each for what comes
+    before the first layer (keyed one below it) and after the last (one above it), which a cut
+    may leave alone on a stage; "balanced": its forward FLOPs per token (2 per weight,
     plus ``attention_flops_per_token``), with the head's ``head_flops_per_token`` (the LM head
     runs on the last stage even when it shares the embedding's weight) on the last."""
     if method not in PARTITIONS:
@@ -94,10 +95,9 @@ def partition_costs(params: Sequence[tuple[str, tuple[int, ...], str, int]], met
         costs[last] += after
         return costs
     if method == "ends":
-        ends = {n: 1.0 for n in costs}
-        ends[first] += 1.0
-        ends[last] += 1.0
-        return ends
+        # Llama 3's chunks of one layer leave the first holding only the embedding and the
+        # last only the output projection and loss: both are items of the cut themselves
+        return {first - 1: 1.0, **{n: 1.0 for n in costs}, last + 1: 1.0}
     out = {n: 2.0 * size + attention_flops_per_token for n, size in costs.items()}
     out[last] += head_flops_per_token or 2.0 * after
     return out

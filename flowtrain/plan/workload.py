@@ -237,19 +237,32 @@ def split_stages(params: Sequence[ParamSpec], stages: int,
     """Parameter indices of each pipeline stage: numbered layers split evenly in order (or, with
     ``layer_costs``, cut so that the costliest stage costs least, as ``PipelineModule``'s
     partition methods cut), what comes before the first layer (embeddings) on the first stage,
-    what comes after the last (final norm, head) on the last."""
+    what comes after the last (final norm, head) on the last. A cost keyed below the first
+    layer (above the last) makes what comes before (after) the layers an item of the cut of its
+    own, which may then be alone on its stage."""
     if stages == 1:
         return [list(range(len(params)))]
     layers = sorted({n for n in (layer_of(p[0]) for p in params) if n is not None})
-    if len(layers) < stages:
+    costs = dict(layer_costs or {})
+    # (only where the model has parameters there: an item with none would leave a stage empty)
+    before = bool(layers) and layer_of(params[0][0]) is None and any(n < layers[0] for n in costs)
+    after = bool(layers) and layer_of(params[-1][0]) is None and any(n > layers[-1] for n in costs)
+    # the items cut: the layers, with the ends as items where the costs name them
+    items: list[int | None] = [None] * bool(before) + list(layers) + [None] * bool(after)
+    if len(items) < stages:
         raise ValueError(f"pp {stages} needs at least {stages} numbered layers to split the "
                          f"model into stages; its parameter names show {len(layers)}")
     if layer_costs is None:
-        stage_of_layer = {layer: pos * stages // len(layers) for pos, layer in enumerate(layers)}
+        part = [pos * stages // len(items) for pos in range(len(items))]
     else:
-        bounds = partition_balanced([layer_costs.get(n, 0.0) for n in layers], stages)
-        stage_of_layer = {layers[pos]: s for s in range(stages)
-                          for pos in range(bounds[s], bounds[s + 1])}
+        weight = [sum(c for n, c in costs.items() if n < layers[0])] * bool(before) + \
+            [costs.get(n, 0.0) for n in layers] + \
+            [sum(c for n, c in costs.items() if n > layers[-1])] * bool(after)
+        bounds = partition_balanced(weight, stages)
+        part = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+    stage_of_layer = {n: part[pos] for pos, n in enumerate(items) if n is not None}
+    first_stage = part[0] if before else 0
+    last_stage = part[-1] if after else stages - 1
     out: list[list[int]] = [[] for _ in range(stages)]
     seen_layer = False
     for i, p in enumerate(params):
@@ -258,7 +271,7 @@ def split_stages(params: Sequence[ParamSpec], stages: int,
             seen_layer = True
             out[stage_of_layer[n]].append(i)
         else:
-            out[stages - 1 if seen_layer else 0].append(i)
+            out[last_stage if seen_layer else first_stage].append(i)
     return out
 
 
