@@ -41,7 +41,10 @@ def check_number(name: str, value: Any, *, minimum: float | None = None,
 # ----------------------------------------------------------------------------- builtins
 
 GB = 1e9
+MiB = 2**20
 TFLOPS = 1e12
+# the memory the driver reports for each GPU (nvidia-smi's total; "80GB" is not 80e9 bytes)
+_SMI = "modal-labs/modal-client#2797: nvidia-smi totals"
 SRC_SIM = "/work/shared/reference/simulators.md (hardware table)"
 
 
@@ -76,7 +79,7 @@ class GpuNode:
 BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
     GpuNode(
         "a100-80g-x8", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS,
-        hbm_bytes=80 * GB, hbm_bw=2039 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
+        hbm_bytes=81920 * MiB, hbm_bw=2039 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
         pcie_dir=32 * GB, host_dram_node=2 * 8 * 25.6 * GB,
         sources={
             "peak_flops.bfloat16": f"{SRC_SIM}: A100 BF16 dense 312 TFLOPS (624 sparse)",
@@ -84,7 +87,7 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
                                   "datasheet)",
             "peak_flops.float32": "NVIDIA A100 datasheet: FP32 (non-tensor) 19.5 TFLOPS",
             "peak_flops.tfloat32": "NVIDIA A100 datasheet: TF32 tensor core 156 TFLOPS dense",
-            "device_memory_bytes": f"{SRC_SIM}: 80 GB HBM2e (decimal GB)",
+            "device_memory_bytes": f"{_SMI}: A100 80GB 81920 MiB",
             "memory_bandwidth": f"{SRC_SIM}: 80 GB HBM2e @ 2.039 TB/s",
             "intra_node.bandwidth": f"{SRC_SIM}: NVLink3 600 GB/s bidirectional = 300 GB/s "
                                     "per direction (NCCL achieves ~195 GB/s sendrecv)",
@@ -96,7 +99,7 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
         }),
     GpuNode(
         "a100-40g-x8", fp32=19.5 * TFLOPS, tf32=156 * TFLOPS, bf16=312 * TFLOPS,
-        hbm_bytes=40 * GB, hbm_bw=1555 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
+        hbm_bytes=40960 * MiB, hbm_bw=1555 * GB, nvlink_dir=300 * GB, ib_node=8 * 25 * GB,
         pcie_dir=32 * GB, host_dram_node=2 * 8 * 25.6 * GB,
         sources={
             "peak_flops.bfloat16": f"{SRC_SIM}: A100 BF16 dense 312 TFLOPS (624 sparse)",
@@ -104,7 +107,7 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
                                   "datasheet)",
             "peak_flops.float32": "NVIDIA A100 datasheet: FP32 (non-tensor) 19.5 TFLOPS",
             "peak_flops.tfloat32": "NVIDIA A100 datasheet: TF32 tensor core 156 TFLOPS dense",
-            "device_memory_bytes": f"{SRC_SIM}: A100 40 GB HBM2 (decimal GB)",
+            "device_memory_bytes": f"{_SMI}: A100 40GB 40960 MiB",
             "memory_bandwidth": f"{SRC_SIM}: 40 GB @ 1.555 TB/s",
             "intra_node.bandwidth": f"{SRC_SIM}: NVLink3 600 GB/s bidirectional = 300 GB/s "
                                     "per direction",
@@ -116,7 +119,7 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
         }),
     GpuNode(
         "h100-x8", fp32=66.9 * TFLOPS, tf32=494.7 * TFLOPS, bf16=989.4 * TFLOPS,
-        hbm_bytes=80 * GB, hbm_bw=3350 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
+        hbm_bytes=81559 * MiB, hbm_bw=3350 * GB, nvlink_dir=450 * GB, ib_node=8 * 50 * GB,
         pcie_dir=64 * GB, host_dram_node=2 * 8 * 38.4 * GB, fp8=1978.9 * TFLOPS,
         sources={
             "peak_flops.float8": "stas00/ml-engineering compute/accelerator/README.md MAMF "
@@ -128,7 +131,8 @@ BUILTIN_NODES: dict[str, GpuNode] = {node.name: node for node in (
             "peak_flops.float32": "glennklockwood.com/garden/processors/h100: FP32 66.9 TFLOPS",
             "peak_flops.tfloat32": "glennklockwood.com/garden/processors/h100: TF32 matrix "
                                    "494.7 TFLOPS dense (989.4 is with sparsity)",
-            "device_memory_bytes": f"{SRC_SIM}: 80 GB HBM3 (decimal GB)",
+            "device_memory_bytes": f"{_SMI}: H100 81559 MiB (also NVIDIA/nccl#1264: 'NVIDIA "
+                                   "H100 80GB HBM3 ... 0MiB / 81559MiB')",
             "memory_bandwidth": f"{SRC_SIM}: 80 GB HBM3 @ 3.35 TB/s",
             "intra_node.bandwidth": f"{SRC_SIM}: NVLink4 900 GB/s bidirectional (18x50) = "
                                     "450 GB/s per direction (all-reduce reaches 741 of 900)",

@@ -42,14 +42,15 @@ PUBLISHED = [
     ("a100-80g-x8", "peak_flops.bfloat16", 312 * T),
     ("a100-80g-x8", "peak_flops.float16", 312 * T),
     ("a100-80g-x8", "peak_flops.float32", 19.5 * T),
-    ("a100-80g-x8", "device_memory_bytes", 80 * GB),
+    # what nvidia-smi reports: "80GB" cards hold 80 GiB less the driver's reserve
+    ("a100-80g-x8", "device_memory_bytes", 81920 * 2**20),
     ("a100-80g-x8", "memory_bandwidth", 2.039e12),
     ("a100-80g-x8", "intra_node.bandwidth", 600 * GB / 2),  # NVLink3, per direction
     ("a100-80g-x8", "inter_node.bandwidth", 8 * 200e9 / 8),  # 8 x HDR 200 Gb/s
     ("a100-80g-x8", "host_to_device.bandwidth", 32 * GB),  # PCIe Gen4 x16
     ("h100-x8", "peak_flops.bfloat16", 989.4 * T),
     ("h100-x8", "peak_flops.float32", 66.9 * T),
-    ("h100-x8", "device_memory_bytes", 80 * GB),
+    ("h100-x8", "device_memory_bytes", 81559 * 2**20),
     ("h100-x8", "memory_bandwidth", 3.35e12),
     ("h100-x8", "intra_node.bandwidth", 900 * GB / 2),  # NVLink4, per direction
     ("h100-x8", "inter_node.bandwidth", 8 * 400e9 / 8),  # 8 x NDR 400 Gb/s
