@@ -44,7 +44,9 @@ class BucketOrder:
 
     def _observed_layout(self) -> bool:
         """The buckets follow an observed order here (data parallel at stage 0, nothing that
-        fixes the layout): other layouts never change."""
+        fixes the layout). Other layouts never change: ZeRO's shards are cut once, pipeline and
+        tensor parallel stages are planned, a peer-recovery replacement builds the same buckets
+        without asking, and "reverse" is a fixed order."""
         return self.world_size > 1 and not self.zero_stage and not self.model_parallel and \
             self.peer is None and self.config.flowtrain.bucket_order == "observed"
 
@@ -53,8 +55,8 @@ class BucketOrder:
         gradient is complete only at the end of backward again, so an order observed with the
         split (its bucket first, and buckets launch in order) would hold every reduce back until
         then. The next step observes the order afresh and the buckets are rebuilt from it."""
-        if self.config.flowtrain.bucket_order == "reverse":
-            return  # a fixed order, never observed
+        if not self._observed_layout():
+            return
         self.buckets.observed_order.clear()
         self._order_settled = False
         self._settle_after = self.global_steps + 1
@@ -113,7 +115,7 @@ class BucketOrder:
             self._rows.enabled = False
         order = state.get("bucket_order")
         if order is not None:
-            self.adopt_bucket_order(list(order))
+            self.adopt_bucket_order(order)
 
     def adopt_bucket_order(self, order: list[int]) -> None:
         """A checkpoint's settled order (every rank loads the same one): the buckets are
@@ -126,6 +128,6 @@ class BucketOrder:
                      "observing the order afresh", saved=len(order),
                      parameters=len(self.trainable))
             return
-        self._use_bucket_order(list(order))
+        self._use_bucket_order(order)
         self.buckets.observed_order.clear()
         self._order_settled = True

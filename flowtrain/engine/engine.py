@@ -151,8 +151,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             # see it close
             self.channel = self._open_channel(config.flowtrain.data_channel)
         self.buckets = self._make_buckets(self.plan)
-        self._order_settled = self.world_size == 1 or self.model_parallel or \
-            config.flowtrain.bucket_order == "reverse"
+        self._order_settled = not self._observed_layout()
         self._settle_after = 0  # the first step that may settle the order
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
@@ -163,10 +162,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
             self._param_channel = self._open_param_channel()
-            self._order_settled = True  # shard layouts never change
         self.reducer = None
-        if self.peer is not None:
-            self._order_settled = True  # a replacement builds the same buckets without asking
         if self.world_size > 1:
             self._spawn_reducer()
         # a tied embedding's gradient reduced in two parts, so that its bucket need not wait

@@ -260,9 +260,8 @@ def split_stages(params: Sequence[ParamSpec], stages: int,
             [sum(c for n, c in costs.items() if n > layers[-1])] * bool(after)
         bounds = partition_balanced(weight, stages)
         part = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+    # the ends, items or not, are the first and the last of the cut: stages 0 and stages - 1
     stage_of_layer = {n: part[pos] for pos, n in enumerate(items) if n is not None}
-    first_stage = part[0] if before else 0
-    last_stage = part[-1] if after else stages - 1
     out: list[list[int]] = [[] for _ in range(stages)]
     seen_layer = False
     for i, p in enumerate(params):
@@ -271,7 +270,7 @@ def split_stages(params: Sequence[ParamSpec], stages: int,
             seen_layer = True
             out[stage_of_layer[n]].append(i)
         else:
-            out[last_stage if seen_layer else first_stage].append(i)
+            out[stages - 1 if seen_layer else 0].append(i)
     return out
 
 
