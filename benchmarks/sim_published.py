@@ -28,6 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from published_set import load_runs, load_split, part_of, split_problems  # noqa: E402
+
 from flowtrain.config import load_config  # noqa: E402
 from flowtrain.plan.workload import Layout, Workload  # noqa: E402
 from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
@@ -35,8 +37,6 @@ from sims.layer_ops import SimOptions  # noqa: E402
 from sims.memory import memory_per_rank  # noqa: E402
 from sims.models import Architecture, spec_from_architecture  # noqa: E402
 from sims.prediction import predict  # noqa: E402
-
-RUNS = Path(__file__).with_name("published_runs.json")
 
 # the builtin node profile of each GPU name the runs use
 GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm": "h100-x8",
@@ -69,10 +69,6 @@ def framework(run: Mapping[str, Any]) -> str:
                        f"SOURCE_FRAMEWORKS; add the one it trained with (or a 'framework' "
                        f"field to the run)")
     return str(name)
-
-
-def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
-    return list(json.loads(path.read_text())["runs"])
 
 
 def architecture(run: Mapping[str, Any]) -> Architecture:
@@ -173,13 +169,23 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=Path, default=RUNS)
+    ap.add_argument("--runs", type=Path, default=None, help="the runs file (default: "
+                    "published_runs.json beside this script)")
     ap.add_argument("--source", action="append", help="only these sources")
     ap.add_argument("--id", action="append", help="only these run ids")
     ap.add_argument("--json", type=Path, help="write every row and summary here")
     ns = ap.parse_args(argv)
-    runs = [r for r in load_runs(ns.runs)
+    split = load_split()
+    every = load_runs(ns.runs) if ns.runs else load_runs()
+    problems = split_problems(every, split)
+    if problems:
+        print("the published set breaks its split's rules (published_split.json):\n  " +
+              "\n  ".join(problems), file=sys.stderr)
+        return 2
+    runs = [r for r in every
             if (not ns.source or r["source"] in ns.source) and (not ns.id or r["id"] in ns.id)]
+    # the held-out part first: its figures are the headline
+    runs.sort(key=lambda r: part_of(r["source"], split) != "held-out")
     rows = []
     print(f"{'run':40s} {'source':26s} {'GPUs':>6s} {'published s':>11s} {'predicted s':>11s}"
           f" {'error':>7s}  {'range':>17s}  {'memory GiB (published)':>22s}")
@@ -191,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         low, high = p.step_time_range_s or (predicted, predicted)
         inside = low <= published <= high
         stated = run["published"].get("memory_gib")
-        rows.append({"id": run["id"], "source": run["source"], "gpus": run["hardware"]["gpus"],
+        rows.append({"id": run["id"], "source": run["source"],
+                     "part": part_of(run["source"], split), "gpus": run["hardware"]["gpus"],
                      "published_s": published, "predicted_s": predicted, "error": error,
                      "range_s": [low, high], "published_in_range": inside,
                      "peak_memory_gib": (p.peak_memory_bytes or 0) / 2**30, "oom": p.oom,
@@ -203,17 +210,31 @@ def main(argv: list[str] | None = None) -> int:
               f"{low:7.2f}-{high:<7.2f}{'*' if inside else ' '}  {mem:>18s}"
               f"{' OOM' if p.oom else '    '}")
     print()
-    by_source: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_source.setdefault(row["source"], []).append(row)
-    summary = {source: summarize(rs) for source, rs in sorted(by_source.items())}
+    summary: dict[str, Any] = {}
+    print(f"{'part / source':30s} {'runs':>5s} {'MAPE':>8s} {'bias':>8s} {'optimistic':>11s}")
+    for part in ("held-out", "development"):
+        mine = [r for r in rows if r["part"] == part]
+        by_source: dict[str, list[dict[str, Any]]] = {}
+        for row in mine:
+            by_source.setdefault(row["source"], []).append(row)
+        summary[part] = {"all": summarize(mine), "in_range": sum(r["published_in_range"]
+                                                                 for r in mine),
+                         **{source: summarize(rs) for source, rs in sorted(by_source.items())}}
+        for source, s in summary[part].items():
+            if source == "in_range":
+                continue
+            label = f"{part}: all" if source == "all" else f"  {source}"
+            print(f"{label:30s} {s['runs']:5d} {s['mape'] * 100:7.1f}% {s['bias'] * 100:+7.1f}% "
+                  f"{s['optimistic']:>6d}/{s['runs']}")
+        if mine:
+            print(f"  published step inside the predicted range: {summary[part]['in_range']} of "
+                  f"{len(mine)}")
     summary["all"] = summarize(rows)
     flagged = [r["id"] for r in rows if r["oom"]]
     in_range = sum(r["published_in_range"] for r in rows)
-    print(f"{'source':30s} {'runs':>5s} {'MAPE':>8s} {'bias':>8s} {'optimistic':>11s}")
-    for source, s in summary.items():
-        print(f"{source:30s} {s['runs']:5d} {s['mape'] * 100:7.1f}% {s['bias'] * 100:+7.1f}% "
-              f"{s['optimistic']:>6d}/{s['runs']}")
+    every_row = summary["all"]
+    print(f"{'all':30s} {every_row['runs']:5d} {every_row['mape'] * 100:7.1f}% "
+          f"{every_row['bias'] * 100:+7.1f}% {every_row['optimistic']:>6d}/{every_row['runs']}")
     print(f"published step inside the predicted range (*): {in_range} of {len(rows)}; "
           f"flagged out of memory: {len(flagged)}" + (f" ({', '.join(flagged)})" if flagged
                                                       else ""))
