@@ -2,23 +2,24 @@
 
 Each run of ``benchmarks/published_runs.json`` (papers' and repositories' tables: model shape,
 parallel layout, batch, precision, recompute, hardware, and the step time its published
-throughput implies, each with its citation and assumptions) is simulated with the builtin
-profile of its GPU and network, and the predicted step time is set beside the published one:
-signed error per run, then MAPE, mean signed error (bias) and the count of optimistic
-predictions per source and overall. Nothing here is fitted to these runs: every factor the
-simulator uses is a property of the hardware or software (``sims/gpu_figures.py``). The memory
-column is the peak rank's memory as the run's framework lays it out (``SOURCE_FRAMEWORKS``,
-``sims.frameworks``, ``sims.memory``), "OOM" where it exceeds the GPU's, with the published
-figure beside it where the source states one.
+throughput implies, each with its citation and assumptions) is entered into `flowtrain
+simulate` as a user enters it (``published_inputs``: an architecture file, a ds_config.json and
+the command's flags) and the predicted step time is set beside the published one: signed error
+per run, then MAPE, mean signed error (bias) and the count of optimistic predictions per source,
+for the frozen held-out part first and the development part after it
+(``published_split.json``). Nothing here is fitted to these runs: every factor the simulator
+uses is a property of the hardware or software (``sims/gpu_figures.py``). The memory column is
+the peak rank's memory as the run's framework lays it out, "OOM" where it exceeds the GPU's,
+with the published figure beside it where the source states one.
 
     .venv/bin/python benchmarks/sim_published.py            # the table
     .venv/bin/python benchmarks/sim_published.py --json out.json --source megatron-2021
+    .venv/bin/python benchmarks/sim_published.py --inputs runs/ --show-commands
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,117 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from published_inputs import command, framework, prepare, shell_line, simulate  # noqa: E402
 from published_set import load_runs, load_split, part_of, split_problems  # noqa: E402
 
-from flowtrain.config import load_config  # noqa: E402
-from flowtrain.plan.workload import Layout, Workload  # noqa: E402
-from sims.hardware import HardwareProfile, Link, get_profile  # noqa: E402
-from sims.layer_ops import SimOptions  # noqa: E402
 from sims.memory import memory_per_rank  # noqa: E402
-from sims.models import Architecture, spec_from_architecture  # noqa: E402
-from sims.prediction import predict  # noqa: E402
 
-# the builtin node profile of each GPU name the runs use
-GPU_PROFILES = {"a100-40g": "a100-40g-x8", "a100-80g": "a100-80g-x8", "h100-sxm": "h100-x8",
-                "h100-sxm-hbm2e-capped": "h100-hbm2e-x8", "h200": "h200-x8"}
-# per-NIC bytes/s of each network the runs name (one direction)
-NETWORKS = {"ib-hdr-200": 25e9, "roce-200": 25e9, "ib-ndr-400": 50e9, "roce-400": 50e9,
-            "rdma-400": 50e9, "omnipath-100": 12.5e9}
-PRECISION = {"fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
-# the framework each source trained with (sims.frameworks; a run's own "framework" wins)
-SOURCE_FRAMEWORKS = {
-    "megatron-2021": "megatron-lm", "korthikanti-2022": "megatron-lm",
-    "megatron-lm-readme": "megatron-lm",
-    "megatron-lm-readme-2024": "megatron-core", "nemo-24.07-perf": "megatron-core",
-    "megatron-bridge-25.11-perf": "megatron-core",
-    # NeMo 1.x: Megatron-LM's layers with Apex's DistributedFusedAdam, which reduce-scatters
-    # gradient buckets during backward and gathers the parameters under the next forward
-    "nemo-megatron-launcher-2022": "megatron-core",
-    "bloom-2022": "megatron-deepspeed", "mtnlg-2022": "megatron-deepspeed",
-    "opt-2022": "fsdp1",  # metaseq: FairScale's fully sharded data parallel
-    "torchtitan-bench": "fsdp", "nemo-automodel-perf": "fsdp",  # FSDP2
-    "llmfoundry-bench": "llm-foundry", "llama3-2024": "llama3",
-}
-
-
-def framework(run: Mapping[str, Any]) -> str:
-    """The framework ``run`` trained with."""
-    name = run.get("framework") or SOURCE_FRAMEWORKS.get(run["source"])
-    if name is None:
-        raise KeyError(f"source {run['source']!r} of {run['id']} has no framework in "
-                       f"SOURCE_FRAMEWORKS; add the one it trained with (or a 'framework' "
-                       f"field to the run)")
-    return str(name)
-
-
-def architecture(run: Mapping[str, Any]) -> Architecture:
-    m = run["model"]
-    family = "llama" if m["family"] == "llama" else "gpt2"
-    return Architecture(family, int(m["layers"]), int(m["hidden"]), int(m["heads"]),
-                        int(m.get("kv_heads") or m["heads"]), int(m["ffn"]), int(m["vocab"]),
-                        int(m["seq_len"]), source=run["citation"],
-                        dropout=bool(m.get("dropout", False)),
-                        tied=m.get("tied_embeddings"))
-
-
-def profile(run: Mapping[str, Any]) -> HardwareProfile:
-    hw = run["hardware"]
-    base = get_profile(GPU_PROFILES[hw["gpu"]])
-    per_nic = NETWORKS.get(str(hw.get("inter_node")))
-    nics = int(hw.get("nics_per_node") or base.devices_per_node)
-    if per_nic is None:
-        return base
-    return dataclasses.replace(base, inter_node=Link(base.inter_node.latency_s, per_nic * nics))
-
-
-def prepare(run: Mapping[str, Any]) -> tuple[Any, Any, Layout, HardwareProfile, SimOptions]:
-    """The simulator's inputs for ``run``: model, config, layout, hardware and options."""
-    par, batch, train = run["parallel"], run["batch"], run["training"]
-    hw = profile(run)
-    per_node = int(run["hardware"].get("gpus_per_node") or hw.devices_per_node)
-    gpus = int(run["hardware"]["gpus"])
-    cp = int(par.get("cp") or 1)
-    tp, pp = int(par["tp"]), int(par["pp"])
-    # context-parallel ranks count as data-parallel ranks whose samples are 1/cp of a sequence
-    # (the gradient reduce spans both), with attention over the whole sequence (SimOptions.cp)
-    layout = Layout(gpus // per_node, per_node, tp, pp)
-    dp = layout.dp
-    micro = int(batch["micro_batch"])
-    accumulation = max(1, int(batch["global_batch"]) * cp // (micro * dp))
-    precision = PRECISION[train["precision"]]
-    virtual = int(par.get("virtual_stages") or 1)
-    zero: dict[str, Any] = {"stage": int(par.get("zero_stage") or 0)}
-    cfg = load_config({
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": 1.0,
-        precision: {"enabled": True},
-        "zero_optimization": zero,
-        "communication_data_type": train.get("grad_reduce_dtype") or
-        ("fp32" if precision == "bf16" else "fp16"),
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        **({"pipeline": {"schedule": "interleaved", "virtual_stages": virtual}}
-           if virtual > 1 and pp > 1 else {}),
-    }, world_size=dp, check_supported=False)
-    arch = architecture(run)
-    model = spec_from_architecture(run["id"], arch, int(run["model"]["seq_len"]) // cp)
-    options = SimOptions(
-        recompute=str(train.get("recompute") or "none"),
-        sequence_parallel=bool(par.get("sequence_parallel")) and tp > 1,
-        attention=train.get("attention") or (None if train.get("flash_attention")
-                                             else "unfused"),
-        gemm_dtype="float8" if train["precision"] == "fp8" else None, cp=cp,
-        tp_overlap=bool(par.get("tp_overlap")),
-        elementwise=str(train.get("elementwise") or "fused"),
-        fsdp=bool(par.get("fsdp")), framework=framework(run))
-    return model, cfg, layout, hw, options
-
-
-def simulate(run: Mapping[str, Any]) -> Any:
-    """The simulator's Prediction for ``run``."""
-    model, cfg, layout, hw, options = prepare(run)
-    work = Workload.from_model(model, cfg.precision)
-    return predict(model, cfg, layout, hw, cluster=hw.name, workload=work, options=options)
+__all__ = ["command", "framework", "load_runs", "main", "memory", "prepare", "simulate"]
 
 
 def memory(run: Mapping[str, Any]) -> tuple[dict[str, float], int]:
@@ -174,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", action="append", help="only these sources")
     ap.add_argument("--id", action="append", help="only these run ids")
     ap.add_argument("--json", type=Path, help="write every row and summary here")
+    ap.add_argument("--inputs", type=Path, help="keep each run's architecture file and "
+                    "ds_config.json in this directory (default: a temporary one)")
+    ap.add_argument("--show-commands", action="store_true",
+                    help="print each run's `flowtrain simulate` command line")
+    ap.add_argument("--subprocess", action="store_true",
+                    help="run the installed command in a process of its own for each run "
+                         "(slower: torch is imported each time)")
     ns = ap.parse_args(argv)
     split = load_split()
     every = load_runs(ns.runs) if ns.runs else load_runs()
@@ -190,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':40s} {'source':26s} {'GPUs':>6s} {'published s':>11s} {'predicted s':>11s}"
           f" {'error':>7s}  {'range':>17s}  {'memory GiB (published)':>22s}")
     for run in runs:
-        p = simulate(run)
+        p = simulate(run, ns.inputs, subprocess_cli=ns.subprocess)
         predicted = p.step_time_s
         published = float(run["step_time_s"])
         error = (predicted - published) / published
@@ -205,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                      "published_memory_gib": stated, "memory": p.memory,
                      "framework": framework(run)})
         mem = f"{(p.peak_memory_bytes or 0) / 2**30:.1f}" + (f" ({stated:.1f})" if stated else "")
+        if ns.show_commands and ns.inputs:
+            print("  " + shell_line(command(run, ns.inputs)))
         print(f"{run['id'][:40]:40s} {run['source'][:26]:26s} {run['hardware']['gpus']:6d} "
               f"{published:11.3f} {predicted:11.3f} {error * 100:+6.1f}%  "
               f"{low:7.2f}-{high:<7.2f}{'*' if inside else ' '}  {mem:>18s}"

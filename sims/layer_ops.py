@@ -176,8 +176,14 @@ def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
         ops.append(Stream("rotary", tokens * (heads * t.head_dim + kv) * rotary))
     ops += attention_core(t, r, backward=False)
     ops.append(Gemm("attn_out", tokens, h, heads * t.head_dim))
-    ops += [o for o in (drop, residual) if o is not None]
-    ops.append(norm)
+    if t.parallel_block:
+        # the MLP reads the same normed input; both branches and the input add at the end
+        # (read three, write one)
+        residual = Stream("residual", local * h * e * 4)
+        ops += [o for o in (drop,) if o is not None]
+    else:
+        ops += [o for o in (drop, residual) if o is not None]
+        ops.append(norm)
     if t.gated_mlp:
         ops.append(Gemm("mlp_gate_up", tokens, 2 * ffn, h))
         # read gate and up, write the product
@@ -322,17 +328,17 @@ def head_backward(t: TransformerShape, r: RankShape) -> list[Op]:
 
 
 def embed_forward(t: TransformerShape, r: RankShape) -> list[Op]:
-    """Token (and, without rotary, position) embedding lookups: rows read, activations
+    """Token (and a learned position table's) embedding lookups: rows read, activations
     written."""
     tokens = r.micro_batch * t.seq_len
-    tables = 1 if t.rotary else 2
+    tables = 2 if t.position_table else 1
     return [Stream("embedding", tokens * t.hidden * r.act_bytes * (tables + 1))]
 
 
 def embed_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     """The lookups' backward: the output gradient scattered (added) into the tables' rows."""
     tokens = r.micro_batch * t.seq_len
-    tables = 1 if t.rotary else 2
+    tables = 2 if t.position_table else 1
     return [Stream("embedding.grad", tokens * t.hidden * 4 * 3 * tables)]
 
 

@@ -15,87 +15,20 @@ from typing import Any
 import torch
 
 from flowtrain.profiling.census import OpCensus
+from sims.architecture import (
+    FAMILIES,
+    PRESETS,
+    Architecture,
+    ParamShapes,
+    architecture_params,
+    forward_flops,
+    layer_activation_bytes,
+    outside_activation_bytes,
+)
 
-ParamShapes = tuple[tuple[str, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """The shape of a decoder-only transformer, enough to list its parameters and count its work.
-
-    ``family`` "gpt2": learned positions, LayerNorm and linear biases, GeLU MLP of ``ffn``,
-    tied LM head. "llama": rotary positions (no parameters), RMSNorm, no biases, SwiGLU
-    MLP of ``ffn``, grouped-query attention with ``kv_heads``, untied LM head. ``dropout``
-    changes only the activation bytes (its masks and outputs are kept for backward); ``tied``
-    overrides the family's LM head (Megatron-Core's GPT unties it with
-    --untie-embeddings-and-output-weights, some Llama-shaped models tie it).
-    """
-
-    family: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    context: int
-    source: str = ""
-    # None: the family's own (GPT-2 trains with dropout 0.1, Llama with none)
-    dropout: bool | None = None
-    # None: the family's own (GPT-2 ties the LM head to the token embedding, Llama does not)
-    tied: bool | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return self.family == "gpt2" if self.tied is None else self.tied
-
-    @property
-    def gated_mlp(self) -> bool:
-        return self.family == "llama"
-
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"architecture family {self.family!r} is not known; choose one of "
-                             f"{', '.join(FAMILIES)}")
-        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"architecture {name} must be an integer > 0, got {value!r}")
-        if self.dropout is None:
-            object.__setattr__(self, "dropout", self.family == "gpt2")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden {self.hidden} must divide into heads {self.heads}, and "
-                             f"heads into kv_heads {self.kv_heads}")
-
-
-FAMILIES = ("gpt2", "llama")
-
-_GPT2_SOURCE = ("Radford et al. 2019 (GPT-2) Table 2 layers/width; Hugging Face "
-                "openai-community/gpt2* config.json for heads, vocab 50257, n_positions 1024")
-_LLAMA2_SOURCE = ("Touvron et al. 2023 (arXiv:2307.09288) Table 1; Hugging Face "
-                  "meta-llama/Llama-2-*-hf config.json (intermediate_size, 32000 vocab)")
-_LLAMA3_SOURCE = ("Meta Llama 3 model card; Hugging Face meta-llama/Meta-Llama-3-*/config.json "
-                  "(intermediate_size, num_key_value_heads 8, vocab 128256, 8192 positions)")
-
-PRESETS: dict[str, Architecture] = {
-    "gpt2": Architecture("gpt2", 12, 768, 12, 12, 3072, 50257, 1024, _GPT2_SOURCE),
-    "gpt2-medium": Architecture("gpt2", 24, 1024, 16, 16, 4096, 50257, 1024, _GPT2_SOURCE),
-    "gpt2-large": Architecture("gpt2", 36, 1280, 20, 20, 5120, 50257, 1024, _GPT2_SOURCE),
-    "gpt2-xl": Architecture("gpt2", 48, 1600, 25, 25, 6400, 50257, 1024, _GPT2_SOURCE),
-    "llama2-7b": Architecture("llama", 32, 4096, 32, 32, 11008, 32000, 4096, _LLAMA2_SOURCE),
-    "llama2-13b": Architecture("llama", 40, 5120, 40, 40, 13824, 32000, 4096, _LLAMA2_SOURCE),
-    "llama2-70b": Architecture("llama", 80, 8192, 64, 8, 28672, 32000, 4096, _LLAMA2_SOURCE),
-    "llama3-8b": Architecture("llama", 32, 4096, 32, 8, 14336, 128256, 8192, _LLAMA3_SOURCE),
-    "llama3-70b": Architecture("llama", 80, 8192, 64, 8, 28672, 128256, 8192, _LLAMA3_SOURCE),
-}
+__all__ = ["DTYPES", "FAMILIES", "PRESETS", "Architecture", "ModelSpec", "ParamShapes",
+           "architecture_params", "forward_flops", "get_model", "layer_activation_bytes",
+           "outside_activation_bytes", "resolve", "spec_from_architecture", "trace_module"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +58,9 @@ class ModelSpec:
     # a traced forward's ops besides its matmuls (flowtrain.profiling.census summary), FLOPs
     # and elements per sample, calls per forward; None for presets
     op_census: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    # what was assumed in reading the model (a Hugging Face config's inferred features, a
+    # sequence length taken from it): the report's notes
+    notes: tuple[str, ...] = field(default=(), compare=False, hash=False)
 
     @property
     def num_params(self) -> int:
@@ -174,103 +110,8 @@ def _layer_index(name: str) -> int:
 
 # -- presets ------------------------------------------------------------------------------------
 
-def architecture_params(arch: Architecture) -> ParamShapes:
-    """Every trainable parameter in ``model.parameters()`` order, named and shaped as Hugging
-    Face's GPT2LMHeadModel (Conv1D weights stored (in, out); the tied LM head is not listed
-    again) or LlamaForCausalLM (Linear weights (out, in))."""
-    h, f, v = arch.hidden, arch.ffn, arch.vocab
-    out: list[tuple[str, tuple[int, ...]]] = []
-    if arch.family == "gpt2":
-        out += [("transformer.wte.weight", (v, h)), ("transformer.wpe.weight", (arch.context, h))]
-        for i in range(arch.layers):
-            p = f"transformer.h.{i}."
-            out += [(p + "ln_1.weight", (h,)), (p + "ln_1.bias", (h,)),
-                    (p + "attn.c_attn.weight", (h, 3 * h)), (p + "attn.c_attn.bias", (3 * h,)),
-                    (p + "attn.c_proj.weight", (h, h)), (p + "attn.c_proj.bias", (h,)),
-                    (p + "ln_2.weight", (h,)), (p + "ln_2.bias", (h,)),
-                    (p + "mlp.c_fc.weight", (h, f)), (p + "mlp.c_fc.bias", (f,)),
-                    (p + "mlp.c_proj.weight", (f, h)), (p + "mlp.c_proj.bias", (h,))]
-        out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
-        if not arch.tied_embeddings:
-            out.append(("lm_head.weight", (v, h)))
-    else:
-        kv = arch.kv_dim
-        out.append(("model.embed_tokens.weight", (v, h)))
-        for i in range(arch.layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            out += [(a + "q_proj.weight", (h, h)), (a + "k_proj.weight", (kv, h)),
-                    (a + "v_proj.weight", (kv, h)), (a + "o_proj.weight", (h, h)),
-                    (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
-                    (p + "mlp.down_proj.weight", (h, f)),
-                    (p + "input_layernorm.weight", (h,)),
-                    (p + "post_attention_layernorm.weight", (h,))]
-        out.append(("model.norm.weight", (h,)))
-        if not arch.tied_embeddings:
-            out.append(("lm_head.weight", (v, h)))
-    return tuple(out)
-
-
-def forward_flops(arch: Architecture, seq_len: int) -> int:
-    """Matmul FLOPs of one sample's forward pass, counting 2·m·n·k per (m×k)·(k×n) product.
-
-    With s = seq_len, h = hidden, d = h / heads, g·d = kv_dim, f = ffn, V = vocab, per layer:
-      Q and output projections    2·(2·s·h·h)
-      K and V projections         2·(2·s·h·g·d)
-      scores Q·Kᵀ, per head       2·s·s·d, times heads -> 2·s²·h (each query head scores
-                                  against its group's K; GQA shares K, not the work)
-      context softmax·V           2·s²·h likewise
-      MLP                         2·(2·s·h·f) for GeLU (fc, proj); 3·(2·s·h·f) for SwiGLU
-    plus the LM head 2·s·h·V. The causal mask does not shrink a dense matmul, so the full s²
-    is counted. For GPT-2 (f = 4h, g·d = h) a layer is 24·s·h² + 4·s²·h, the usual figure.
-    Elementwise work (norms, softmax, activations, rotary) is not counted, as
-    ``torch.utils.flop_counter`` does not count it either.
-    """
-    s, h, f = seq_len, arch.hidden, arch.ffn
-    attention = 2 * s * h * h * 2 + 2 * s * h * arch.kv_dim * 2 + 2 * s * s * h * 2
-    mlp = (3 if arch.gated_mlp else 2) * 2 * s * h * f
-    return arch.layers * (attention + mlp) + 2 * s * h * arch.vocab
-
-
-def layer_activation_bytes(arch: Architecture, seq_len: int, *, tp: int = 1,
-                           mask_bytes: int = 1, maps: bool = True,
-                           sequence_parallel: bool = False) -> float:
-    """Bytes one layer saves for backward, per sample, 16-bit activations, no recompute.
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-    (arXiv:2205.05198, Sec. 4): a GPT layer keeps s·b·h·(34 + 5·a·s/h) bytes, and with
-    t-way tensor parallelism (no sequence parallelism) s·b·h·(10 + 24/t + 5·a·s/(h·t)). The
-    same accounting, per token, written out so that it also covers Llama's layer:
-      kept whole on every tensor rank: both norm inputs 4h, the attention and MLP inputs 2h
-      each, the two dropout masks 2h (1 byte each, GPT only);
-      split by t: Q 2h, K and V 2·g·d each, the output projection's input 2h, and the MLP:
-      GeLU input and output 2f each (16h at f = 4h), or SwiGLU's gate output, SiLU output, up
-      output and their product 2f each;
-      attention maps, per head and split by t: softmax output 2s, plus (GPT) its dropout mask
-      s and dropout output 2s: 5·a·s, or 2·a·s without dropout.
-    Grouped-query attention keeps one K/V per group; with more tensor ranks than KV heads each
-    rank keeps at least one head. Flash attention keeps no maps at all, nor does selective
-    recompute (it recomputes them): ``maps`` False. With ``sequence_parallel`` the part kept
-    whole is split over the tensor ranks too (34/t of the paper's Sec. 4.2.2).
-    """
-    s, h, f, t = seq_len, arch.hidden, arch.ffn, tp
-    whole = (8 * h + (2 * h * mask_bytes if arch.dropout else 0)) / (t if sequence_parallel
-                                                                      else 1)
-    kv_per_rank = max(arch.kv_heads / t, 1.0) * arch.head_dim
-    split = 4 * h / t + 4 * kv_per_rank + (8 if arch.gated_mlp else 4) * f / t
-    kept_maps = arch.heads * s * ((4 + mask_bytes) if arch.dropout else 2) / t if maps else 0.0
-    return s * (whole + split + kept_maps)
-
-
-def outside_activation_bytes(arch: Architecture, seq_len: int, *, tp: int = 1) -> float:
-    """Saved bytes outside the layers, per sample: the embedding dropout mask (GPT), the final
-    norm's input 2sh, the LM head's input 2sh and the logits the loss keeps in fp32, 4·s·V/t
-    (vocab-parallel with t tensor ranks)."""
-    s, h = seq_len, arch.hidden
-    return s * (h if arch.dropout else 0) + 4 * s * h + 4 * s * arch.vocab / tp
-
-
-def spec_from_architecture(name: str, arch: Architecture, seq_len: int) -> ModelSpec:
+def spec_from_architecture(name: str, arch: Architecture, seq_len: int,
+                           notes: tuple[str, ...] = ()) -> ModelSpec:
     """A ModelSpec for ``arch`` at ``seq_len`` tokens per sample."""
     layer = layer_activation_bytes(arch, seq_len)
     layer_input = 2.0 * seq_len * arch.hidden
@@ -284,23 +125,39 @@ def spec_from_architecture(name: str, arch: Architecture, seq_len: int) -> Model
         # one layer's full set is live on top of them
         checkpointed_activation_bytes_per_sample=arch.layers * layer_input + layer + outside,
         layer_activation_bytes_per_sample=layer, layer_input_bytes_per_sample=layer_input,
-        arch=arch)
+        arch=arch, notes=notes)
 
 
 def get_model(name: str, seq_len: int | None = None) -> ModelSpec:
-    """A preset by name; ``seq_len`` defaults to the model's training context."""
+    """A preset by name, or an architecture file or Hugging Face config by path
+    (``sims.model_files``); ``seq_len`` defaults to the model's training context."""
+    from sims.model_files import is_model_file, read_model_file
+
+    notes: tuple[str, ...] = ()
     arch = PRESETS.get(name)
+    label = name
+    if arch is None and is_model_file(name):
+        _check_seq_len(seq_len, allow_none=True)
+        arch, seq_len, label, read_notes = read_model_file(name, seq_len)
+        notes = tuple(read_notes)
     if arch is None:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
-                         "or trace a module with trace_module('pkg.mod:fn', seq_len=...)")
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, "
+                         "give an architecture file or a Hugging Face config.json, or trace "
+                         "a module with trace_module('pkg.mod:fn', seq_len=...)")
     if seq_len is None:
         seq_len = arch.context
+    _check_seq_len(seq_len)
+    if arch.position == "learned" and seq_len > arch.context:
+        raise ValueError(f"seq_len {seq_len} is longer than {label}'s {arch.context} learned "
+                         f"positions; use seq_len <= {arch.context}")
+    return spec_from_architecture(label, arch, seq_len, notes)
+
+
+def _check_seq_len(seq_len: Any, allow_none: bool = False) -> None:
+    if seq_len is None and allow_none:
+        return
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be an integer > 0, got {seq_len!r}")
-    if arch.family == "gpt2" and seq_len > arch.context:
-        raise ValueError(f"seq_len {seq_len} is longer than {name}'s {arch.context} learned "
-                         f"positions; use seq_len <= {arch.context}")
-    return spec_from_architecture(name, arch, seq_len)
 
 
 # -- tracing ------------------------------------------------------------------------------------

@@ -81,6 +81,24 @@ def load_profile(name: str) -> Any:
         raise SimulateError(f"--cluster: {exc}") from None
 
 
+def with_network(hw: Any, nic_gbps: float | None, nics: int | None) -> Any:
+    """``hw`` with its nodes' network as ``nics`` NICs of ``nic_gbps`` Gb/s each (one
+    direction); either left None keeps the profile's figure for it."""
+    if nic_gbps is None and nics is None:
+        return hw
+    if getattr(hw, "kind", "gpu") != "gpu":
+        raise SimulateError("--nic-gbps and --nics-per-node describe GPU nodes' network; the "
+                            f"profile {hw.name!r} is a CPU host")
+    per_node = nics if nics is not None else hw.devices_per_node
+    if nic_gbps is None:  # the profile's rate per NIC, assuming one NIC per device
+        bandwidth = hw.inter_node.bandwidth / hw.devices_per_node * per_node
+    else:
+        bandwidth = nic_gbps * 1e9 / 8 * per_node
+    from sims.profile_fields import Link
+
+    return dataclasses.replace(hw, inter_node=Link(hw.inter_node.latency_s, bandwidth))
+
+
 def host_speed_factor(ns: argparse.Namespace, hw: Any) -> float:
     """--host-speed as a factor: 1.0 without it, the probe's figure for auto."""
     from sims.calibrate.probe import check_speed, host_speed
@@ -140,13 +158,15 @@ def _config_parallel(raw: dict[str, Any]) -> tuple[int, int]:
 
 
 def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str) -> Any:
-    """--model's ModelSpec: a preset, or "pkg.mod:fn" traced at ``micro_batch`` x ``seq_len``
-    in ``precision`` (a bad name or factory raises SimulateError)."""
+    """--model's ModelSpec: a preset, an architecture file or a Hugging Face config, or
+    "pkg.mod:fn" traced at ``micro_batch`` x ``seq_len`` in ``precision`` (a bad name, file or
+    factory raises SimulateError)."""
+    from sims.model_files import is_model_file
     from sims.models import get_model, trace_module
 
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
     try:
-        if ":" in name:
+        if ":" in name and not is_model_file(name):
             if seq_len is None:
                 raise SimulateError(f"--seq-len is needed to trace {name!r} (the token count "
                                     f"of one sample)")
@@ -210,7 +230,7 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
                                 slowdown=bounded.slowdown).step_time)
         step_range = (min(ends), max(ends))
     elapsed = time.perf_counter() - started
-    notes = list(plan.notes)
+    notes = list(getattr(model, "notes", ())) + list(plan.notes)
     if host_speed != 1.0:
         notes.append(f"every task scaled by the host speed {host_speed:.3f} (the host "
                      f"computes {abs(host_speed - 1) * 100:.1f} % "
@@ -318,11 +338,23 @@ def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
         raise SimulateError(str(exc)) from None
 
 
-def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+@dataclass(frozen=True)
+class Inputs:
+    """What one configuration of the command's flags resolves to: the predict() arguments."""
+
+    model: Any
+    cfg: Any
+    layout: Any
+    hw: Any
+    options: Any
+
+
+def resolve_inputs(ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
                    layout_over: dict[str, int], source: str,
-                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0) -> Prediction:
-    """One configuration of the command's flags (``layout_over``: a sweep's nodes, tp or pp in
-    their place); ``models`` caches traced models across a sweep."""
+                   models: dict[tuple[Any, ...], Any]) -> Inputs:
+    """The model, config, layout and options of the command's flags (``layout_over``: a
+    sweep's nodes, tp or pp in their place); ``models`` caches traced models across a
+    sweep."""
     config_tp, config_pp = _config_parallel(raw)
     tp = layout_over.get("tp", ns.tp if ns.tp is not None else config_tp)
     pp = layout_over.get("pp", ns.pp if ns.pp is not None else config_pp)
@@ -335,9 +367,17 @@ def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster
     key = (ns.model, seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
     if key not in models:  # a traced model is traced once per micro-batch size and precision
         models[key] = model_spec(ns.model, seq_len, cfg.train_micro_batch_size_per_gpu,
-                             cfg.precision)
-    return predict(models[key], cfg, layout, hw, cluster=cluster, host_speed=host_speed,
-                   options=options)
+                                 cfg.precision)
+    return Inputs(models[key], cfg, layout, hw, options)
+
+
+def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+                   layout_over: dict[str, int], source: str,
+                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0) -> Prediction:
+    """One configuration of the command's flags (``resolve_inputs``), predicted."""
+    got = resolve_inputs(ns, raw, hw, layout_over, source, models)
+    return predict(got.model, got.cfg, got.layout, hw, cluster=cluster, host_speed=host_speed,
+                   options=got.options)
 
 
 def sim_options(ns: argparse.Namespace) -> Any:
@@ -370,10 +410,15 @@ def _rank_seq_len(name: str, seq_len: int | None, cp: int) -> int | None:
     """One rank's tokens per sample: with context parallelism, 1/cp of the sequence."""
     if cp == 1:
         return seq_len
-    from sims.models import PRESETS
+    from sims.model_files import is_model_file
+    from sims.models import PRESETS, get_model
 
-    full = seq_len if seq_len is not None else \
-        (PRESETS[name].context if name in PRESETS else None)
+    full = seq_len
+    if full is None and (name in PRESETS or is_model_file(name)):
+        try:
+            full = get_model(name).seq_len
+        except ValueError as exc:
+            raise SimulateError(f"--model: {exc}") from None
     if full is None:
         raise SimulateError(f"--cp {cp} needs --seq-len (the whole sequence, split over the "
                             f"context-parallel ranks)")

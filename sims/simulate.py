@@ -20,6 +20,7 @@ from sims.prediction import (
     predict,
     predict_config,
     read_config,
+    with_network,
 )
 from sims.sweep import parse_sweeps, run_sweep
 
@@ -37,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"hardware profile: a builtin name, a profile JSON path or this-host "
                         f"(default: {DEFAULT_CLUSTER}; with --compare, this-host)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default: 1)")
+    p.add_argument("--nic-gbps", type=float, default=None, metavar="G",
+                   help="each NIC's line rate between nodes in Gb/s, one direction (200: HDR "
+                        "InfiniBand or 200G RoCE, 400: NDR; default: the profile's)")
+    p.add_argument("--nics-per-node", type=int, default=None, metavar="N",
+                   help="NICs per node for --nic-gbps (default: one per GPU of the profile)")
     p.add_argument("--devices-per-node", type=int, default=None, metavar="N",
                    help="ranks per node (default: the profile's devices per node; with "
                         "--compare, the run's world size / --nodes)")
@@ -210,7 +216,8 @@ def sweep_lines(results: list[tuple[dict[str, Any], Any]]) -> list[str]:
 
 def run(ns: argparse.Namespace) -> int:
     """Runs the subcommand; input problems raise SimulateError (one line, exit 2)."""
-    for flag in ("nodes", "devices_per_node", "tp", "pp", "seq_len", "cp"):
+    for flag in ("nodes", "devices_per_node", "tp", "pp", "seq_len", "cp", "nic_gbps",
+                 "nics_per_node"):
         value = getattr(ns, flag)
         if value is not None and value < 1:
             raise SimulateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -223,7 +230,7 @@ def run(ns: argparse.Namespace) -> int:
                             f"[--cluster {DEFAULT_CLUSTER}] [--nodes N]")
     sweeps = parse_sweeps(ns.sweep)
     cluster = ns.cluster or DEFAULT_CLUSTER
-    hw = load_profile(cluster)
+    hw = with_network(load_profile(cluster), ns.nic_gbps, ns.nics_per_node)
     speed = host_speed_factor(ns, hw)
     raw = read_config(ns.config)
     if sweeps:

@@ -75,7 +75,10 @@ class TransformerShape:
     by its own shape instead of sharing FLOPs among parameters. ``gated_mlp``: SwiGLU (three
     matrices of ``ffn``) instead of one activation between two; ``norm``: "layernorm" or
     "rmsnorm"; ``rotary``: rotary position embedding applied to Q and K in every layer;
-    ``tied``: the LM head reuses the token embedding."""
+    ``tied``: the LM head reuses the token embedding; ``learned_positions``: a position
+    table looked up beside the tokens' (None: when not rotary); ``head_size``: each head's
+    width (None: hidden / heads); ``parallel_block``: attention and MLP read one norm's output
+    and add into one residual (GPT-J, GPT-NeoX, Falcon)."""
 
     layers: int
     hidden: int
@@ -90,10 +93,21 @@ class TransformerShape:
     dropout: bool = False
     rotary: bool = False
     tied: bool = True
+    learned_positions: bool | None = None
+    head_size: int | None = None
+    parallel_block: bool = False
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def position_table(self) -> bool:
+        return not self.rotary if self.learned_positions is None else self.learned_positions
 
     @property
     def kv_dim(self) -> int:
@@ -167,9 +181,10 @@ class Workload:
         arch = getattr(model, "arch", None)
         shape = None if arch is None else TransformerShape(
             arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.ffn, arch.vocab,
-            model.seq_len, gated_mlp=arch.gated_mlp, biases=not arch.gated_mlp,
-            norm="rmsnorm" if arch.gated_mlp else "layernorm", dropout=bool(arch.dropout),
-            rotary=arch.gated_mlp, tied=arch.tied_embeddings)
+            model.seq_len, gated_mlp=arch.gated_mlp, biases=bool(arch.biases), norm=arch.norm,
+            dropout=bool(arch.dropout), rotary=arch.rotary, tied=arch.tied_embeddings,
+            learned_positions=arch.position == "learned", head_size=arch.head_size,
+            parallel_block=arch.parallel_block)
         # a tied preset's first parameter is its token embedding (sims.models)
         tied = ((params[0][0], float(model.seq_len)),) \
             if arch is not None and arch.tied_embeddings and params else ()
