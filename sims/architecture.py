@@ -58,6 +58,12 @@ class Architecture:
     biases: bool | None = None
     head_size: int | None = None
     parallel_block: bool = False
+    # rows a learned position table has beyond ``context`` (OPT's offset of 2)
+    extra_positions: int = 0
+    # Q, K and V as one linear (GPT-2's c_attn, Falcon's query_key_value), and a gated MLP's
+    # gate and up as one (Phi-3's gate_up_proj); None: the family's (fused in gpt2)
+    fused_qkv: bool | None = None
+    fused_gate_up: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +102,8 @@ class Architecture:
         for name, value in _FAMILY_DEFAULTS[self.family].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.fused_qkv is None:
+            object.__setattr__(self, "fused_qkv", self.family == "gpt2")
         for name, choices in (("norm", NORMS), ("activation", ACTIVATIONS),
                               ("position", POSITIONS)):
             if getattr(self, name) not in choices:
@@ -120,6 +128,13 @@ _LLAMA2_SOURCE = ("Touvron et al. 2023 (arXiv:2307.09288) Table 1; Hugging Face 
 _LLAMA3_SOURCE = ("Meta Llama 3 model card; Hugging Face meta-llama/Meta-Llama-3-*/config.json "
                   "(intermediate_size, num_key_value_heads 8, vocab 128256, 8192 positions)")
 
+_OPT_SOURCE = ("Zhang et al. 2022 (arXiv:2205.01068) Table 1; Hugging Face facebook/opt-1.3b "
+               "config.json (ffn_dim 8192, vocab 50272, 2048 positions and OPT's offset of 2, "
+               "relu, dropout 0.1)")
+_FALCON_SOURCE = ("Almazrouei et al. 2023 (arXiv:2311.16867); Hugging Face tiiuae/falcon-7b "
+                  "config.json (hidden 4544, 71 heads, multi_query, parallel_attn, bias false, "
+                  "vocab 65024)")
+
 PRESETS: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", 12, 768, 12, 12, 3072, 50257, 1024, _GPT2_SOURCE),
     "gpt2-medium": Architecture("gpt2", 24, 1024, 16, 16, 4096, 50257, 1024, _GPT2_SOURCE),
@@ -130,6 +145,15 @@ PRESETS: dict[str, Architecture] = {
     "llama2-70b": Architecture("llama", 80, 8192, 64, 8, 28672, 32000, 4096, _LLAMA2_SOURCE),
     "llama3-8b": Architecture("llama", 32, 4096, 32, 8, 14336, 128256, 8192, _LLAMA3_SOURCE),
     "llama3-70b": Architecture("llama", 80, 8192, 64, 8, 28672, 128256, 8192, _LLAMA3_SOURCE),
+    # a single ReLU MLP, learned positions, biases, dropout 0.1
+    "opt-1.3b": Architecture("custom", 24, 2048, 32, 32, 8192, 50272, 2048, _OPT_SOURCE,
+                             dropout=True, tied=True, norm="layernorm", activation="relu",
+                             position="learned", biases=True, extra_positions=2),
+    # multi-query attention, attention and MLP in parallel, GeLU, no biases
+    "falcon-7b": Architecture("custom", 32, 4544, 71, 1, 18176, 65024, 2048, _FALCON_SOURCE,
+                              tied=True, norm="layernorm", activation="gelu",
+                              position="rotary", biases=False, parallel_block=True,
+                              fused_qkv=True),
 }
 
 
@@ -158,7 +182,7 @@ def architecture_params(arch: Architecture) -> ParamShapes:
     if conv1d:
         out.append(("transformer.wte.weight", (v, h)))
         if arch.position == "learned":
-            out.append(("transformer.wpe.weight", (arch.context, h)))
+            out.append(("transformer.wpe.weight", (arch.context + arch.extra_positions, h)))
         for i in range(arch.layers):
             p = f"transformer.h.{i}."
             norm(p + "ln_1")
@@ -172,15 +196,20 @@ def architecture_params(arch: Architecture) -> ParamShapes:
     else:
         out.append(("model.embed_tokens.weight", (v, h)))
         if arch.position == "learned":
-            out.append(("model.embed_positions.weight", (arch.context, h)))
+            out.append(("model.embed_positions.weight",
+                        (arch.context + arch.extra_positions, h)))
         for i in range(arch.layers):
             p = f"model.layers.{i}."
-            for name, n_in, n_out in (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv),
-                                      ("o_proj", q, h)):
+            projections = [("qkv_proj", h, q + 2 * kv)] if arch.fused_qkv else \
+                [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)]
+            for name, n_in, n_out in (*projections, ("o_proj", q, h)):
                 linear(p + "self_attn." + name, n_in, n_out)
-            if arch.gated_mlp:
-                linear(p + "mlp.gate_proj", h, f)
-            linear(p + "mlp.up_proj", h, f)
+            if arch.gated_mlp and arch.fused_gate_up:
+                linear(p + "mlp.gate_up_proj", h, 2 * f)
+            else:
+                if arch.gated_mlp:
+                    linear(p + "mlp.gate_proj", h, f)
+                linear(p + "mlp.up_proj", h, f)
             linear(p + "mlp.down_proj", f, h)
             norm(p + "input_layernorm")
             if not arch.parallel_block:

@@ -60,6 +60,11 @@ class Framework:
     # reduced during backward, and the lookup's rows exchanged after (flowtrain's
     # flowtrain.engine.embedding_rows; the others reduce the weight whole once backward is done)
     tied_rows: bool = False
+    # the model's layers as the framework writes them: Q, K and V one matmul and the gated
+    # MLP's gate and up one (Megatron's linear_qkv and linear_fc1, MPT's Wqkv), or each a
+    # linear of its own (Hugging Face's modules, which flowtrain and DeepSpeed train;
+    # torchtitan's wq/wk/wv and w1/w3; metaseq's q/k/v projections)
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
@@ -128,18 +133,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                                     "training Megatron's layers and its vocab-parallel "
                                     "cross-entropy",
               blocking_p2p="always", zero1_reduce_scatter=True, partition="parameters",
-              loss="megatron"),
+              loss="megatron", fused_projections=True),
     Framework("megatron-lm", "Megatron-LM before Megatron-Core (2020-2022): one all-reduce of "
                              "the gradient buffer after the last backward, 1F1B waits on its "
                              "sends, its vocab-parallel cross-entropy", memory="megatron",
               buckets="whole", blocking_p2p="always", zero1_reduce_scatter=True,
-              loss="megatron"),
+              loss="megatron", fused_projections=True),
     Framework("megatron-core", "Megatron-Core (NeMo, Megatron-Bridge): 40M-parameter buckets "
                                "reduced during backward, the distributed optimizer's gathers "
                                "under the next forward, sends overlapped when interleaved, "
                                "the vocab-parallel cross-entropy unfused (its default)",
               memory="megatron", buckets="megatron", param_gather_overlap=True,
-              blocking_p2p="1f1b", zero1_reduce_scatter=True, loss="megatron"),
+              blocking_p2p="1f1b", zero1_reduce_scatter=True, loss="megatron",
+              fused_projections=True),
     Framework("fsdp", "PyTorch FSDP2 (fully_shard: torchtitan, NeMo AutoModel): a unit per "
                       "transformer block, the next one prefetched, each gather copied out "
                       "into the parameters and the gradients copied into the reduce, the "
@@ -152,7 +158,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                        "loss torch's eager cross-entropy", memory="fsdp", fsdp_units=True,
               loss="eager", shard_copies="fsdp1"),
     Framework("llm-foundry", "llm-foundry (Composer's FSDP1, as fsdp1) with MPT's fused loss",
-              memory="llm-foundry", fsdp_units=True, shard_copies="fsdp1"),
+              memory="llm-foundry", fsdp_units=True, shard_copies="fsdp1",
+              fused_projections=True),
     Framework("llama3", "Meta's Llama 3 stack (arXiv:2407.21783 Sec. 3.3.2): FSDP-style "
                         "sharding of gradients and optimizer states with 4D parallelism, "
                         "one layer fewer on the first and the last pipeline stage",

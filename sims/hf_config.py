@@ -27,12 +27,17 @@ class _Type:
     extra_positions: int = 0
     # what the modeling code has that an Architecture does not price (a note in the report)
     unpriced: str = ""
+    # Q, K and V as one linear; a gated MLP's gate and up as one
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
 
 _LLAMA = _Type(gated=True, norm="rmsnorm", position="rotary", biases=False)
 # the modeling code of each model type in transformers (models/<type>/modeling_<type>.py)
 HF_TYPES: dict[str, _Type] = {
-    **{t: _LLAMA for t in ("llama", "mistral", "granite", "internlm2", "phi3", "yi",
+    "phi3": _Type(gated=True, norm="rmsnorm", position="rotary", biases=False, fused_qkv=True,
+                  fused_gate_up=True),
+    **{t: _LLAMA for t in ("llama", "mistral", "granite", "internlm2", "yi",
                            "deepseek", "smollm3", "ministral", "exaone", "hunyuan_v1_dense",
                            "seed_oss", "apertus", "arcee")},
     "qwen2": _Type(gated=True, norm="rmsnorm", position="rotary", biases=False,
@@ -53,22 +58,24 @@ HF_TYPES: dict[str, _Type] = {
                         tied=True),
     "nemotron": _Type(gated=False, norm="layernorm", position="rotary", biases=False),
     "gpt2": _Type(gated=False, norm="layernorm", position="learned", biases=True, tied=True,
-                  family="gpt2"),
+                  family="gpt2", fused_qkv=True),
     "gpt_bigcode": _Type(gated=False, norm="layernorm", position="learned", biases=True,
-                         tied=True, family="gpt2"),
+                         tied=True, family="gpt2", fused_qkv=True),
     # GPT-NeoX adds attention and MLP into one residual, each behind a norm of its own: the
     # parameters and the norms of a sequential block
     "gpt_neox": _Type(gated=False, norm="layernorm", position="rotary", biases=True,
-                      unpriced="attention and MLP added into one residual"),
+                      unpriced="attention and MLP added into one residual", fused_qkv=True),
     "gptj": _Type(gated=False, norm="layernorm", position="rotary", biases=True,
                   parallel=True, unpriced="no biases on Q, K, V and the output projection; "
                                           "a bias on the LM head"),
     "falcon": _Type(gated=False, norm="layernorm", position="rotary", biases=False,
-                    parallel=True, tied=True),
+                    parallel=True, tied=True, fused_qkv=True),
     "opt": _Type(gated=False, norm="layernorm", position="learned", biases=True, tied=True,
                  extra_positions=2),
-    "bloom": _Type(gated=False, norm="layernorm", position="alibi", biases=True, tied=True),
-    "mpt": _Type(gated=False, norm="layernorm", position="learned", biases=True, tied=True),
+    "bloom": _Type(gated=False, norm="layernorm", position="alibi", biases=True, tied=True,
+                   fused_qkv=True),
+    "mpt": _Type(gated=False, norm="layernorm", position="learned", biases=True, tied=True,
+                 fused_qkv=True),
     "phi": _Type(gated=False, norm="layernorm", position="rotary", biases=True,
                  parallel=True, unpriced="a bias on the LM head"),
 }
@@ -166,13 +173,15 @@ def architecture_from_hf(data: dict[str, Any], where: str, seq_len: int | None =
     if positions is None:
         raise ValueError(f"{where}: the config states no maximum positions "
                          f"({' or '.join(_KEYS['context'])}); give --seq-len")
-    context = positions + (known.extra_positions if position == "learned" else 0)
+    extra = known.extra_positions if position == "learned" else 0
     source = f"Hugging Face config {where} (model_type {kind or 'unset'})"
     arch = Architecture(known.family, sizes["layers"], hidden, heads, int(kv_heads), int(ffn),
-                        sizes["vocab"], int(context), source=source, dropout=dropout,
+                        sizes["vocab"], int(positions), source=source, dropout=dropout,
                         tied=known.tied if tied is None else bool(tied),
                         norm=known.norm, activation=activation, position=position,
-                        biases=biases, head_size=head_dim, parallel_block=parallel)
+                        biases=biases, head_size=head_dim, parallel_block=parallel,
+                        extra_positions=extra, fused_qkv=known.fused_qkv,
+                        fused_gate_up=known.fused_gate_up)
     return arch, notes, int(positions)
 
 

@@ -103,6 +103,9 @@ class RankShape:
     eager: bool = False
     # how the cross-entropy over the logits runs (``LOSSES``; "eager" when ``eager``)
     loss: str = "fused"
+    # Q, K and V one matmul, and a gated MLP's gate and up one, whatever the model's code
+    # says (Megatron's layers: ``sims.frameworks.Framework.fused_projections``)
+    fused_projections: bool = True
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -169,23 +172,35 @@ def layer_forward(t: TransformerShape, r: RankShape) -> list[Op]:
         norm = Stream("norm", local * h * eager_bytes("rmsnorm", e))
     residual = Stream("residual", local * h * e * 3)  # read x and the branch, write the sum
     drop = Stream("dropout", local * h * (2 * e + 1)) if t.dropout else None
+    if drop is not None and not r.eager:
+        # one kernel drops the branch out and adds it to the residual (Megatron's
+        # bias-dropout-add fusion): read both, write the sum and the 1-byte mask
+        residual, drop = Stream("dropout_residual", local * h * (3 * e + 1)), None
     ops: list[Op] = [norm]
-    ops.append(Gemm("qkv", tokens, heads * t.head_dim + 2 * kv, h))
+    q = heads * t.head_dim
+    if r.fused_projections or t.fused_qkv:
+        ops.append(Gemm("qkv", tokens, q + 2 * kv, h))
+    else:
+        ops += [Gemm("q", tokens, q, h), Gemm("k", tokens, kv, h), Gemm("v", tokens, kv, h)]
     if t.rotary:
+        # applied to Q and to K, a kernel each
         rotary = eager_bytes("rotary", e) if r.eager else 2.0 * e
-        ops.append(Stream("rotary", tokens * (heads * t.head_dim + kv) * rotary))
+        ops += [Stream("rotary", tokens * q * rotary), Stream("rotary", tokens * kv * rotary)]
     ops += attention_core(t, r, backward=False)
     ops.append(Gemm("attn_out", tokens, h, heads * t.head_dim))
     if t.parallel_block:
         # the MLP reads the same normed input; both branches and the input add at the end
         # (read three, write one)
-        residual = Stream("residual", local * h * e * 4)
+        residual = Stream("residual", local * h * (e * 4 + (1 if t.dropout else 0)))
         ops += [o for o in (drop,) if o is not None]
     else:
         ops += [o for o in (drop, residual) if o is not None]
         ops.append(norm)
     if t.gated_mlp:
-        ops.append(Gemm("mlp_gate_up", tokens, 2 * ffn, h))
+        if r.fused_projections or t.fused_gate_up:
+            ops.append(Gemm("mlp_gate_up", tokens, 2 * ffn, h))
+        else:
+            ops += [Gemm("mlp_gate", tokens, ffn, h), Gemm("mlp_up", tokens, ffn, h)]
         # read gate and up, write the product
         ops.append(Stream("swiglu", tokens * ffn * (eager_bytes("swiglu", e) if r.eager
                                                     else e * 3)))
@@ -202,21 +217,28 @@ def attention_core(t: TransformerShape, r: RankShape, *, backward: bool) -> list
     """The attention core: one flash kernel, or the unfused matmuls and the softmax, mask and
     dropout over the stored s x s scores (fp16/bf16 scores, 1-byte dropout mask)."""
     heads = _heads_per_rank(t.heads, r.tp)
-    bh = r.micro_batch * heads
-    core = Attention("attention", bh, t.seq_len, t.head_dim, flash=r.flash, backward=backward,
-                     kv_seq=t.seq_len * r.cp)
-    if r.flash:
+    return attention_ops(r.micro_batch * heads, t.seq_len, t.seq_len * r.cp, t.head_dim,
+                         flash=r.flash, dropout=t.dropout, act_bytes=r.act_bytes,
+                         backward=backward)
+
+
+def attention_ops(batch_heads: int, seq: int, keys: int, head_dim: int, *, flash: bool,
+                  dropout: bool, act_bytes: int, backward: bool, causal: bool = True,
+                  label: str = "attention") -> list[Op]:
+    """``batch_heads`` heads of attention over ``seq`` queries and ``keys`` keys: one flash
+    kernel, or the unfused core (its two batched matmuls as one ``Attention``) and the
+    memory-bound softmax and dropout over the stored scores."""
+    core = Attention(label, batch_heads, seq, head_dim, causal=causal, flash=flash,
+                     backward=backward, kv_seq=keys)
+    if flash:
         return [core]
-    scores = bh * t.seq_len * t.seq_len * r.cp
-    e = r.act_bytes
+    scores = batch_heads * seq * keys
+    e = act_bytes
     # scale + mask + softmax fused (read, write); dropout (read, write, mask); backward reads
     # the saved output and its gradient and writes the input's gradient for each
-    softmax = Stream("softmax", scores * e * (3 if backward else 2))
-    dropout = Stream("attn_dropout", scores * (e * 3 + 1 if backward else e * 2 + 1)) \
-        if t.dropout else None
-    ops: list[Op] = [core, softmax]
-    if dropout is not None:
-        ops.append(dropout)
+    ops: list[Op] = [core, Stream("softmax", scores * e * (3 if backward else 2))]
+    if dropout:
+        ops.append(Stream("attn_dropout", scores * (e * 3 + 1 if backward else e * 2 + 1)))
     return ops
 
 
@@ -342,16 +364,17 @@ def embed_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     return [Stream("embedding.grad", tokens * t.hidden * 4 * 3 * tables)]
 
 
-def tp_collectives_per_layer(r: RankShape, kind: str) -> int:
+def tp_collectives_per_layer(r: RankShape, kind: str, rows: int = 2) -> int:
     """Tensor-parallel collectives of one layer's ``kind`` pass, each over one layer output
-    (micro-batch x seq x hidden): two all-reduces (or, with sequence parallelism, two
-    all-gathers and two reduce-scatters, the same bytes) in forward and in backward; full
-    recompute runs the forward's again inside backward."""
+    (micro-batch x seq x hidden): an all-reduce after each of its ``rows`` row-parallel
+    linears (two in a transformer layer; with sequence parallelism an all-gather and a
+    reduce-scatter, the same bytes) in forward, and as many in backward; full recompute runs
+    the forward's again inside backward."""
     if r.tp == 1:
         return 0
     if kind == "forward":
-        return 2
-    return 4 if r.recompute == "full" else 2
+        return rows
+    return 2 * rows if r.recompute == "full" else rows
 
 
 ATTENTION = ("flash2", "flash3", "flash-triton", "unfused")

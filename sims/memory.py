@@ -129,6 +129,11 @@ def _layer_figures(model: ModelSpec, *, tp: int, partition: bool, options: SimOp
     use the formulas; a traced module its measured bytes, split evenly over the tensor
     ranks."""
     layer_input = model.layer_input_bytes_per_sample / (tp if partition else 1)
+    if model.arch is None and model.program is not None and options is not None:
+        # the run's kernels decide what a traced module's ops keep (without options, what
+        # autograd saved in the trace)
+        layer, outside = _program_figures(model, tp=tp, options=options, kernels=kernels)
+        return layer, layer_input, outside
     if model.arch is None:
         if model.layers:
             return (model.layer_activation_bytes_per_sample / tp, layer_input,
@@ -143,6 +148,27 @@ def _layer_figures(model: ModelSpec, *, tp: int, partition: bool, options: SimOp
                         sequence_parallel=opts.sequence_parallel and tp > 1, maps=maps,
                         kernels=kernels, fp8=opts.gemm_dtype == "float8", recompute=recompute)
     return layer, layer_input, loss_bytes(model.arch, model.seq_len, tp=tp, kernels=kernels)
+
+
+def _program_figures(model: ModelSpec, *, tp: int, options: SimOptions | None,
+                     kernels: Kernels) -> tuple[float, float]:
+    """(a layer's saved bytes, the loss end's) of a traced module from its recognized ops
+    (``sims.op_program``): what each op keeps under the run's kernels, per sample."""
+    program = model.program
+    opts = options or SimOptions()
+    recompute = opts.recompute if opts.recompute in ("selective", "op") else "none"
+    sequence_parallel = opts.sequence_parallel and tp > 1
+    figures = {"tp": tp, "sequence_parallel": sequence_parallel,
+               "maps": opts.attention == "unfused" and recompute == "none",
+               "fused_activation": kernels.fused_activation,
+               "eager": opts.elementwise == "eager", "loss_bytes": kernels.loss_bytes}
+    layers = [program.saved_bytes(i, **figures) for i in range(len(program.layers))]
+    layer = max(layers, default=0.0) / program.batch
+    if recompute == "op":
+        layer /= 2  # the per-op policy keeps about every other matmul's output
+    outside = (program.saved_bytes(-1, **figures) + program.saved_bytes(-2, **figures)) / \
+        program.batch
+    return layer, outside
 
 
 def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int | None = None,

@@ -12,10 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from sims.architecture import GATED, Architecture
 
-ARCHITECTURE_KEYS = ("name", "family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
-                     "context", "seq_len", "tied_embeddings", "activation", "norm", "position",
-                     "biases", "dropout", "head_dim", "parallel_block", "source")
-
 
 class ArchitectureFile(BaseModel):
     """An architecture file: the shape of a decoder-only transformer and its features. Every
@@ -45,6 +41,12 @@ class ArchitectureFile(BaseModel):
     dropout: bool | None = None
     head_dim: PositiveInt | None = None
     parallel_block: bool = False
+    extra_positions: int = Field(default=0, ge=0, description="position-table rows beyond "
+                                                               "context (OPT's offset of 2)")
+    fused_qkv: bool | None = Field(default=None, description="Q, K and V as one linear "
+                                                             "(default: the family's)")
+    fused_gate_up: bool = Field(default=False, description="a gated MLP's gate and up as "
+                                                           "one linear")
     source: str = ""
 
 
@@ -124,7 +126,9 @@ def architecture_from_file(data: dict[str, Any], where: str) -> tuple[Architectu
             spec.ffn or 4 * spec.hidden, spec.vocab, context, source=spec.source or where,
             dropout=spec.dropout, tied=spec.tied_embeddings, norm=spec.norm,
             activation=activation, position=spec.position, biases=spec.biases,
-            head_size=spec.head_dim, parallel_block=spec.parallel_block)
+            head_size=spec.head_dim, parallel_block=spec.parallel_block,
+            extra_positions=spec.extra_positions, fused_qkv=spec.fused_qkv,
+            fused_gate_up=spec.fused_gate_up)
     except ValueError as exc:
         raise ModelFileError(f"architecture file {where!r}: {exc}") from None
     return arch, spec.seq_len
@@ -142,7 +146,11 @@ def architecture_dict(arch: Architecture, *, name: str = "", seq_len: int | None
                            "activation": arch.activation, "norm": arch.norm,
                            "position": arch.position, "biases": arch.biases,
                            "dropout": arch.dropout, "head_dim": arch.head_size,
-                           "parallel_block": arch.parallel_block, "source": arch.source}
+                           "parallel_block": arch.parallel_block,
+                           "extra_positions": arch.extra_positions or None,
+                           "fused_qkv": arch.fused_qkv,
+                           "fused_gate_up": arch.fused_gate_up or None,
+                           "source": arch.source}
     return {k: v for k, v in out.items() if v is not None and v != ""}
 
 

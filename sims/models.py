@@ -25,6 +25,8 @@ from sims.architecture import (
     layer_activation_bytes,
     outside_activation_bytes,
 )
+from sims.op_program import build as build_program
+from sims.op_trace import Recording
 
 __all__ = ["DTYPES", "FAMILIES", "PRESETS", "Architecture", "ModelSpec", "ParamShapes",
            "architecture_params", "forward_flops", "get_model", "layer_activation_bytes",
@@ -61,6 +63,9 @@ class ModelSpec:
     # what was assumed in reading the model (a Hugging Face config's inferred features, a
     # sequence length taken from it): the report's notes
     notes: tuple[str, ...] = field(default=(), compare=False, hash=False)
+    # a traced forward recognized op by op (sims.op_program): what a GPU profile prices a
+    # traced module with, and its activation memory under the run's kernels; None for presets
+    program: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def num_params(self) -> int:
@@ -212,7 +217,8 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
         handles.append(block.register_forward_hook(recorder.leave))
     try:
         with torch.enable_grad(), OpCensus() as census, \
-                torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack), \
+                Recording(module, blocks) as recording:
             try:
                 output = module(*args, **kwargs)
             except Exception as err:
@@ -224,6 +230,7 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
     finally:
         for handle in handles:
             handle.remove()
+    program = build_program(recording.finish(output), batch)
     layers = len(blocks)
     per_layer = [recorder.layer_bytes.get(i, 0.0) / batch for i in range(layers)]
     layer_mean = sum(per_layer) / layers if layers else 0.0
@@ -243,7 +250,7 @@ def trace_module(factory: str, *, seq_len: int, batch: int = 1, example: str | N
         checkpointed_activation_bytes_per_sample=(
             layers * layer_input + max(per_layer, default=0.0) + outside),
         dtype=dtype, layer_activation_bytes_per_sample=layer_mean,
-        layer_input_bytes_per_sample=layer_input, op_census=per_sample)
+        layer_input_bytes_per_sample=layer_input, op_census=per_sample, program=program)
 
 
 def resolve(target: str, what: str) -> Callable[..., Any]:

@@ -239,6 +239,9 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
     if model is not None:
         from sims.memory import memory_per_rank
 
+        if kernels is None and getattr(model, "program", None) is not None:
+            # off a GPU profile a traced module keeps what autograd saved in its trace
+            model = dataclasses.replace(model, program=None)
         try:
             memory = memory_per_rank(model, cfg, world_size=layout.world_size, tp=layout.tp,
                                      pp=layout.pp, options=_memory_options(hw, options),
@@ -286,11 +289,14 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
     opts = options or SimOptions()
     kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
     out = []
-    if kernels is None or work.transformer is None:
+    program = getattr(work, "program", None)
+    if kernels is None or (work.transformer is None and program is None):
         why = "a CPU host's measured engine costs" if getattr(hw, "engine", None) else \
             "a roofline with the profile's FLOP-size efficiency curve"
         out.append(f"compute: each parameter's share of the FLOPs priced by {why}")
     else:
+        if work.transformer is None and program is not None:
+            out += program.summary()
         src = kernels.sources
         attention = opts.attention or kernels.default_attention
         out.append(f"compute: each layer op by op; GEMMs at "

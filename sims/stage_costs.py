@@ -210,9 +210,15 @@ class StageCosts:
                                flash=self.attention != "unfused", recompute=self.recompute,
                                act_bytes=DTYPE_BYTES.get(dtype, 2), cp=self.options.cp,
                                eager=self.options.elementwise == "eager",
-                               loss=self.options.loss_kernel)
-        if self.kernels is not None and work.transformer is not None:
-            self._cost_op_segments(work.transformer, weights, dtype)
+                               loss=self.options.loss_kernel,
+                               fused_projections=get_framework(
+                                   self.options.framework).fused_projections)
+        if self.kernels is not None and (work.transformer is not None or
+                                         work.program is not None):
+            if work.transformer is not None:
+                self._cost_op_segments(work.transformer, weights, dtype)
+            else:
+                self._cost_program_segments(work.program, weights, dtype)
             self._cost_shard_copies()
             # the kernel figures are one GPU's; every collective and the step's end wait for
             # the slowest of the job's GPUs, so the passes run at its pace
@@ -222,11 +228,14 @@ class StageCosts:
         else:
             self._cost_segments(work, weights, total_weight, dtype, cfg)
         one = self.collective_seconds_tp(act_bytes)
-        self.tp_pass_s = {kind: tp_collectives_per_layer(self.shape, kind) * one
+        rows = 2  # a transformer layer's row-parallel linears (attention output, MLP down)
+        if work.transformer is None and work.program is not None and work.program.layers:
+            rows = work.program.row_parallel(0)
+        self.tp_pass_s = {kind: tp_collectives_per_layer(self.shape, kind, rows) * one
                           for kind in ("forward", "backward")} if self.kernels is not None \
             else {"forward": 2 * one, "backward": 2 * one}
         if self.options.tp_overlap and self.kernels is not None and self.tp > 1 and \
-                work.transformer is not None:
+                (work.transformer is not None or work.program is not None):
             # pipelined with the layer's GEMMs: only what outlasts them is exposed, and the
             # GEMMs run slower by the overlap's share while it lasts
             for kind, gemms in self.layer_gemm_s.items():
@@ -315,6 +324,50 @@ class StageCosts:
                  # conversion skips the "output" linear
                  "head": (seconds(head_forward(shape, r), None),
                           seconds(head_backward(shape, r), None))}
+        self._distribute(weights, lambda part, _: parts[part])
+
+    def _cost_program_segments(self, program: Any, weights: list[int], dtype: str) -> None:
+        """Each segment's seconds from a traced module's recognized ops (``sims.op_program``),
+        priced as ``_cost_op_segments`` prices a known transformer's: each layer its own ops,
+        the ops before the first layer on the segments before it, the rest after the last."""
+        kern = self.kernels
+        assert kern is not None
+        if program.batch != self.mb:
+            raise ValueError(f"the module was traced at micro-batch {program.batch}, the step "
+                             f"runs {self.mb}")
+
+        def seconds(ops: list[Any], gemm_dtype: str | None = self.options.gemm_dtype
+                    ) -> float:
+            return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
+                                         hbm=self.hw.memory_bandwidth, kern=kern,
+                                         attention=self.attention, gemm_dtype=gemm_dtype)
+
+        r = self.shape
+        fp8 = self.options.gemm_dtype == "float8"
+
+        def priced(which: int) -> tuple[float, float]:
+            forward, backward = program.forward(which, r), program.backward(which, r)
+            if fp8 and which >= 0:
+                forward = forward + fp8_casts(forward, backward=False)
+                backward = backward + fp8_casts(backward, backward=True)
+            gemm_dtype = self.options.gemm_dtype if which >= 0 else None
+            return seconds(forward, gemm_dtype), seconds(backward, gemm_dtype)
+
+        if program.layers:
+            self.layer_gemm_s = {
+                "forward": seconds([op for op in program.forward(0, r) if isinstance(op, Gemm)]),
+                "backward": seconds([op for op in program.backward(0, r)
+                                     if isinstance(op, Gemm)])}
+        cache: dict[int, tuple[float, float]] = {}
+        self._distribute(weights, lambda part, layer: cache.setdefault(
+            layer if part == "layer" else (-1 if part == "embed" else -2),
+            priced(layer if part == "layer" else (-1 if part == "embed" else -2))))
+
+    def _distribute(self, weights: list[int],
+                    seconds_of: Any) -> None:
+        """Adds each part's (forward, backward) seconds, ``seconds_of(part, layer)``, to the
+        segments that run it: a layer's to its segments by parameter count (ZeRO-3 modules),
+        "embed" to those before the first layer, "head" to those after the last."""
         groups: dict[tuple[str, int], list[int]] = {}
         seen_layer = False
         for j, seg in enumerate(self.segments):
@@ -322,10 +375,18 @@ class StageCosts:
             key = ("layer", seg.layer) if seg.layer is not None else \
                 ("head" if seen_layer else "embed", -1)
             groups.setdefault(key, []).append(j)
-        for (part, _), members in groups.items():
+        if self.segments:
+            # a part without parameters of its own there (a tied head after the last layer, a
+            # final norm registered before the first, as Hugging Face's OPT does) still runs:
+            # on the last stage's last segment (the first stage's first)
+            if self.stage == self.pp - 1:
+                groups.setdefault(("head", -1), [len(self.segments) - 1])
+            if self.stage == 0:
+                groups.setdefault(("embed", -1), [0])
+        for (part, layer), members in groups.items():
             weight = [sum(weights[i] for i in self.segments[j].params) for j in members]
             total = sum(weight)
-            fwd, bwd = parts[part]
+            fwd, bwd = seconds_of(part, layer)
             for j, w in zip(members, weight):
                 share = w / total if total else 1 / len(members)
                 self.forward_s[j] += fwd * share

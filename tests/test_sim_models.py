@@ -28,12 +28,14 @@ def sim_models():
 
 
 # Published totals: Hugging Face ``model.num_parameters()`` / safetensors totals of
-# openai-community/gpt2{,-medium,-large,-xl} (tied LM head counted once), meta-llama/Llama-2-*-hf
-# and meta-llama/Meta-Llama-3-{8B,70B} (the same figures Llama 3.1 8B/70B report).
+# openai-community/gpt2{,-medium,-large,-xl} (tied LM head counted once), meta-llama/Llama-2-*-hf,
+# meta-llama/Meta-Llama-3-{8B,70B} (the same figures Llama 3.1 8B/70B report), facebook/opt-1.3b
+# and tiiuae/falcon-7b.
 PUBLISHED = {
     "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
     "gpt2-xl": 1_557_611_200, "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320,
     "llama2-70b": 68_976_648_192, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+    "opt-1.3b": 1_315_758_080, "falcon-7b": 6_921_720_704,
 }
 
 

@@ -96,6 +96,9 @@ class TransformerShape:
     learned_positions: bool | None = None
     head_size: int | None = None
     parallel_block: bool = False
+    # Q, K and V one linear; a gated MLP's gate and up one (as the model's code writes them)
+    fused_qkv: bool = True
+    fused_gate_up: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -157,6 +160,9 @@ class Workload:
     # The head's matmul is their compute, and data parallel without ZeRO splits their gradient
     # (flowtrain.engine.embedding_rows).
     tied: tuple[tuple[str, float], ...] = ()
+    # A traced module recognized op by op (sims.op_program.OpProgram): a GPU profile prices
+    # each of its layers' ops as it does a known transformer's.
+    program: Any = field(default=None, compare=False, hash=False)
 
     @staticmethod
     def census_fields(summary: Mapping[str, Any] | None, samples: int) -> dict[str, Any]:
@@ -184,7 +190,8 @@ class Workload:
             model.seq_len, gated_mlp=arch.gated_mlp, biases=bool(arch.biases), norm=arch.norm,
             dropout=bool(arch.dropout), rotary=arch.rotary, tied=arch.tied_embeddings,
             learned_positions=arch.position == "learned", head_size=arch.head_size,
-            parallel_block=arch.parallel_block)
+            parallel_block=arch.parallel_block, fused_qkv=bool(arch.fused_qkv),
+            fused_gate_up=arch.fused_gate_up)
         # a tied preset's first parameter is its token embedding (sims.models)
         tied = ((params[0][0], float(model.seq_len)),) \
             if arch is not None and arch.tied_embeddings and params else ()
@@ -192,7 +199,7 @@ class Workload:
                    model.hidden, model.layers, float(model.activation_bytes_per_sample),
                    float(getattr(model, "layer_input_bytes_per_sample", 0.0)),
                    **cls.census_fields(getattr(model, "op_census", None), 1),
-                   transformer=shape, tied=tied)
+                   transformer=shape, tied=tied, program=getattr(model, "program", None))
 
     @classmethod
     def from_run(cls, plan: Mapping[str, Any], micro_batch_size: int,
