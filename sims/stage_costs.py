@@ -358,6 +358,17 @@ class StageCosts:
                 "forward": seconds([op for op in program.forward(0, r) if isinstance(op, Gemm)]),
                 "backward": seconds([op for op in program.backward(0, r)
                                      if isinstance(op, Gemm)])}
+        layers = {seg.layer for seg in self.segments if seg.layer is not None}
+        if not layers <= set(range(len(program.layers))):
+            # the parameters' layer numbers are not the traced layer list's (no list of layers,
+            # or numbers of another kind): the model's work shared by parameter count
+            whole = [a + b for a, b in zip(priced(-1), priced(-2))]
+            total = max(1, sum(weights))
+            for j, seg in enumerate(self.segments):
+                share = sum(weights[i] for i in seg.params) / total
+                self.forward_s[j] += whole[0] * share
+                self.backward_s[j] += whole[1] * share
+            return
         cache: dict[int, tuple[float, float]] = {}
         self._distribute(weights, lambda part, layer: cache.setdefault(
             layer if part == "layer" else (-1 if part == "embed" else -2),
