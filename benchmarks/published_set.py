@@ -29,13 +29,19 @@ def load_split(path: Path = SPLIT) -> dict[str, Any]:
 
 
 def held_out_sources(split: Mapping[str, Any]) -> set[str]:
-    return {s for batch in split["batches"] for s in batch["held_out"]}
+    """Every held-out source, those joining one included."""
+    known = {s for batch in split["batches"] for s in [*batch["sources"], *batch.get("joins", {})]}
+    return {s for s in known if part_of(s, split) == PARTS[0]}
 
 
 def part_of(source: str, split: Mapping[str, Any]) -> str:
     """"held-out" or "development"; a source no batch has split yet is an error, so that no run
-    is scored before its part is decided."""
+    is scored before its part is decided. A source that joins an earlier one (another release
+    of the same table) takes that one's part."""
     for batch in split["batches"]:
+        joined = batch.get("joins", {}).get(source)
+        if joined is not None:
+            return part_of(joined, split)
         if source in batch["sources"]:
             return PARTS[0] if source in batch["held_out"] else PARTS[1]
     raise KeyError(f"source {source!r} is in no batch of {SPLIT.name}; split its batch with "
@@ -65,10 +71,14 @@ def split_problems(runs: Sequence[Mapping[str, Any]], split: Mapping[str, Any]) 
     seen: set[str] = set()
     for i, batch in enumerate(split["batches"]):
         sources = list(batch["sources"])
-        again = seen & set(sources)
+        joins = dict(batch.get("joins", {}))
+        again = seen & (set(sources) | set(joins))
         if again:
             problems.append(f"batch {i}: sources {sorted(again)} are in an earlier batch")
-        seen |= set(sources)
+        for new, old in joins.items():
+            if old not in seen:
+                problems.append(f"batch {i}: {new!r} joins {old!r}, which no earlier batch has")
+        seen |= set(sources) | set(joins)
         if sorted(batch["held_out"]) != split_batch(sources):
             problems.append(f"batch {i}: held out {sorted(batch['held_out'])}, the rule gives "
                             f"{split_batch(sources)}")
