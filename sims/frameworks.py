@@ -65,6 +65,9 @@ class Framework:
     # linear of its own (Hugging Face's modules, which flowtrain and DeepSpeed train;
     # torchtitan's wq/wk/wv and w1/w3; metaseq's q/k/v projections)
     fused_projections: bool = False
+    # pipeline chunks must hold equal numbers of layers (Megatron-Core's TransformerConfig
+    # refuses others), unless the embedding and the loss count as layers
+    even_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.buckets not in BUCKETS:
@@ -145,7 +148,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                                "the vocab-parallel cross-entropy unfused (its default)",
               memory="megatron", buckets="megatron", param_gather_overlap=True,
               blocking_p2p="1f1b", zero1_reduce_scatter=True, loss="megatron",
-              fused_projections=True),
+              fused_projections=True, even_chunks=True),
     Framework("fsdp", "PyTorch FSDP2 (fully_shard: torchtitan, NeMo AutoModel): a unit per "
                       "transformer block, the next one prefetched, each gather copied out "
                       "into the parameters and the gradients copied into the reduce, the "

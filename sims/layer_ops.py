@@ -480,11 +480,20 @@ def cp_exchange_bytes(t: TransformerShape, r: RankShape) -> float:
 
 
 def stage_layer_costs(params: Any, options: SimOptions | None, *, hidden: int = 0,
-                      vocab: int = 0, seq_len: int = 0) -> dict[int, float] | None:
+                      vocab: int = 0, seq_len: int = 0, chunks: int = 0
+                      ) -> dict[int, float] | None:
     """Each layer's weight in the run's cut into pipeline stages (None: an even cut of the
     layers): ``flowtrain.plan.partition.partition_costs`` with the LM head's FLOPs per token
-    (2 h V) and the attention core's (causal: 2 s h) where the model's shape is known."""
-    method = (options or SimOptions()).stage_partition
+    (2 h V) and the attention core's (causal: 2 s h) where the model's shape is known. A
+    framework that cuts only even chunks (Megatron-Core) and whose layers do not fill the
+    ``chunks`` model chunks evenly counts the embedding and the loss as a layer each, the one
+    way it cuts such a model (its account_for_embedding/loss_in_pipeline_split)."""
+    opts = options or SimOptions()
+    method = opts.stage_partition
+    if opts.partition is None and chunks and get_framework(opts.framework).even_chunks:
+        layers = len({n for n in (layer_of(p[0]) for p in params) if n is not None})
+        if layers % chunks and (layers + 2) % chunks == 0:
+            method = "ends"
     return partition_costs(params, method, layer_of=layer_of,
                            head_flops_per_token=2.0 * hidden * vocab,
                            attention_flops_per_token=2.0 * seq_len * hidden)

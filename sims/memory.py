@@ -102,7 +102,7 @@ def _stages(model: ModelSpec, pp: int, v: int, options: SimOptions | None) -> li
     # as the planner weighs them: by the model's shape where it is a known transformer
     shape = {"hidden": model.hidden, "vocab": model.vocab, "seq_len": model.seq_len} \
         if model.arch is not None else {}
-    costs = stage_layer_costs(specs, options, **shape) if pp > 1 else None
+    costs = stage_layer_costs(specs, options, **shape, chunks=pp * v) if pp > 1 else None
     parts = split_stages(specs, pp * v, costs) if pp > 1 else [list(range(len(specs)))]
     out = []
     for s in range(pp):

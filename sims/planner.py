@@ -188,8 +188,8 @@ def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
     shape = work.transformer
     costs = None if layout.pp == 1 else \
         stage_layer_costs(work.params, options, hidden=shape.hidden, vocab=shape.vocab,
-                          seq_len=shape.seq_len) if shape is not None else \
-        stage_layer_costs(work.params, options)
+                          seq_len=shape.seq_len, chunks=layout.pp * v) if shape is not None \
+        else stage_layer_costs(work.params, options, chunks=layout.pp * v)
     chunks: list[list[list[int]]] | None = None  # each stage's chunks' global param indices
     if work.stage_params:
         if len(work.stage_params) != layout.pp:

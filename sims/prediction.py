@@ -56,6 +56,9 @@ class Prediction:
     assumptions: list[str] = field(default_factory=list)
     # the peak rank's memory, part by part (sims.memory.memory_per_rank); None without a model
     memory: dict[str, float] | None = None
+    # the inputs not stated that widened the range: name -> [fastest, slowest ratio to the
+    # step, the alternatives tried] (sims.unstated)
+    widened_by: dict[str, Any] | None = None
 
     @property
     def oom(self) -> bool:
@@ -184,7 +187,7 @@ def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str)
 
 def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
             workload: Any = None, host_speed: float = 1.0, options: Any = None,
-            software: str | None = None) -> Prediction:
+            software: str | None = None, with_range: bool = True) -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
     ``host_speed`` scales every task's duration (the host computes that much slower now than
@@ -197,11 +200,13 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
     # the step's graph is freed when _predict returns, before the collector runs again
     with paused_gc():
         return _predict(model, cfg, layout, hw, cluster=cluster, workload=workload,
-                        host_speed=host_speed, options=options, software=software)
+                        host_speed=host_speed, options=options, software=software,
+                        with_range=with_range)
 
 
 def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, workload: Any,
-             host_speed: float, options: Any, software: str | None) -> Prediction:
+             host_speed: float, options: Any, software: str | None,
+             with_range: bool) -> Prediction:
     from sims.executor import execute, step_figures
     from sims.planner import Workload, lay_out
     from sims.task_table import TaskTable
@@ -222,7 +227,7 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
     figures = step_figures(timeline)
     step_range = None
     kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
-    if kernels is not None and kernels.ranges and host_speed == 1.0:
+    if kernels is not None and kernels.ranges and host_speed == 1.0 and with_range:
         ends = []
         for bound in kernels.bounds():
             bounded = laid.price(dataclasses.replace(hw, kernels=bound))
@@ -379,11 +384,30 @@ def resolve_inputs(ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
 
 def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
                    layout_over: dict[str, int], source: str,
-                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0) -> Prediction:
+                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0,
+                   with_range: bool = True) -> Prediction:
     """One configuration of the command's flags (``resolve_inputs``), predicted."""
     got = resolve_inputs(ns, raw, hw, layout_over, source, models)
     return predict(got.model, got.cfg, got.layout, hw, cluster=cluster, host_speed=host_speed,
-                   options=got.options)
+                   options=got.options, with_range=with_range)
+
+
+def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+                    source: str, host_speed: float = 1.0) -> Prediction:
+    """``predict_config``'s prediction, its range widened on a GPU profile by what the command
+    does not state (``sims.unstated``)."""
+    models: dict[tuple[Any, ...], Any] = {}
+    point = predict_config(ns, raw, hw, cluster, {}, source, models, host_speed)
+    if getattr(hw, "kernels", None) is None or getattr(hw, "kind", "gpu") != "gpu" or \
+            host_speed != 1.0:
+        return point
+    from sims.unstated import widen
+
+    def one(flags: argparse.Namespace, config: dict[str, Any]) -> Prediction:
+        return predict_config(flags, config, hw, cluster, {}, source, models, host_speed,
+                              with_range=False)
+
+    return widen(point, ns, raw, hw, one)
 
 
 def sim_options(ns: argparse.Namespace) -> Any:

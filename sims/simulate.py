@@ -18,7 +18,7 @@ from sims.prediction import (
     host_speed_factor,
     load_profile,
     predict,
-    predict_config,
+    predict_widened,
     read_config,
     with_network,
 )
@@ -108,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "a layer each: Llama 3; default: the framework's)")
     run_opts.add_argument("--blocking-p2p", action="store_true",
                           help="pipeline stages wait for each send before their next pass")
+    run_opts.add_argument("--assumed", metavar="INPUT[,INPUT]", default=None,
+                          help="inputs given but not known (micro-batch, recompute, "
+                               "attention): the range covers their alternatives, as it does "
+                               "for --attention and --recompute left out and a config without "
+                               "a micro-batch")
     p.add_argument("--host-speed", metavar="auto|FACTOR", default=None,
                    help="a calibrated CPU host's speed now against its profile, every task "
                         "scaled by it: a factor (1.2: 20%% slower than at calibration) or auto "
@@ -141,7 +146,9 @@ def report_lines(p: Prediction) -> list[str]:
              f"{p.dp} = {samples} samples/step"),
              f"  step time        {_seconds(p.step_time_s)}" + (
                  f"  (range {_seconds(p.step_time_range_s[0])} - "
-                 f"{_seconds(p.step_time_range_s[1])})" if p.step_time_range_s else ""),
+                 f"{_seconds(p.step_time_range_s[1])}"
+                 + (f", with {', '.join(p.widened_by)} not stated" if p.widened_by else "")
+                 + ")" if p.step_time_range_s else ""),
              f"  throughput       {p.samples_per_s:,.1f} samples/s" +
              (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else ""),
              f"  MFU              {100 * p.mfu:.1f} %",
@@ -247,8 +254,7 @@ def run(ns: argparse.Namespace) -> int:
         if best is not None and ns.trace:
             _write_trace(best, ns.trace, ns.json)
         return 0 if best is not None else 1
-    prediction = predict_config(ns, raw, hw, cluster, {}, f"config file {ns.config}", {},
-                                 speed)
+    prediction = predict_widened(ns, raw, hw, cluster, f"config file {ns.config}", speed)
     if ns.json:
         print(json.dumps(prediction.to_dict(), indent=1))
     else:

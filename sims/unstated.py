@@ -1,0 +1,141 @@
+"""What a prediction's range owes to the inputs the user did not state: the attention kernel
+(no ``--attention``), activation recompute (no ``--recompute`` and nothing in the config), the
+micro-batch (not in the config), and any the user marks ``--assumed``. Each is tried at its
+alternatives (the profile's flash kernels; none, selective and full recompute; the
+micro-batches that split the same samples per rank) where they fit the devices' memory, and
+the range is widened by how much faster and slower they run; ``--explain`` names each."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+INPUTS = ("micro-batch", "recompute", "attention")
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+def parse_assumed(text: str | None) -> list[str]:
+    """``--assumed``'s comma-separated inputs (each one of ``INPUTS``)."""
+    if not text:
+        return []
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if n not in INPUTS]
+    if bad:
+        from sims.prediction import SimulateError
+
+        raise SimulateError(f"--assumed: {', '.join(repr(b) for b in bad)} is not an input "
+                            f"the range can widen by; choose from {', '.join(INPUTS)}")
+    return names
+
+
+def unstated(ns: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
+    """The inputs this command leaves to the simulator's defaults or marks as assumed."""
+    out = set(parse_assumed(getattr(ns, "assumed", None)))
+    if getattr(ns, "attention", None) is None:
+        out.add("attention")
+    if getattr(ns, "recompute", None) is None and "activation_checkpointing" not in raw and \
+            not (raw.get("pipeline") or {}).get("activation_checkpoint_interval"):
+        out.add("recompute")
+    micro = raw.get("train_micro_batch_size_per_gpu")
+    if micro is None or micro == "auto":
+        out.add("micro-batch")
+    return [name for name in INPUTS if name in out]
+
+
+def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
+                 point: Any) -> list[tuple[str, argparse.Namespace, dict[str, Any]]]:
+    """(label, flags, config) of each other value ``name`` might take."""
+    out = []
+    if name == "attention":
+        kernels = getattr(hw, "kernels", None)
+        for kernel in sorted(kernels.attention if kernels is not None else ()):
+            if kernel != _current_attention(ns, hw):
+                out.append((kernel, _with(ns, attention=kernel), raw))
+    elif name == "recompute":
+        current = getattr(ns, "recompute", None) or _config_recompute(raw)
+        for value in ("none", "selective", "full"):
+            if value != current:
+                out.append((value, _with(ns, recompute=value), raw))
+    elif name == "micro-batch":
+        micro, accumulation = point.micro_batch_size, point.micro_batches
+        per_rank = micro * accumulation
+        for m in MICRO_BATCHES:
+            if m != micro and per_rank % m == 0:
+                changed = copy.deepcopy(raw)
+                changed.pop("train_batch_size", None)
+                changed["train_micro_batch_size_per_gpu"] = m
+                changed["gradient_accumulation_steps"] = per_rank // m
+                out.append((str(m), ns, changed))
+    return out
+
+
+def _current_attention(ns: argparse.Namespace, hw: Any) -> str | None:
+    kernels = getattr(hw, "kernels", None)
+    return getattr(ns, "attention", None) or (kernels.default_attention if kernels else None)
+
+
+def _config_recompute(raw: dict[str, Any]) -> str:
+    return "full" if "activation_checkpointing" in raw or \
+        (raw.get("pipeline") or {}).get("activation_checkpoint_interval") else "none"
+
+
+def _with(ns: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    out = argparse.Namespace(**vars(ns))
+    for key, value in changes.items():
+        setattr(out, key, value)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Widening:
+    """How much faster (``low``) and slower (``high``) than the point the alternatives of one
+    input run, and which alternatives were tried (those that fit)."""
+
+    name: str
+    low: float
+    high: float
+    tried: tuple[str, ...]
+
+    def line(self, current: str) -> str:
+        values = ", ".join((current, *self.tried))
+        return f"{self.name} ({values}): x{self.low:.2f} to x{self.high:.2f}"
+
+
+def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
+          predict_one: Callable[[argparse.Namespace, dict[str, Any]], Any]) -> Any:
+    """``point`` with its range widened by each unstated input's alternatives
+    (``predict_one(flags, config)`` predicts one without a range)."""
+    names = unstated(ns, raw)
+    if not names or not point.step_time_s:
+        return point
+    widenings = []
+    for name in names:
+        times, tried = [], []
+        for label, flags, config in alternatives(name, ns, raw, hw, point):
+            try:
+                other = predict_one(flags, config)
+            except ValueError:
+                continue  # a value this run cannot take (a layout it does not divide into)
+            if other.oom:
+                continue
+            times.append(other.step_time_s / point.step_time_s)
+            tried.append(label)
+        if times:
+            widenings.append(Widening(name, min(1.0, *times), max(1.0, *times), tuple(tried)))
+    if not widenings:
+        return point
+    low, high = point.step_time_range_s or (point.step_time_s, point.step_time_s)
+    for w in widenings:
+        low, high = low * w.low, high * w.high
+    current = {"micro-batch": str(point.micro_batch_size),
+               "recompute": getattr(ns, "recompute", None) or _config_recompute(raw),
+               "attention": _current_attention(ns, hw) or "default"}
+    lines = [w.line(current[w.name]) for w in widenings]
+    return dataclasses.replace(
+        point, step_time_range_s=(low, high),
+        assumptions=[*point.assumptions,
+                     "range widened by what was not stated: " + "; ".join(lines)],
+        widened_by={w.name: [w.low, w.high, list(w.tried)] for w in widenings})
