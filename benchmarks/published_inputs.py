@@ -127,6 +127,9 @@ def command(run: Mapping[str, Any], directory: Path) -> list[str]:
         argv.append("--fp8")
     if train.get("elementwise"):
         argv += ["--elementwise", str(train["elementwise"])]
+    if run.get("assumed_inputs"):
+        # what the source does not state: the range covers its alternatives
+        argv += ["--assumed", ",".join(run["assumed_inputs"])]
     return argv
 
 

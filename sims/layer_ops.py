@@ -145,7 +145,7 @@ def eager_bytes(op: str, e: int) -> float:
     return float(per_element[op])
 
 
-def megatron_loss_bytes(e: int, backward: bool) -> float:
+def megatronloss_bytes_per_logit(e: int, backward: bool) -> float:
     """Bytes per logit of Megatron's vocab-parallel cross-entropy (Megatron-LM's
     ``mpu/cross_entropy.py``, Megatron-Core's ``tensor_parallel/cross_entropy.py`` without
     ``--cross-entropy-loss-fusion``), each step a kernel of its own over the rank's logits
@@ -249,13 +249,13 @@ def layer_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     gradient: about twice the forward's bytes); plus what recompute runs again first."""
     ops: list[Op] = []
     if r.recompute == "full":
-        ops += [_recomputed(op) for op in layer_forward(t, r)]
+        ops += [recomputed(op) for op in layer_forward(t, r)]
     elif r.recompute == "op":
-        ops += [_recomputed(op) for op in layer_forward(t, r) if isinstance(op, Stream)]
-        ops += [_recomputed(g) for g in matmuls(t, r)[1::2]]
+        ops += [recomputed(op) for op in layer_forward(t, r) if isinstance(op, Stream)]
+        ops += [recomputed(g) for g in matmuls(t, r)[1::2]]
     elif r.recompute == "selective" and not r.flash:
         # selective recompute keeps everything but the attention core, which it runs again
-        ops += [_recomputed(op) for op in attention_core(t, r, backward=False)]
+        ops += [recomputed(op) for op in attention_core(t, r, backward=False)]
     for op in reversed(layer_forward(t, r)):
         if isinstance(op, Gemm):
             ops.append(Gemm(op.label + ".dgrad", op.m, op.k, op.n, op.count))
@@ -301,7 +301,7 @@ def fp8_casts(ops: list[Op], *, backward: bool) -> list[Op]:
     return out
 
 
-def _recomputed(op: Op) -> Op:
+def recomputed(op: Op) -> Op:
     if isinstance(op, Gemm):
         return Gemm("recompute." + op.label, op.m, op.n, op.k, op.count)
     if isinstance(op, Attention):
@@ -318,10 +318,10 @@ def head_forward(t: TransformerShape, r: RankShape) -> list[Op]:
     vocab = math.ceil(t.vocab / r.tp)
     return [Stream("final_norm", local * t.hidden * _final_norm_bytes(t, r)),
             Gemm("lm_head", tokens, vocab, t.hidden),
-            Stream("cross_entropy", tokens * vocab * _loss_bytes(r, backward=False))]
+            Stream("cross_entropy", tokens * vocab * loss_bytes_per_logit(r, backward=False))]
 
 
-def _loss_bytes(r: RankShape, *, backward: bool) -> float:
+def loss_bytes_per_logit(r: RankShape, *, backward: bool) -> float:
     """Bytes per logit the loss streams in one pass (``LOSSES``): a fused kernel reads the
     logits and writes fp32 statistics forward (e + 8), and backward reads the logits and
     writes their gradient (4 + e)."""
@@ -329,7 +329,7 @@ def _loss_bytes(r: RankShape, *, backward: bool) -> float:
     if kernel == "eager":
         return eager_bytes("cross_entropy.grad" if backward else "cross_entropy", r.act_bytes)
     if kernel == "megatron":
-        return megatron_loss_bytes(r.act_bytes, backward)
+        return megatronloss_bytes_per_logit(r.act_bytes, backward)
     return float(4 + r.act_bytes if backward else r.act_bytes + 4 * 2)
 
 
@@ -343,7 +343,7 @@ def _final_norm_bytes(t: TransformerShape, r: RankShape) -> float:
 def head_backward(t: TransformerShape, r: RankShape) -> list[Op]:
     tokens = r.micro_batch * t.seq_len
     vocab = math.ceil(t.vocab / r.tp)
-    return [Stream("cross_entropy.grad", tokens * vocab * _loss_bytes(r, backward=True)),
+    return [Stream("cross_entropy.grad", tokens * vocab * loss_bytes_per_logit(r, backward=True)),
             Gemm("lm_head.dgrad", tokens, t.hidden, vocab),
             Gemm("lm_head.wgrad", vocab, t.hidden, tokens),
             Stream("final_norm.grad", tokens * t.hidden * _final_norm_bytes(t, r) * 2)]

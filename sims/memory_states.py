@@ -184,10 +184,10 @@ def stage_states(soft: Software, cfg: Any, psi: int, *, dp: int, pipelined: bool
     stage = zero.stage
     gradient_buckets = gathered = fp32_grads = host = 0.0
     whole_grads = pipelined and stage >= 2 and soft.pipeline_grads == "step"
-    if soft.states == "megatron":
-        if stage == 3:
-            raise ValueError("ZeRO stage 3 with the megatron layout (Megatron-FSDP) is not "
-                             "modelled; use stage 0, 1 (distributed optimizer) or 2")
+    # Megatron-Core's ZeRO-3 is its FSDP (Megatron-FSDP): parameters, gradients and optimizer
+    # states sharded a unit at a time, as PyTorch's FSDP lays them out
+    states_layout = "fsdp" if soft.states == "megatron" and stage == 3 else soft.states
+    if states_layout == "megatron":
         shard_grads = stage == 2 and not whole_grads
         states = megatron_state_bytes(psi, dp=dp, distributed=stage >= 1, mixed=mixed,
                                       grad_bytes=comm_width, shard_grads=shard_grads)
@@ -199,7 +199,7 @@ def stage_states(soft: Software, cfg: Any, psi: int, *, dp: int, pipelined: bool
             host = states["optimizer"] + fp32_grads
             states["total"] -= states["optimizer"]
             states["optimizer"] = fp32_grads = 0.0
-    elif soft.states == "fsdp":
+    elif states_layout == "fsdp":
         stage = 2 if stage == 1 else stage  # FSDP shards gradients with the optimizer states
         whole_grads = pipelined and stage >= 2 and soft.pipeline_grads == "step"
         states = fsdp_state_bytes(psi, dp=dp, stage=stage, mixed=mixed,

@@ -25,7 +25,7 @@ from sims.architecture import (
     layer_activation_bytes,
     outside_activation_bytes,
 )
-from sims.op_program import build as build_program
+from sims.op_recognize import build as build_program
 from sims.op_trace import Recording
 
 __all__ = ["DTYPES", "FAMILIES", "PRESETS", "Architecture", "ModelSpec", "ParamShapes",

@@ -49,9 +49,13 @@ class Prediction:
     simulate_s: float
     notes: list[str] = field(default_factory=list)
     timeline: Any = field(default=None, repr=False)
-    # the step time with the optimistic and the pessimistic end of the published figures the
-    # GPU's costs rest on (None: a profile without such ranges)
+    # the central 80 % of the step times the uncertain inputs allow (sims.interval): the
+    # published figures the GPU's costs rest on, and what the command does not state (None: a
+    # profile without such ranges)
     step_time_range_s: tuple[float, float] | None = None
+    # the step time with every figure at its optimistic end and with every one at its
+    # pessimistic end
+    hardware_range_s: tuple[float, float] | None = None
     # what the prediction assumed: where each kind of cost comes from (--explain)
     assumptions: list[str] = field(default_factory=list)
     # the peak rank's memory, part by part (sims.memory.memory_per_rank); None without a model
@@ -225,15 +229,18 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
             tuple(dataclasses.replace(t, duration=t.duration * host_speed) for t in tasks)
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
-    step_range = None
+    step_range = hardware_range = None
     kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
     if kernels is not None and kernels.ranges and host_speed == 1.0 and with_range:
+        from sims.interval import central_interval
+
         ends = []
         for bound in kernels.bounds():
             bounded = laid.price(dataclasses.replace(hw, kernels=bound))
             ends.append(execute(bounded.tasks, interference=bounded.interference,
                                 slowdown=bounded.slowdown).step_time)
-        step_range = (min(ends), max(ends))
+        hardware_range = (min(ends), max(ends))
+        step_range = central_interval(figures.step_time, hardware_range)
     elapsed = time.perf_counter() - started
     notes = list(getattr(model, "notes", ())) + list(plan.notes)
     if host_speed != 1.0:
@@ -269,6 +276,7 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
         bubble_pct=figures.bubble_pct, peak_memory_bytes=peak,
         device_memory_bytes=int(hw.device_memory_bytes), tasks=len(plan.tasks),
         simulate_s=elapsed, notes=notes, timeline=timeline, step_time_range_s=step_range,
+        hardware_range_s=hardware_range,
         assumptions=assumption_lines(work, cfg, layout, hw, options), memory=memory)
 
 
@@ -334,7 +342,9 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
         fw = get_framework(opts.framework)
         out.append(f"framework: {fw.name}: {fw.summary}")
         if kernels.ranges:
-            out.append("range: " + "; ".join(f"{k} {v[0]:g} (optimistic) to {v[1]:g}"
+            out.append("range: the central 80 % of the step times between each figure's "
+                       "ends (sims.interval): " + "; ".join(f"{k} {v[0]:g} (optimistic) to "
+                                                           f"{v[1]:g}"
                                              for k, v in kernels.ranges.items()))
     return out
 
@@ -396,12 +406,17 @@ def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluste
                     source: str, host_speed: float = 1.0) -> Prediction:
     """``predict_config``'s prediction, its range widened on a GPU profile by what the command
     does not state (``sims.unstated``)."""
+    from sims.unstated import parse_assumed, widen
+
+    try:
+        parse_assumed(getattr(ns, "assumed", None))
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
     models: dict[tuple[Any, ...], Any] = {}
     point = predict_config(ns, raw, hw, cluster, {}, source, models, host_speed)
     if getattr(hw, "kernels", None) is None or getattr(hw, "kind", "gpu") != "gpu" or \
             host_speed != 1.0:
         return point
-    from sims.unstated import widen
 
     def one(flags: argparse.Namespace, config: dict[str, Any]) -> Prediction:
         return predict_config(flags, config, hw, cluster, {}, source, models, host_speed,

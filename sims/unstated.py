@@ -24,10 +24,8 @@ def parse_assumed(text: str | None) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     bad = [n for n in names if n not in INPUTS]
     if bad:
-        from sims.prediction import SimulateError
-
-        raise SimulateError(f"--assumed: {', '.join(repr(b) for b in bad)} is not an input "
-                            f"the range can widen by; choose from {', '.join(INPUTS)}")
+        raise ValueError(f"--assumed: {', '.join(repr(b) for b in bad)} is not an input "
+                         f"the range can widen by; choose from {', '.join(INPUTS)}")
     return names
 
 
@@ -112,6 +110,7 @@ def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
     if not names or not point.step_time_s:
         return point
     widenings = []
+    ratios: list[list[float]] = []
     for name in names:
         times, tried = [], []
         for label, flags, config in alternatives(name, ns, raw, hw, point):
@@ -125,11 +124,12 @@ def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
             tried.append(label)
         if times:
             widenings.append(Widening(name, min(1.0, *times), max(1.0, *times), tuple(tried)))
+            ratios.append([1.0, *times])
     if not widenings:
         return point
-    low, high = point.step_time_range_s or (point.step_time_s, point.step_time_s)
-    for w in widenings:
-        low, high = low * w.low, high * w.high
+    from sims.interval import central_interval
+
+    low, high = central_interval(point.step_time_s, point.hardware_range_s, ratios)
     current = {"micro-batch": str(point.micro_batch_size),
                "recompute": getattr(ns, "recompute", None) or _config_recompute(raw),
                "attention": _current_attention(ns, hw) or "default"}
@@ -137,5 +137,6 @@ def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
     return dataclasses.replace(
         point, step_time_range_s=(low, high),
         assumptions=[*point.assumptions,
-                     "range widened by what was not stated: " + "; ".join(lines)],
+                     "range widened by what was not stated (each value equally likely; the "
+                     "range is the central 80 % with the figures' spread): " + "; ".join(lines)],
         widened_by={w.name: [w.low, w.high, list(w.tried)] for w in widenings})

@@ -209,8 +209,9 @@ def published() -> Any:
     return sim_published
 
 
+# development runs only: the held-out part is judged by benchmarks/sim_published.py
 @pytest.mark.parametrize("run_id", ["korthikanti22-t5-22b-selsp", "megatron21-t2-ptdp-175b-768",
-                                    "lf-mpt70b-a10080-64"])
+                                    "mlm24-70b"])
 def test_published_runs_within_ten_percent(published: Any, run_id: str) -> None:
     run = next(r for r in published.load_runs() if r["id"] == run_id)
     prediction = published.simulate(run)

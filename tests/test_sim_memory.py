@@ -375,10 +375,11 @@ def test_loss_end_per_stack() -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_breakdown_adds_up(software: str, stage: int) -> None:
     if software == "megatron" and stage == 3:
-        with pytest.raises(ValueError, match="Megatron-FSDP"):
-            memory_per_rank(GPT2, _config(zero_optimization={"stage": 3}), world_size=8,
-                            software=software)
-        return
+        # Megatron-FSDP shards states as PyTorch's FSDP does
+        config = _config(zero_optimization={"stage": 3})
+        megatron = memory_per_rank(GPT2, config, world_size=8, software=software)
+        fsdp = memory_per_rank(GPT2, config, world_size=8, software="fsdp")
+        assert megatron["model_states"] == fsdp["model_states"]
     for pp in (1, 4):
         got = memory_per_rank(GPT2, _config(zero_optimization={"stage": stage},
                                             gradient_accumulation_steps=4),
@@ -409,11 +410,17 @@ def published() -> Any:
     return sim_published
 
 
-def test_no_published_run_is_flagged_out_of_memory(published: Any) -> None:
+def test_no_development_run_is_flagged_out_of_memory(published: Any) -> None:
     # Llama 3 405B on 8192 GPUs is the tightest: 8 one-layer chunks per rank (its text: "the
-    # first model chunk on the first stage has only the embedding"), no recompute, 80 GB cards
+    # first model chunk on the first stage has only the embedding"), no recompute, 80 GB cards.
+    # The held-out part is judged by benchmarks/sim_published.py, not held here.
+    import published_set
+
+    split = published_set.load_split()
     over = []
     for run in published.load_runs():
+        if published_set.part_of(run["source"], split) != "development":
+            continue
         got, device = published.memory(run)
         if got["peak"] > device:
             over.append(f"{run['id']}: {got['peak'] / 2**30:.1f} GiB of {device / 2**30:.1f}")
