@@ -294,9 +294,7 @@ class StageCosts:
 
         def seconds(ops: list[Any], gemm_dtype: str | None = self.options.gemm_dtype
                     ) -> float:
-            return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
-                                         hbm=self.hw.memory_bandwidth, kern=kern,
-                                         attention=self.attention, gemm_dtype=gemm_dtype)
+            return self._ops_seconds(ops, dtype, gemm_dtype)
 
         r = self.shape
         forward, backward = layer_forward(shape, r), layer_backward(shape, r)
@@ -338,9 +336,7 @@ class StageCosts:
 
         def seconds(ops: list[Any], gemm_dtype: str | None = self.options.gemm_dtype
                     ) -> float:
-            return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
-                                         hbm=self.hw.memory_bandwidth, kern=kern,
-                                         attention=self.attention, gemm_dtype=gemm_dtype)
+            return self._ops_seconds(ops, dtype, gemm_dtype)
 
         r = self.shape
         fp8 = self.options.gemm_dtype == "float8"
@@ -402,6 +398,13 @@ class StageCosts:
                 share = w / total if total else 1 / len(members)
                 self.forward_s[j] += fwd * share
                 self.backward_s[j] += bwd * share
+
+    def _ops_seconds(self, ops: list[Any], dtype: str, gemm_dtype: str | None) -> float:
+        """``ops`` one after another on this GPU (``sims.gpu_costs.ops_seconds``)."""
+        assert self.kernels is not None
+        return gpu_costs.ops_seconds(ops, dtype=dtype, peaks=self.hw.peak_flops,
+                                     hbm=self.hw.memory_bandwidth, kern=self.kernels,
+                                     attention=self.attention, gemm_dtype=gemm_dtype)
 
     def _cost_shard_copies(self) -> None:
         """Each segment's share of the copies its framework makes around ZeRO 2-3's

@@ -11,23 +11,15 @@ from typing import Any
 
 import pytest
 
+import hf_models
 from sims.architecture import PRESETS, architecture_params
 from sims.hf_config import architecture_from_hf
 from sims.model_files import ModelFileError, architecture_dict, read_model_file
 from sims.models import get_model
 
-# config.json of meta-llama/Meta-Llama-3-8B and openai-community/gpt2 (the keys that matter)
-LLAMA3_8B_HF = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 8192,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    "attention_bias": False, "attention_dropout": 0.0, "vocab_size": 128256}
-GPT2_HF = {
-    "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
-    "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024,
-    "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-05,
-    "vocab_size": 50257}
+# the keys that matter of meta-llama/Meta-Llama-3-8B's and openai-community/gpt2's config.json
+LLAMA3_8B_HF = hf_models.LLAMA3_8B
+GPT2_HF = {**hf_models.GPT2_MEDIUM, "n_embd": 768, "n_head": 12, "n_layer": 12}
 
 
 def _write(tmp_path: Path, name: str, data: dict[str, Any]) -> str:
