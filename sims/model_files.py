@@ -71,17 +71,7 @@ def read_model_file(name: str, seq_len: int | None = None
         if not path.is_file():
             raise ModelFileError(f"--model {name!r} is a directory without a config.json; give "
                                  f"a Hugging Face config.json or an architecture file")
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ModelFileError(f"--model: cannot read {str(path)!r}: {exc.strerror or exc}") \
-            from None
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"--model: {str(path)!r} is not valid JSON (line {exc.lineno} "
-                             f"column {exc.colno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(f"--model: {str(path)!r} must hold a JSON object, got "
-                             f"{type(data).__name__}")
+    data = read_json_object(path, "--model", ModelFileError)
     if is_hf_config(data):
         from sims.hf_config import architecture_from_hf
 
@@ -95,6 +85,22 @@ def read_model_file(name: str, seq_len: int | None = None
         return arch, seq_len or positions, _hf_name(data, path), notes
     arch, stated = architecture_from_file(data, str(path))
     return arch, seq_len or stated or arch.context, str(data.get("name") or path.stem), []
+
+
+def read_json_object(path: Path, flag: str, error: type[ValueError]) -> dict[str, Any]:
+    """The JSON object in ``path``; an unreadable file, bad JSON or another value raises
+    ``error`` naming ``flag``, the file and what is wrong."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise error(f"{flag}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{flag}: {str(path)!r} is not valid JSON (line {exc.lineno} column "
+                    f"{exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise error(f"{flag}: {str(path)!r} must hold a JSON object, got "
+                    f"{type(data).__name__}")
+    return data
 
 
 def is_hf_config(data: dict[str, Any]) -> bool:

@@ -185,7 +185,7 @@ class OpProgram:
                 ops.append(Gemm(op.label + ".wgrad", op.k, op.n, op.m, op.count))
             elif isinstance(op, Attention):
                 backward = attention_ops(op.batch_heads, op.seq, op.keys, op.head_dim,
-                                         flash=op.flash, dropout=_unfused_dropout(forward, op),
+                                         flash=op.flash, dropout=_unfused_dropout(forward),
                                          act_bytes=r.act_bytes, backward=True,
                                          causal=op.causal, label=op.label)
                 ops.append(backward[0])
@@ -306,7 +306,9 @@ class OpProgram:
         return lines
 
 
-def _unfused_dropout(forward: Sequence[Op], attention: Attention) -> bool:
+def _unfused_dropout(forward: Sequence[Op]) -> bool:
+    """Whether the region's unfused attention drops its scores out (its forward has the
+    dropout stream ``attention_ops`` adds)."""
     return any(isinstance(op, Stream) and op.label == "attn_dropout" for op in forward)
 
 

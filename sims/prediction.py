@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,17 +128,9 @@ def host_speed_factor(ns: argparse.Namespace, hw: Any) -> float:
 
 def read_config(path: str) -> dict[str, Any]:
     """--config's JSON object."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise SimulateError(f"--config: cannot read {path!r}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SimulateError(f"--config: {path!r} is not valid JSON (line {exc.lineno} column "
-                            f"{exc.colno}: {exc.msg})") from None
-    if not isinstance(raw, dict):
-        raise SimulateError(f"--config: {path!r} must hold a JSON object, got "
-                            f"{type(raw).__name__}")
-    return raw
+    from sims.model_files import read_json_object
+
+    return read_json_object(Path(path), "--config", SimulateError)
 
 
 def validated_config(raw: dict[str, Any], dp: int, source: str) -> Any:

@@ -3,7 +3,8 @@
 micro-batch (not in the config), and any the user marks ``--assumed``. Each is tried at its
 alternatives (the profile's flash kernels; none, selective and full recompute; the
 micro-batches that split the same samples per rank) where they fit the devices' memory, and
-the range is widened by how much faster and slower they run; ``--explain`` names each."""
+the range is the central part of the step times they allow with the figures' spread
+(``sims.interval``); ``--explain`` names each."""
 
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ def unstated(ns: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
     out = set(parse_assumed(getattr(ns, "assumed", None)))
     if getattr(ns, "attention", None) is None:
         out.add("attention")
-    if getattr(ns, "recompute", None) is None and "activation_checkpointing" not in raw and \
-            not (raw.get("pipeline") or {}).get("activation_checkpoint_interval"):
+    if getattr(ns, "recompute", None) is None and _config_recompute(raw) == "none":
         out.add("recompute")
     micro = raw.get("train_micro_batch_size_per_gpu")
     if micro is None or micro == "auto":
