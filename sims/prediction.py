@@ -62,6 +62,9 @@ class Prediction:
     # the inputs not stated that widened the range: name -> [fastest, slowest ratio to the
     # step, the alternatives tried] (sims.unstated)
     widened_by: dict[str, Any] | None = None
+    # where the run does not fit as entered: the other values of the inputs the command does
+    # not state that do fit, each as "input value" with its step time's ratio to this one
+    fits_with: list[str] | None = None
 
     @property
     def oom(self) -> bool:

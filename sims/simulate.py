@@ -163,6 +163,9 @@ def report_lines(p: Prediction) -> list[str]:
                      f"{_gib(p.device_memory_bytes)}{stage}{flag}")
         if p.memory:
             lines += memory_lines(p.memory)
+        if p.oom and p.fits_with:
+            lines.append(f"    fits instead with one unstated input changed: "
+                         f"{'; '.join(p.fits_with)}")
     lines.append("  time per resource (busy, per rank):")
     for name, seconds in p.resource_s.items():
         lines.append(f"    {name:<10} {_seconds(seconds)}")

@@ -105,11 +105,14 @@ class Widening:
 def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
           predict_one: Callable[[argparse.Namespace, dict[str, Any]], Any]) -> Any:
     """``point`` with its range widened by each unstated input's alternatives
-    (``predict_one(flags, config)`` predicts one without a range)."""
+    (``predict_one(flags, config)`` predicts one without a range). Where ``point`` does not fit
+    its devices, the alternatives that do are named (``fits_with``): an input the user did not
+    state is a guess, and what the run needs to fit is the useful answer."""
     names = unstated(ns, raw)
     if not names or not point.step_time_s:
         return point
     widenings = []
+    fitting: list[str] = []
     ratios: list[list[float]] = []
     for name in names:
         times, tried = [], []
@@ -122,11 +125,14 @@ def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
                 continue
             times.append(other.step_time_s / point.step_time_s)
             tried.append(label)
+            if point.oom:
+                fitting.append(f"{name} {label} (x{times[-1]:.2f} step time)")
         if times:
             widenings.append(Widening(name, min(1.0, *times), max(1.0, *times), tuple(tried)))
             ratios.append([1.0, *times])
     if not widenings:
         return point
+    fits_with = fitting if point.oom else None
     from sims.interval import central_interval
 
     low, high = central_interval(point.step_time_s, point.hardware_range_s, ratios)
@@ -139,4 +145,5 @@ def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
         assumptions=[*point.assumptions,
                      "range widened by what was not stated (each value equally likely; the "
                      "range is the central 80 % with the figures' spread): " + "; ".join(lines)],
-        widened_by={w.name: [w.low, w.high, list(w.tried)] for w in widenings})
+        widened_by={w.name: [w.low, w.high, list(w.tried)] for w in widenings},
+        fits_with=fits_with)

@@ -96,3 +96,37 @@ def test_a_bad_assumed_input_is_one_line(capsys: pytest.CaptureFixture[str],
     assert "--assumed: 'optimizer' is not an input the range can widen by; choose from " \
         "micro-batch, recompute, attention" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_run_that_does_not_fit_names_what_would(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    # the same 4 x 4096 tokens a rank without recompute do not fit; with the micro-batch and
+    # recompute only assumed, the report names the values that fit, each one as its own
+    # stated prediction finds it
+    config = {**BASE, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    flags = ["--attention", "flash3", "--recompute", "none"]
+    p = _predict(capsys, tmp_path, config, *flags, "--assumed", "micro-batch,recompute")
+    assert p["oom"]
+    expected = []
+    for m in (1, 2):
+        smaller = {**config, "train_micro_batch_size_per_gpu": m,
+                   "gradient_accumulation_steps": 4 // m}
+        other = _predict(capsys, tmp_path, smaller, *flags)
+        if not other["oom"]:
+            expected.append(f"micro-batch {m} (x{other['step_time_s'] / p['step_time_s']:.2f} "
+                            "step time)")
+    for r in ("selective", "full"):
+        other = _predict(capsys, tmp_path, config, "--attention", "flash3", "--recompute", r)
+        if not other["oom"]:
+            expected.append(f"recompute {r} (x{other['step_time_s'] / p['step_time_s']:.2f} "
+                            "step time)")
+    assert expected and p["fits_with"] == expected
+    # stated, the same inputs name nothing
+    assert _predict(capsys, tmp_path, config, *flags)["fits_with"] is None
+
+
+def test_a_run_that_fits_names_nothing(capsys: pytest.CaptureFixture[str],
+                                       tmp_path: Path) -> None:
+    p = _predict(capsys, tmp_path, {**BASE, "train_micro_batch_size_per_gpu": 1},
+                 "--attention", "flash3", "--recompute", "full", "--assumed", "micro-batch")
+    assert not p["oom"] and p["fits_with"] is None
