@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,13 +15,12 @@ from flowtrain import comm
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:
+    from flowtrain.config import ConfigSource, FlowtrainConfig
+    from flowtrain.engine.dataloader import DistributedLoader
     from flowtrain.engine.engine import FlowtrainEngine
+    from flowtrain.engine.surface import LRScheduler
     from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.pipe.module import PipelineModule
-
-# Used when the config leaves zero_optimization.reduce_bucket_size unset: DeepSpeed's default
-# (5e8 elements) puts a whole model in one bucket, which leaves nothing to overlap.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -63,10 +62,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def initialize(args: Any = None, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None,
-               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               lr_scheduler: LRScheduler | Callable[[torch.optim.Optimizer],
+                                                        LRScheduler] | None = None,
+               distributed_port: int | None = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Any = None,
-               config: Any = None, mesh_param: Any = None, config_params: Any = None,
-               auto_values: Any = None) -> tuple[Any, Any, Any, Any]:
+               config: ConfigSource | None = None, mesh_param: Any = None,
+               config_params: ConfigSource | None = None,
+               auto_values: Any = None
+               ) -> tuple[FlowtrainEngine, torch.optim.Optimizer, DistributedLoader | None,
+                          LRScheduler | None]:
     """Builds the training engine; returns ``(engine, optimizer, training_dataloader,
     lr_scheduler)`` as ``deepspeed.initialize`` does.
 
@@ -153,27 +157,34 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         from flowtrain import host_memory
 
         host_memory.keep_freed_memory()
-    bucket_numel = _bucket_numel(cfg, model)
     engine: FlowtrainEngine
     if pipe_module is not None:
         from flowtrain.pipe.engine import PipelineEngine
 
         engine = PipelineEngine(pipe_module, optim, cfg, training_data=training_data,
-                                collate_fn=collate_fn, bucket_numel=bucket_numel)
+                                collate_fn=collate_fn)
     else:
         if grid is not None and cfg.zero_optimization.stage >= 2:
             raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with "
                              f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO stages 2 and 3 "
                              f"with tensor parallelism are not supported yet; use stage 0 or 1")
         engine = FlowtrainEngine(model, optim, cfg, training_data=training_data,
-                                 collate_fn=collate_fn, bucket_numel=bucket_numel, grid=grid)
+                                 collate_fn=collate_fn, grid=grid)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).
-    if lr_scheduler is None and cfg.scheduler is not None:
-        lr_scheduler = build_scheduler(cfg.scheduler.type, engine.optimizer,
-                                       dict(cfg.scheduler.params))
-    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(engine.optimizer)
-    engine.lr_scheduler = lr_scheduler
+    scheduler: LRScheduler | None
+    if lr_scheduler is None:
+        scheduler = build_scheduler(cfg.scheduler.type, engine.optimizer,
+                                    dict(cfg.scheduler.params)) \
+            if cfg.scheduler is not None else None
+    elif hasattr(lr_scheduler, "step"):
+        scheduler = cast("LRScheduler", lr_scheduler)
+    elif callable(lr_scheduler):  # a callable taking the optimizer, as DeepSpeed accepts
+        scheduler = lr_scheduler(engine.optimizer)
+    else:
+        raise TypeError(f"lr_scheduler must be a scheduler (an object with step()) or a "
+                        f"callable that builds one from the optimizer, got "
+                        f"{type(lr_scheduler).__name__}")
+    engine.lr_scheduler = scheduler
     from flowtrain import peer_recovery
 
     if peer_recovery.joining():
@@ -188,7 +199,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
     engine.flops_profiler = engine_hook(engine)  # the flops_profiler section (rank 0), or None
-    return engine, engine.optimizer, engine.training_dataloader, lr_scheduler
+    return engine, engine.optimizer, engine.training_dataloader, scheduler
 
 
 AUTO_VALUES_FILE = "auto_values.json"
@@ -246,7 +257,7 @@ def _report_auto(resolved: dict[str, tuple[Any, str]]) -> None:
                                                error=str(exc))
 
 
-def _tensor_parallel_grid(config: Any, model: torch.nn.Module) -> ProcessGrid | None:
+def _tensor_parallel_grid(config: ConfigSource, model: torch.nn.Module) -> ProcessGrid | None:
     """With tensor_parallel.tp_size > 1: the grid, and the model split across its
     tensor-parallel group (every rank first takes rank 0's whole weights)."""
     tp = _raw_tp_size(config)
@@ -294,7 +305,7 @@ def _follow_the_split(optim: torch.optim.Optimizer, model: torch.nn.Module,
         group["params"] = moved
 
 
-def check_plain_module_config(cfg: Any) -> None:
+def check_plain_module_config(cfg: FlowtrainConfig) -> None:
     """A pipeline section that asks for stages on a model that is not a PipelineModule."""
     stages = cfg.pipeline.stages
     if "pipeline" in cfg.model_fields_set and isinstance(stages, int) and stages > 1 and \
@@ -305,7 +316,7 @@ def check_plain_module_config(cfg: Any) -> None:
                          f"DeepSpeed's PipelineModule), or drop the pipeline section")
 
 
-def _raw_tp_size(config: Any) -> int:
+def _raw_tp_size(config: ConfigSource) -> int:
     """tensor_parallel.tp_size (or autotp_size) as written, before the full validation (the
     batch rule needs the data-parallel size, which depends on it)."""
     import json
@@ -331,7 +342,7 @@ def _pipeline_module(model: Any) -> PipelineModule | None:
     return model if isinstance(model, PipelineModule) else None
 
 
-def _check_pipeline_config(cfg: Any, model: Any) -> None:
+def _check_pipeline_config(cfg: FlowtrainConfig, model: PipelineModule) -> None:
     stages = cfg.pipeline.stages
     if isinstance(stages, int) and stages != model.num_stages:
         raise ValueError(f"pipeline.stages {stages} in the config, but the PipelineModule has "
@@ -365,16 +376,3 @@ def _warm_up_kernels(optimizer: Any) -> None:
         import cuda_numba
 
         cuda_numba.warm_up((name,))
-
-
-def _bucket_numel(cfg: Any, model: torch.nn.Module) -> int:
-    zero = cfg.zero_optimization
-    if zero.stage and {"reduce_bucket_size", "allgather_bucket_size"} & zero.model_fields_set:
-        # ZeRO all-gathers parameters bucket by bucket: a bucket respects both sizes.
-        sizes = [int(getattr(zero, k)) for k in ("reduce_bucket_size", "allgather_bucket_size")
-                 if k in zero.model_fields_set]
-        return min(sizes)
-    if "reduce_bucket_size" in zero.model_fields_set:
-        return int(zero.reduce_bucket_size)
-    elem = next((p.element_size() for p in model.parameters()), 4)
-    return DEFAULT_BUCKET_BYTES // elem

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowtrain.plan.partition import PARTITIONS, partition_costs
-from flowtrain.plan.workload import TransformerShape, layer_of
 from sims.frameworks import LOSSES, get_framework
+from sims.workload import TransformerShape, layer_of
 
 # "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
 # per-op selective checkpointing: every other matmul and every memory-bound op again; "full":

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowtrain.config import load_config
-from flowtrain.plan.workload import layer_of, split_stages
 from sims.activation_memory import Kernels, in_flight, layer_bytes, loss_bytes
 from sims.frameworks import get_framework
 from sims.layer_ops import SimOptions, cfg_checkpoints_activations, stage_layer_costs
@@ -37,6 +36,7 @@ from sims.memory_states import (
     stage_states,
 )
 from sims.models import ModelSpec
+from sims.workload import layer_of, split_stages
 
 __all__ = ["ADAM_K", "SOFTWARE", "STAGES", "Software", "fsdp_state_bytes",
            "megatron_state_bytes", "memory_per_rank", "model_state_bytes"]
@@ -93,7 +93,7 @@ class _Stage:
 
 
 def _stages(model: ModelSpec, pp: int, v: int, options: SimOptions | None) -> list[_Stage]:
-    """The planner's cut (``flowtrain.plan.workload.split_stages``): the layers split evenly
+    """The planner's cut (``sims.workload.split_stages``): the layers split evenly
     in order into pp·v chunks, stage s holding chunks s, s + pp, ... (interleaved 1F1B), the
     embeddings on the first chunk and the final norm and head on the last. A tied LM head's
     embedding is held on the last stage as well (DeepSpeed's TiedLayerSpec and Megatron keep a

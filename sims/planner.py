@@ -1,7 +1,7 @@
 """The simulated step: a model's parameters, a ds_config and a cluster layout turned into what
 one representative rank of each pipeline stage does, priced by the cost model.
 
-Each stage's tasks are laid out by ``flowtrain.plan.graph`` (the engine's own step plan, cut
+Each stage's tasks are laid out by ``sims.graph`` (the engine's own step plan, cut
 finer where communication overlaps a pass; its docstring lists the task names), then priced
 (``sims.pricing``) from the stage's costs (``sims.stage_costs``); ``sims.executor`` runs them.
 """
@@ -16,10 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowtrain.plan import StepPlan
-from flowtrain.plan.graph import StageLayout, TaskGraph
 from flowtrain.plan.schedule import one_f_one_b
+from flowtrain.plan.spec import resolve
 from flowtrain.plan.stage3 import stage3_uses
-from flowtrain.plan.workload import (
+from sims.executor import SimTask
+from sims.frameworks import get_framework
+from sims.graph import StageLayout, TaskGraph
+from sims.layer_ops import SimOptions, stage_layer_costs
+from sims.pricing import PricedColumns, pipeline_tasks
+from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
+from sims.workload import (
     DTYPE_BYTES,
     PRECISION_DTYPE,
     Layout,
@@ -31,21 +37,12 @@ from flowtrain.plan.workload import (
     split_stages,
     tp_shard,
 )
-from flowtrain.plan.workload import numel as _numel
-from sims.executor import SimTask
-from sims.frameworks import get_framework
-from sims.layer_ops import SimOptions, stage_layer_costs
-from sims.pricing import PricedColumns, pipeline_tasks
-from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
+from sims.workload import numel as _numel
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
+__all__ = ["DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
            "LaidOutStep", "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan",
-           "config_bucket_numel", "lay_out", "layer_of", "module_units", "one_f_one_b",
+           "lay_out", "layer_of", "module_units", "one_f_one_b",
            "paused_gc", "pipeline_tasks", "split_stages", "stage3_uses"]
-
-# The engine's bucket size when the config sets none (flowtrain.api.DEFAULT_BUCKET_BYTES):
-# DeepSpeed's 5e8-element default would put a whole model in one bucket, leaving no overlap.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -72,17 +69,6 @@ class SimPlan:
     def step_plans(self) -> tuple[StepPlan, ...]:
         """The data-parallel plan of each stage."""
         return tuple(stage.step_plan for stage in self.stages)
-
-
-def config_bucket_numel(zero: Any, elem_size: int) -> int:
-    """The engine's bucket size in elements (as ``flowtrain.api`` picks it): the config's
-    reduce/allgather bucket sizes when set, else 25 MiB of parameters."""
-    if zero.stage and {"reduce_bucket_size", "allgather_bucket_size"} & zero.model_fields_set:
-        return min(int(getattr(zero, k)) for k in ("reduce_bucket_size", "allgather_bucket_size")
-                   if k in zero.model_fields_set)
-    if "reduce_bucket_size" in zero.model_fields_set:
-        return int(zero.reduce_bucket_size)
-    return DEFAULT_BUCKET_BYTES // elem_size
 
 
 def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
@@ -277,12 +263,8 @@ def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
              options: SimOptions | None) -> LaidOutStep:
     if not work.params:
         raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
-    zero = cfg.zero_optimization
     dtype = PRECISION_DTYPE[cfg.precision]
-    comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
-    comm_elem = DTYPE_BYTES.get(comm_dtype, 4)
     micro_batch = int(cfg.train_micro_batch_size_per_gpu)
-    micro_batches = int(cfg.gradient_accumulation_steps)
     weights_all = [_numel(p[1]) for p in work.params]
     total_weight = sum(weights_all)
     if total_weight == 0:
@@ -316,13 +298,13 @@ def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
             # Megatron's pipeline sends each tensor rank's 1/tp of the activations (gathered
             # again over NVLink on the other side); with sequence parallelism they are split
             send_bytes = recv_bytes = act_bytes / layout.tp
+        # the engine's decisions for this stage's parameters (their element size sets the
+        # default bucket), in the framework's variant: its own buckets
+        spec = resolve(cfg, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                       elem_size=params[0][3] if params else 2)
+        spec = spec.replace(bucket_numel=fw.bucket_numel(layout.dp, spec.bucket_numel))
         stage = StageLayout(
-            graph, s, params=params, stages=layout.pp, dp=layout.dp, tp=layout.tp,
-            zero=zero, micro_batches=micro_batches, micro_batch=micro_batch,
-            bucket_numel=fw.bucket_numel(layout.dp,
-                                         config_bucket_numel(zero, params[0][3] if params
-                                                             else 2)),
-            comm_dtype=comm_dtype, comm_elem=comm_elem,
+            graph, s, params=params, spec=spec,
             forward_flops=flops * micro_batch / layout.tp, gpu=priced.gpu,
             act_bytes=act_bytes, send_bytes=send_bytes, recv_bytes=recv_bytes,
             overheads=priced.overheads(),

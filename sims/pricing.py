@@ -1,4 +1,4 @@
-"""Prices a laid-out step (``flowtrain.plan.graph``): each task's seconds from its stage's costs
+"""Prices a laid-out step (``sims.graph``): each task's seconds from its stage's costs
 (``sims.stage_costs``), giving the task list the executor (``sims.executor``) runs."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flowtrain.plan.graph import OVERHEADS, GraphColumns, GraphTask, bare_pipeline
 from sims import costs
+from sims.graph import OVERHEADS, GraphColumns, GraphTask, bare_pipeline
 from sims.stage_costs import StageCosts
 from sims.task_table import SimTask, TaskColumns, TaskTable, first_use_ids
 

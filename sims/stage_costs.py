@@ -1,7 +1,7 @@
 """What one pipeline stage's tasks cost: the factors a step's tasks are priced with (compute and
 memory slowdown of ranks sharing a host, a calibrated CPU host's measured engine costs, the
 collective and channel each reduce goes over), and the seconds of each pass, collective and
-optimizer step. ``flowtrain.plan.graph`` lays the tasks out; ``sims.pricing`` asks this for
+optimizer step. ``sims.graph`` lays the tasks out; ``sims.pricing`` asks this for
 each one's time."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from flowtrain.plan.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Workload
-from flowtrain.plan.workload import numel as _numel
+from flowtrain.plan.spec import reduce_op
 from sims import costs, gpu_costs
 from sims.frameworks import get_framework
 from sims.gpu_kernels import GpuKernels
@@ -30,11 +29,13 @@ from sims.layer_ops import (
     layer_forward,
     tp_collectives_per_layer,
 )
+from sims.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Workload
+from sims.workload import numel as _numel
 
 if TYPE_CHECKING:
     from flowtrain.plan import BucketPlan
-    from flowtrain.plan.graph import Segment
     from sims.engine_costs import EngineCosts
+    from sims.graph import Segment
 
 # ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
 PIPELINE_JOB_RANKS = 2
@@ -145,15 +146,16 @@ class StageCosts:
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards, and ZeRO-1 into
         # each rank's slice of its whole buckets where the framework does; zero_optimization's
         # reduce_scatter false all-reduces at stages 1-2 (stage 3 always scatters)
+        # (flowtrain.plan.spec.reduce_op); a framework whose ZeRO-1 all-reduces is the
+        # variant of that decision where stage 1 does not scatter
         scatters = bool(getattr(self.zero, "reduce_scatter", True))
-        zero1_scatters = self.options.zero1_reduce == "reduce_scatter" or (
-            scatters and get_framework(self.options.framework).zero1_reduce_scatter)
-        self.reduce_op = "reduce_scatter" if self.stage_no == 3 or (
-            self.stage_no == 2 and scatters) or (
-            self.stage_no == 1 and zero1_scatters) else "all_reduce"
+        if self.stage_no == 1:
+            scatters = self.options.zero1_reduce == "reduce_scatter" or (
+                scatters and get_framework(self.options.framework).zero1_reduce_scatter)
+        self.reduce_op: str = reduce_op(self.stage_no, reduce_scatter=scatters)
 
     def overheads(self) -> dict[str, float]:
-        """The engine overheads (``flowtrain.plan.graph.OVERHEADS``) this host's costs model as
+        """The engine overheads (``sims.graph.OVERHEADS``) this host's costs model as
         tasks of their own, and their seconds; the others are part of the passes."""
         seconds = {"loss": self.micro_batch_s, "step": self.step_s,
                    "loss_broadcast": self.loss_broadcast_s, "pass_start": self.op_s,

@@ -12,10 +12,10 @@ import torch
 
 from flowtrain.config import ConfigError, load_config
 from flowtrain.plan import names
-from flowtrain.plan.graph import bare_pipeline
 from flowtrain.plan.schedule import bubble_fraction, handover, max_in_flight, stage_ops
 from helpers import DATA, check_cases, launch, rank_results
 from sims.executor import SimTask, execute, step_figures
+from sims.graph import bare_pipeline
 
 WORKER = DATA / "pipe_interleaved_worker.py"
 

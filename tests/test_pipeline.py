@@ -323,7 +323,7 @@ def test_pipeline_follows_micro_batches_that_change_size(tmp_path: Path) -> None
 
 def test_partition_costs_weigh_the_embedding_and_head_with_the_end_layers() -> None:
     from flowtrain.plan.partition import partition_costs
-    from flowtrain.plan.workload import layer_of, split_stages
+    from sims.workload import layer_of, split_stages
 
     params = [("embed.weight", (100, 4), "float32", 4)]
     params += [(f"layers.{i}.w", (4, 4), "float32", 4) for i in range(6)]
@@ -348,7 +348,7 @@ def test_partition_costs_weigh_the_embedding_and_head_with_the_end_layers() -> N
 
 def test_ends_partition_gives_the_first_and_last_stage_one_layer_fewer() -> None:
     from flowtrain.plan.partition import partition_costs
-    from flowtrain.plan.workload import layer_of, split_stages
+    from sims.workload import layer_of, split_stages
 
     # Llama 3 405B's cut (arXiv:2407.21783 Sec. 3.3.2): 126 layers on 16 stages x 2 chunks,
     # the embedding and the loss counted as a layer each: 3 + 30 x 4 + 3

@@ -1,4 +1,4 @@
-"""The cost-free task graph (``flowtrain.plan.graph``) and its pricing (``sims.pricing``): the graph
+"""The cost-free task graph (``sims.graph``) and its pricing (``sims.pricing``): the graph
 carries no time, only what decides it; every task belongs to a task of the engine's step plan;
 the engine's overheads are tasks only where the costs model them so; and the priced graph is
 what ``build_plan`` hands the executor."""
@@ -11,23 +11,23 @@ from typing import Any
 import pytest
 
 from flowtrain.plan import names
-from flowtrain.plan.graph import COSTS, OVERHEADS, StageLayout, TaskGraph, bare_pipeline
 from flowtrain.plan.schedule import one_f_one_b
-from flowtrain.plan.workload import Layout
+from flowtrain.plan.spec import resolve
 from sim_helpers import cpu_profile, sim_config, tiny_workload
+from sims.graph import COSTS, OVERHEADS, StageLayout, TaskGraph, bare_pipeline
 from sims.hardware import get_profile
 from sims.pricing import price, task_seconds
 from sims.stage_costs import StageCosts
+from sims.workload import Layout
 
 
 def lay_out(cfg: Any, dp: int, overheads: tuple[str, ...] = (),
             param_gather_overlap: bool = False) -> tuple[StageLayout, TaskGraph]:
     work = tiny_workload()
     graph = TaskGraph()
-    stage = StageLayout(graph, 0, params=list(work.params), stages=1, dp=dp, tp=1,
-                        zero=cfg.zero_optimization, micro_batches=cfg.gradient_accumulation_steps,
-                        micro_batch=cfg.train_micro_batch_size_per_gpu, bucket_numel=16,
-                        comm_dtype="float32", comm_elem=4, forward_flops=1e5, gpu=False,
+    spec = resolve(cfg, dp=dp, elem_size=4).replace(bucket_numel=16, comm_dtype="float32")
+    stage = StageLayout(graph, 0, params=list(work.params), spec=spec, forward_flops=1e5,
+                        gpu=False,
                         act_bytes=0.0, send_bytes=0.0, recv_bytes=0.0, overheads=overheads,
                         param_gather_overlap=param_gather_overlap)
     stage.build()
@@ -155,11 +155,11 @@ def test_fsdp_units_are_blocks_prefetched_one_ahead() -> None:
     cfg = sim_config(2, zero_optimization={"stage": 3})
 
     def layout(fsdp: bool) -> StageLayout:
-        stage = StageLayout(TaskGraph(), 0, params=params, stages=1, dp=2, tp=1,
-                            zero=cfg.zero_optimization, micro_batches=1, micro_batch=2,
-                            bucket_numel=10**6, comm_dtype="float32", comm_elem=4,
-                            forward_flops=1e5, gpu=True, act_bytes=0.0, send_bytes=0.0,
-                            recv_bytes=0.0, fsdp=fsdp)
+        spec = resolve(cfg, dp=2, elem_size=4).replace(
+            gradient_accumulation_steps=1, micro_batch_size=2, bucket_numel=10**6,
+            comm_dtype="float32")
+        stage = StageLayout(TaskGraph(), 0, params=params, spec=spec, forward_flops=1e5,
+                            gpu=True, act_bytes=0.0, send_bytes=0.0, recv_bytes=0.0, fsdp=fsdp)
         stage.build()
         return stage
 
@@ -187,9 +187,10 @@ def test_a_blocking_send_holds_the_stage_until_it_completes() -> None:
     def lay_out_pipeline(blocking: bool) -> tuple[Any, ...]:
         graph = TaskGraph()
         for s in range(2):
-            StageLayout(graph, s, params=[work.params[2 * s]], stages=2, dp=1, tp=1,
-                        zero=cfg.zero_optimization, micro_batches=4, micro_batch=2,
-                        bucket_numel=16, comm_dtype="float32", comm_elem=4, forward_flops=1e5,
+            spec = resolve(cfg, dp=1, pp=2, elem_size=4).replace(
+                gradient_accumulation_steps=4, micro_batch_size=2, bucket_numel=16,
+                comm_dtype="float32")
+            StageLayout(graph, s, params=[work.params[2 * s]], spec=spec, forward_flops=1e5,
                         gpu=True, act_bytes=8.0, send_bytes=8.0, recv_bytes=8.0,
                         blocking_p2p=blocking).build()
         return graph.resolve()

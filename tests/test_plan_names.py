@@ -14,11 +14,11 @@ import pytest
 from flowtrain.config import load_config
 from flowtrain.plan import names
 from flowtrain.plan.step_plan import StepPlan
-from flowtrain.plan.workload import Layout, Workload
 from helpers import DATA, launch
 from sims.compare import RunRecord, read_run
 from sims.hardware import get_profile
 from sims.planner import SimPlan, build_plan
+from sims.workload import Layout, Workload
 
 WORKER = DATA / "plan_names_worker.py"
 # mode -> ranks launched, tensor-parallel size

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from flowtrain.plan.workload import TransformerShape
 from sims import gpu_costs
 from sims.gpu_figures import A100_80G, H100
 from sims.hardware import HardwareProfile, ProfileError, get_profile
@@ -28,6 +27,7 @@ from sims.layer_ops import (
     layer_forward,
 )
 from sims.models import PRESETS, forward_flops, layer_activation_bytes
+from sims.workload import TransformerShape
 
 A100_PEAK, H100_PEAK = 312e12, 989.4e12
 
@@ -301,9 +301,9 @@ def test_frameworks_name_their_behaviours() -> None:
 
 def test_a_framework_changes_the_plan_as_it_says() -> None:
     from flowtrain.config import load_config
-    from flowtrain.plan.workload import Layout, Workload
     from sims.models import get_model
     from sims.planner import build_plan
+    from sims.workload import Layout, Workload
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
@@ -376,9 +376,9 @@ def test_fsdp_copies_by_version() -> None:
 
 def test_fsdp_copies_lengthen_the_passes_by_their_bytes() -> None:
     from flowtrain.config import load_config
-    from flowtrain.plan.workload import Layout, Workload
     from sims.models import get_model
     from sims.planner import build_plan
+    from sims.workload import Layout, Workload
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
@@ -430,9 +430,9 @@ def test_dtensor_sequence_parallel_copies_the_gathered_activation_around_each_co
     gathered activation around each all-gather and reduce-scatter along the sequence; Megatron
     gathers along dim 0 and pays none; async TP (tp_overlap) does not take that path."""
     from flowtrain.config import load_config
-    from flowtrain.plan.workload import Layout, Workload
     from sims.models import get_model
     from sims.planner import _stage_costs
+    from sims.workload import Layout, Workload
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}},
                       world_size=1, check_supported=False)
@@ -456,9 +456,9 @@ def test_fp8_training_keeps_the_lm_head_in_the_training_dtype() -> None:
     output layer, and torchtitan's float8 conversion skips "output": a wider vocabulary costs
     the same extra time with fp8 GEMMs as without, while the layers get faster."""
     from flowtrain.config import load_config
-    from flowtrain.plan.workload import Layout, Workload
     from sims.models import Architecture, spec_from_architecture
     from sims.planner import build_plan
+    from sims.workload import Layout, Workload
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                        "bf16": {"enabled": True}}, world_size=1, check_supported=False)
@@ -501,9 +501,9 @@ def test_the_passes_run_at_the_slowest_gpus_pace() -> None:
     import dataclasses
 
     from flowtrain.config import load_config
-    from flowtrain.plan.workload import Layout, Workload
     from sims.models import get_model
     from sims.planner import build_plan
+    from sims.workload import Layout, Workload
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                        "bf16": {"enabled": True}}, world_size=64, check_supported=False)

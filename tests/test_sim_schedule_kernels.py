@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from flowtrain.plan.workload import Workload
 from sims.executor import (
     SimTask,
     Timeline,
@@ -23,6 +22,7 @@ from sims.executor import (
 )
 from sims.planner import build_plan, lay_out
 from sims.task_table import TaskTable
+from sims.workload import Workload
 
 RESOURCES = ("compute", "comm:dp", "comm:tp", "comm:pp", "copy:h2d", "host", "other")
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from flowtrain.plan import names
-from flowtrain.plan.workload import Layout, Workload
 from sim_helpers import cpu_profile, sim_config
 from sims.executor import execute
 from sims.layer_ops import SimOptions
 from sims.models import get_model
 from sims.planner import build_plan, distinct_rows, lay_out
+from sims.workload import Layout, Workload
 
 WIDTH, LAYERS, SEQ = 256, 4, 8
 

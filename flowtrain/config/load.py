@@ -35,7 +35,11 @@ from flowtrain.env import FIRST_WORLD_SIZE
 _PRUNE_ROUNDS = 4
 
 
-def load_config(config: str | os.PathLike[str] | Mapping[str, Any], *, world_size: int = 1,
+# what a config arrives as: a ds_config.json path or its parsed dict
+ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def load_config(config: ConfigSource, *, world_size: int = 1,
                 model: torch.nn.Module | None = None, optimizer_given: bool = False,
                 scheduler_given: bool = False, micro_batch_size: int | None = None,
                 total_num_steps: int | None = None, check_supported: bool = True,

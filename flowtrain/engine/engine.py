@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain.config import FlowtrainConfig
+from flowtrain.config.model import TORCH_DTYPES
 from flowtrain.engine.bucket_order import BucketOrder
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.comm_setup import EngineComm
@@ -39,15 +40,14 @@ from flowtrain.env import RUN_DIR
 from flowtrain.log import get_logger
 from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.peer_recovery import enabled as _peer_recovery_enabled
-from flowtrain.plan import StepPlan, build_step_plan, names
-from flowtrain.plan.schedule import SCHEDULES
+from flowtrain.plan import StepPlan, names
+from flowtrain.plan.spec import plan_step, resolve
 from flowtrain.precision import build_loss_scaler
 from flowtrain.runtime.actor import Actor, ActorRef
 from flowtrain.zero import construct
 
 log = get_logger("flowtrain.engine")
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, EngineComm,
@@ -60,7 +60,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  config: FlowtrainConfig, *, lr_scheduler: Any = None, training_data: Any = None,
-                 collate_fn: Any = None, bucket_numel: int = 25 * 2**20 // 4, rank: Any = None,
+                 collate_fn: Any = None, rank: Any = None,
                  grid: ProcessGrid | None = None) -> None:
         super().__init__()
         self.module = model
@@ -88,7 +88,10 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self.stages = Stages()
         self.timer = StepTimer()
 
-        model_dtype = _DTYPES[self.precision]
+        # the default bucket holds a fixed number of bytes of the parameters as the model
+        # arrives, before they are cast to the training dtype
+        arriving_elem = next((p.element_size() for p in model.parameters()), 4)
+        model_dtype = TORCH_DTYPES[self.precision]
         if model_dtype != torch.float32:
             # zero.Init's partitions are cast as they are (the model never whole)
             construct.cast(model.parameters(), model_dtype)
@@ -99,18 +102,20 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
         self._names = _param_names(model, self.trainable)
 
-        zcfg = config.zero_optimization
-        self.zero_stage = zcfg.stage
+        self.zero_stage = config.zero_optimization.stage
         self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stages 1-3
         self.stage3 = None  # flowtrain.zero.stage3.Stage3Params: stage 3 on several ranks
+        self.spec = resolve(config, dp=self.world_size,
+                            tp=grid.shape.tp if grid is not None else 1,
+                            pp=grid.shape.pp if grid is not None else 1,
+                            elem_size=arriving_elem,
+                            mirrored=self.world_size > 1 and on and _peer_recovery_enabled())
         # launch --peer-recovery with ZeRO-1/2: every rank also steps its neighbour's shard
-        # (flowtrain.zero.mirror), which needs whole reduced gradients: stage 2 all-reduces
-        self._mirrored = self.zero_stage in (1, 2) and self.world_size > 1 and on and \
-            _peer_recovery_enabled()
-        # Stages 2-3 keep a gradient shard, not whole gradients: buckets are transient and
-        # reduce-scattered every micro-batch.
-        self.transient = self.zero_stage >= 2 and self.world_size > 1 and \
-            ((zcfg.reduce_scatter and not self._mirrored) or self.zero_stage == 3)
+        # (flowtrain.zero.mirror), which needs whole reduced gradients
+        self._mirrored = self.spec.mirrored
+        # Reduced every micro-batch (ZeRO 2-3 keeping a gradient shard, not whole gradients):
+        # the buckets are transient, handed to the reducer as each micro-batch fills them.
+        self.transient = self.spec.reduction.every_micro_batch
         self._handed: set[int] = set()
         self.master = MasterWeights(self.trainable) \
             if model_dtype != torch.float32 and not self.zero_stage else None
@@ -126,14 +131,13 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             min_loss_scale=fp16.min_loss_scale)
 
         self.comm_dtype = config.communication_dtype
-        self.bucket_numel = int(bucket_numel)
+        self.bucket_numel = self.spec.bucket_numel
         # what ZeRO and the health figures are built from
         self._parts = EngineParts(
-            config=config, module=model, trainable=self.trainable,
+            config=config, spec=self.spec, module=model, trainable=self.trainable,
             param_specs=self._param_specs(), grid=grid, dp_group=self.dp_group,
-            world_size=self.world_size, dp_rank=self.dp_rank, zero_stage=self.zero_stage,
-            model_parallel=self.model_parallel, bucket_numel=self.bucket_numel,
-            spawn=self._spawn)
+            world_size=self.world_size, dp_rank=self.dp_rank,
+            model_parallel=self.model_parallel, spawn=self._spawn)
         self._groups = None
         if self.zero_stage:
             from flowtrain.zero.build import param_groups
@@ -156,8 +160,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         if self.zero_stage:
             from flowtrain.zero.build import build_zero
 
-            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer,
-                                                mirrored=self._mirrored)
+            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
@@ -232,26 +235,12 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             from flowtrain.zero.build import stage3_buckets
 
             buckets = stage3_buckets(self._parts, self._groups)
-        return build_step_plan(
-            self._param_specs(), world_size=self.world_size, groups=self._groups,
-            buckets=buckets,
-            gradient_accumulation_steps=self.config.grad_accum,
-            micro_batch_size=self.config.micro_batch,
-            bucket_numel=self.bucket_numel, comm_dtype=str(self.comm_dtype).removeprefix("torch."),
-            comm_elem_size=torch.empty((), dtype=self.comm_dtype).element_size(), order=order,
-            reduce_every_micro_batch=self.transient, **self._pipeline_position())
+        return plan_step(self.spec, self._param_specs(), groups=self._groups, buckets=buckets,
+                         order=order, stage=self._pipeline_stage())
 
-    def _pipeline_position(self) -> dict[str, Any]:
-        """This rank's pipeline stage, the number of stages and the schedule, as the plan takes
-        them (one stage without a pipeline)."""
-        if self.grid is None or self.grid.shape.pp == 1:
-            return {"stage": 0, "stages": 1}
-        schedule = str(getattr(self.config.pipeline, "schedule", "1f1b")).lower()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pipeline.schedule {schedule!r}: choose one of "
-                             f"{', '.join(SCHEDULES)}")
-        return {"stage": self.grid.pp_rank, "stages": self.grid.shape.pp, "schedule": schedule,
-                "virtual_stages": int(getattr(self.config.pipeline, "virtual_stages", 1))}
+    def _pipeline_stage(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.grid.pp_rank if self.grid is not None and self.spec.pp > 1 else 0
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         allocate = self.channel.arena_allocator() \
@@ -280,7 +269,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
 
     def _run_module(self, args: Any, kwargs: Any) -> Any:
         if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
-            args, kwargs = _cast_floats((args, kwargs), _DTYPES[self.precision])
+            args, kwargs = _cast_floats((args, kwargs), TORCH_DTYPES[self.precision])
         if self._rows is None:
             return self.module(*args, **kwargs)
         # stages that see a bucket as it is reduced would see the tied weight's gradient

@@ -15,9 +15,9 @@ from flowtrain.engine.stages import Stages
 from flowtrain.engine.timing import StepTimer
 from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.plan import StepPlan
+from flowtrain.plan.buckets import ParamSpec
+from flowtrain.plan.spec import TrainingSpec
 from flowtrain.runtime.actor import Actor, ActorRef
-
-ParamSpec = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype name, element size
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class EngineParts:
     ``param_specs`` keeps every parameter's full shape."""
 
     config: FlowtrainConfig
+    spec: TrainingSpec  # the config's decisions (flowtrain.plan.spec.resolve)
     module: torch.nn.Module
     trainable: list[torch.nn.Parameter]
     param_specs: list[ParamSpec]
@@ -35,12 +36,18 @@ class EngineParts:
     dp_group: Any  # the data-parallel process group; None: the whole world
     world_size: int  # of the data-parallel group
     dp_rank: int
-    zero_stage: int
     model_parallel: bool  # pipeline or tensor parallel: other ranks hold other parts
-    bucket_numel: int
     # starts an actor on this rank's runtime (taken on first use: a one-rank engine may
     # never need one)
     spawn: Callable[[Actor], ActorRef[Any]]
+
+    @property
+    def zero_stage(self) -> int:
+        return self.spec.zero_stage
+
+    @property
+    def bucket_numel(self) -> int:
+        return self.spec.bucket_numel
 
     @property
     def tp(self) -> int:

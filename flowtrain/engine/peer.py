@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from flowtrain.log import get_logger
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.parts import EngineParts
+    from flowtrain.engine.surface import LRScheduler
+    from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.spec import TrainingSpec
+    from flowtrain.plan.step_plan import StepPlan
+    from flowtrain.precision.loss_scaler import LossScaler
+    from flowtrain.zero.sharded import ZeroOptimizer
 
 log = get_logger("flowtrain.engine")
 
@@ -23,27 +34,28 @@ class PeerRecovery:
     world_size: int
     global_rank: int
     dp_rank: int
-    zero: Any
+    zero: ZeroOptimizer | None
     zero_stage: int
     _layout: list[int]
     _mirrored: bool
     _groups: Any
     trainable: list[torch.nn.Parameter]
-    buckets: Any
-    plan: Any
+    buckets: GradBuckets
+    plan: StepPlan
     model_parallel: bool
-    grid: Any
-    config: Any
+    grid: ProcessGrid | None
+    config: FlowtrainConfig
     module: torch.nn.Module
-    optimizer: Any
-    lr_scheduler: Any
-    loss_scaler: Any
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler | None
+    loss_scaler: LossScaler
     global_steps: int
     global_samples: int
     micro_steps: int
     skipped_steps: int
     reducer: Any
-    _parts: Any
+    _parts: EngineParts
+    spec: TrainingSpec
     _losses: Any
     _order_settled: bool
     _runtime: Any
@@ -136,8 +148,10 @@ class PeerRecovery:
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
         self.dp_rank = dist.get_rank()
-        self._parts = dataclasses.replace(self._parts, world_size=self.world_size,
-                                          dp_rank=self.dp_rank)
+        # the same decisions over the group's new size (the mirror, decided at the start, stays)
+        self.spec = self.spec.replace(dp=self.world_size)
+        self._parts = dataclasses.replace(self._parts, spec=self.spec,
+                                          world_size=self.world_size, dp_rank=self.dp_rank)
         self.health.parts = self._parts
         if self.world_size > 1 and self.zero is None:  # ZeRO's after its shards are re-cut
             self._spawn_reducer()
@@ -158,6 +172,8 @@ class PeerRecovery:
             self.reducer = None
         if layout != members or force:
             zero = self.zero
+            assert zero is not None and zero.optimizer is not None  # ZeRO-1/2 regroups
+            optimizer = zero.optimizer
             holding = zm.holders(layout, members)
             me = members.index(self.peer.rank.env.rank)
             mine_at = layout.index(members[me]) if members[me] in layout else None
@@ -168,10 +184,10 @@ class PeerRecovery:
                         (mine_at + 1) % len(layout) == k
                     return zm.shard_state(zero.mirror.master, zero.mirror.optimizer)
                 assert mine_at == k
-                return zm.shard_state(zero.master, zero.optimizer)
+                return zm.shard_state(zero.master, optimizer)
 
             if described is None:
-                described = zm.describe(zm.shard_state(zero.master, zero.optimizer))
+                described = zm.describe(zm.shard_state(zero.master, optimizer))
             whole = zm.assemble([b.numel for b in zero.plan], described, len(layout), holding,
                                 me, mine, self.peer.broadcast, zero.device)
             self._zero_rebuild(whole)
@@ -202,7 +218,7 @@ class PeerRecovery:
             group["params"] = [p for p, gi in zip(self.trainable, self._groups) if gi == g]
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
-        self.zero, _ = build_zero(self._parts, self.buckets, optimizer, mirrored=self._mirrored)
+        self.zero, _ = build_zero(self._parts, self.buckets, optimizer)
         zero = self.zero
         numels = [b.numel for b in zero.plan]
         zm.load_state(zero.master, optimizer,

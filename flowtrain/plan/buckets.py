@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from flowtrain.plan import names
 
+ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
+
 # The first bucket is kept small so that the first all-reduce starts early in backward (the
 # same reasoning as DDP's 1 MiB first bucket).
 FIRST_BUCKET_BYTES = 1 << 20

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from flowtrain.plan import names
-from flowtrain.plan.buckets import BucketPlan, plan_buckets
+from flowtrain.plan.buckets import BucketPlan, ParamSpec, plan_buckets
 from flowtrain.plan.schedule import Op, stage_ops
 from flowtrain.plan.stage3 import Stage3Uses
-from flowtrain.plan.workload import ParamSpec
 
 # a pipeline instruction's task kind and resource
 _PIPE_KINDS = {"recv_act": ("recv", "comm:pp"), "recv_grad": ("recv", "comm:pp"),

@@ -55,19 +55,19 @@ def module_units(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> l
 
 def stage3_buckets(parts: EngineParts, groups: list[int] | None) -> tuple[BucketPlan, ...]:
     """Stage 3's buckets: one per module's own parameters (what one gather fetches)."""
-    zcfg = parts.config.zero_optimization
     return plan_units(parts.param_specs, module_units(parts.module, parts.trainable),
                       bucket_numel=parts.bucket_numel,
-                      persistence_threshold=zcfg.stage3_param_persistence_threshold,
+                      persistence_threshold=parts.spec.stage3.persistence_threshold,
                       groups=groups)
 
 
 def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.Optimizer,
-               *, mirrored: bool = False) -> tuple[ZeroOptimizer, Stage3Params | None]:
+               ) -> tuple[ZeroOptimizer, Stage3Params | None]:
     """The ZeroOptimizer over the engine's gradient ``buckets`` (pointed at by ``optimizer``)
     and, for stage 3 on several ranks, the Stage3Params that gathers parameters around each
-    module. ``mirrored`` (stages 1-2 under ``launch --peer-recovery``): each rank also keeps
-    the next rank's shard (``flowtrain.zero.mirror``), and stage 2 all-reduces for it."""
+    module, as the engine's spec decides them (``parts.spec``: the reduction, offload, and
+    under ``launch --peer-recovery`` with stages 1-2 a mirror of the next rank's shard,
+    ``flowtrain.zero.mirror``)."""
     from flowtrain.zero.sharded import ZeroOptimizer
 
     zcfg = parts.config.zero_optimization
@@ -75,16 +75,15 @@ def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.
         log.warning("zero_optimization.reduce_scatter false is not honoured with stage 3: "
                     "flowtrain's stage 3 always reduce-scatters gradients (the same sums, "
                     "half the traffic of an all-reduce)", console=True)
-    offload_optimizer = zcfg.offload_optimizer if zcfg.offloads_optimizer else None
-    offload_param = None
-    if zcfg.offloads_params and parts.zero_stage == 3:
-        offload_param = _Placement(torch.device("cpu"))
+    spec = parts.spec
+    offload_optimizer = zcfg.offload_optimizer if spec.offload_optimizer != "none" else None
+    offload_param = _Placement(torch.device("cpu")) if spec.offload_params != "none" else None
     zero = ZeroOptimizer(parts.trainable, buckets, stage=parts.zero_stage,
                          world_size=parts.world_size, rank=parts.dp_rank,
                          group=parts.dp_group,
-                         reduce_scatter=zcfg.reduce_scatter and not mirrored,
+                         reduce_scatter=spec.reduction.op == "reduce_scatter",
                          offload_optimizer=offload_optimizer, offload_param=offload_param,
-                         norm_over_world=parts.model_parallel, tp=parts.tp, mirrored=mirrored)
+                         norm_over_world=parts.model_parallel, tp=parts.tp, mirrored=spec.mirrored)
     zero.replace_in_optimizer(optimizer)
     if not any(zero.partitioned):
         if parts.zero_stage == 3:
@@ -98,9 +97,9 @@ def build_zero(parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.
     actor = ParamFetcher(zero, group, timeout=comm.DEFAULT_TIMEOUT)
     fetcher = parts.spawn(actor)
     stage3 = Stage3Params(parts.module, parts.trainable, zero, fetcher,
-                          prefetch_numel=zcfg.stage3_prefetch_bucket_size,
-                          max_live_numel=zcfg.stage3_max_live_parameters,
-                          max_reuse_distance=zcfg.stage3_max_reuse_distance)
+                          prefetch_numel=spec.stage3.prefetch_numel,
+                          max_live_numel=spec.stage3.max_live_numel,
+                          max_reuse_distance=spec.stage3.max_reuse_distance)
     stage3.fetcher_actor = actor
     register(zero, stage3)
     return zero, stage3

@@ -1,4 +1,4 @@
-"""The container of a step's task graph (``flowtrain.plan.graph`` lays the tasks out): each
+"""The container of a step's task graph (``sims.graph`` lays the tasks out): each
 task unpriced, with what decides its time, and the graph that collects every stage's tasks and
 resolves their references to tasks of later stages."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class GraphTask:
-    """One task of a stage's step, unpriced: ``cost`` (one of ``flowtrain.plan.graph``'s
+    """One task of a stage's step, unpriced: ``cost`` (one of ``sims.graph``'s
     ``COSTS`` or ``OVERHEADS``) and ``arg`` say what its time depends on."""
 
     name: str

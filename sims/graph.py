@@ -33,15 +33,15 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 from flowtrain.plan import names
 from flowtrain.plan.buckets import BucketPlan, plan_buckets, plan_units
 from flowtrain.plan.schedule import handover, stage_ops, stage_passes
+from flowtrain.plan.spec import TrainingSpec, plan_step
 from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
-from flowtrain.plan.step_plan import StepPlan, build_step_plan, gather_uses, pass_flops
-from flowtrain.plan.task_graph import GraphColumns, GraphTask, TaskGraph
-from flowtrain.plan.workload import ParamSpec, layer_of, module_units
+from flowtrain.plan.step_plan import StepPlan, gather_uses, pass_flops
+from sims.task_graph import GraphColumns, GraphTask, TaskGraph
+from sims.workload import ParamSpec, layer_of, module_units
 
 __all__ = ["COSTS", "OVERHEADS", "GraphColumns", "GraphTask", "Segment", "StageLayout",
            "TaskGraph", "bare_pipeline", "link_of", "segments"]
@@ -135,7 +135,9 @@ class StageLayout:
     """Lays out pipeline stage ``stage``'s tasks into a shared ``TaskGraph``.
 
     ``params`` are the stage's parameters as one rank holds them (tensor-parallel shards);
-    ``zero`` is the config's ``zero_optimization`` section; ``forward_flops`` one micro-batch's
+    ``spec`` is what the run decided (``flowtrain.plan.spec``: the grid, batch, buckets,
+    reduction, ZeRO and offload; the planner's variant of it for a framework that decides
+    otherwise); ``forward_flops`` one micro-batch's
     forward on the rank; ``act_bytes`` one layer's output (what a TP all-reduce sums),
     ``send_bytes`` / ``recv_bytes`` what goes to the next stage and (its gradient) to the
     previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own.
@@ -161,9 +163,8 @@ class StageLayout:
     reduced after the head's backward; the rows' all-gather (``reduce/rows``) follows the
     reduces."""
 
-    def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec], stages: int,
-                 dp: int, tp: int, zero: Any, micro_batches: int, micro_batch: int,
-                 bucket_numel: int, comm_dtype: str, comm_elem: int, forward_flops: float,
+    def __init__(self, graph: TaskGraph, stage: int, *, params: list[ParamSpec],
+                 spec: TrainingSpec, forward_flops: float,
                  gpu: bool, act_bytes: float, send_bytes: float, recv_bytes: float,
                  overheads: Collection[str] = (),
                  chunk_params: Sequence[Sequence[int]] | None = None,
@@ -174,24 +175,29 @@ class StageLayout:
         if unknown:
             raise ValueError(f"unknown engine overheads {sorted(unknown)}; known: "
                              f"{', '.join(OVERHEADS)}")
-        self.graph, self.stage, self.pp, self.dp, self.tp = graph, stage, stages, dp, tp
-        self.m, self.gpu = micro_batches, gpu
+        self.spec = spec
+        stages, dp = spec.pp, spec.dp
+        self.graph, self.stage, self.pp, self.dp, self.tp = graph, stage, stages, dp, spec.tp
+        self.m, self.gpu = spec.gradient_accumulation_steps, gpu
         self.overheads = frozenset(overheads)
-        self.stage_no = zero.stage
+        self.stage_no = spec.zero_stage
         # a pipeline keeps its stage's parameters gathered (and its gradients whole) through the
         # step's micro-batches, as torchtitan's and Megatron's sharded pipelines do: ZeRO 2-3
         # then reduce-scatter once after the last backward and all-gather after the step
         self.partitioned = self.stage_no == 3 and dp > 1 and stages == 1
         self.param_elem = params[0][3] if params else 2
-        self.comm_elem = comm_elem
+        self.comm_elem = spec.comm_elem_size
         self.act_bytes, self.send_bytes, self.recv_bytes = act_bytes, send_bytes, recv_bytes
-        self.offload_opt = zero.offloads_optimizer and self.stage_no >= 1
-        self.offload_param = self.partitioned and zero.offloads_params and gpu
+        self.offload_opt = spec.offload_optimizer != "none"
+        self.offload_param = self.partitioned and spec.offload_params != "none" and gpu
         self.fsdp = fsdp and self.partitioned
         self.blocking_p2p = blocking_p2p
         self.segments = segments(params, self.partitioned, blocks=self.fsdp)
         self.seg_of = seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
+        # the spec's schedule; interleaving needs the stage's model chunks
+        self.schedule = "interleaved" if self.v > 1 else \
+            ("gpipe" if spec.schedule == "gpipe" else "1f1b")
         # each chunk's segments, in forward order (one chunk, every segment, without them)
         self.chunk_segments = [list(range(len(self.segments)))]
         chunk_flops = None
@@ -213,26 +219,27 @@ class StageLayout:
             # the engine's observed order: the split weights' gradients are complete first
             order = sorted(self.split_rows, reverse=True) + \
                 [i for i in range(len(params) - 1, -1, -1) if i not in self.split_rows]
-        buckets = plan_units(params, units, bucket_numel=bucket_numel,
+        buckets = plan_units(params, units, bucket_numel=spec.bucket_numel,
                              persistence_threshold=0 if self.fsdp else
-                             zero.stage3_param_persistence_threshold) \
-            if units is not None else plan_buckets(params, bucket_numel, order)
+                             spec.stage3.persistence_threshold) \
+            if units is not None else plan_buckets(params, spec.bucket_numel, order)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
-        self.reduce_every_mb = self.stage_no >= 2 and stages == 1
+        # how the spec reduces this stage's gradients: once a step, or after every micro-batch
+        # into ZeRO 2-3's gradient shards
+        self.reduce_every_mb = spec.reduction.every_micro_batch
         self.gather_ahead = param_gather_overlap and self.stage_no in (1, 2) and dp > 1 and \
             any(not b.partitioned for b in self.buckets) and not shared_params
         # the gathers each segment waits for before its first forward (param_gather_overlap)
         self.gathers_before: dict[int, list[int]] = {}
-        self.uses = self._stage3_uses(zero) if self.partitioned else None
+        self.uses = self._stage3_uses() if self.partitioned else None
         # ZeRO ranks of one host sharing its copy of the parameters (ZeroOptimizer.share_params):
         # no all-gather after the step, and a stage-3 use is a view, no gather
         self.shared_params = shared_params
         self.params, self.forward_flops, self.chunk_flops = params, forward_flops, chunk_flops
-        self.micro_batch, self.bucket_numel = micro_batch, bucket_numel
-        self.comm_dtype = comm_dtype
+        self.micro_batch, self.bucket_numel = spec.micro_batch_size, spec.bucket_numel
+        self.comm_dtype = spec.comm_dtype
         # the passes in the order the step plan runs them (the plan itself is made when read)
-        self.passes = stage_passes("interleaved" if self.v > 1 else "1f1b", stage, stages,
-                                   micro_batches, self.v)
+        self.passes = stage_passes(self.schedule, stage, stages, self.m, self.v)
         self.layer_count = len({seg.layer for seg in self.segments if seg.layer is not None})
         # per segment: whether a TP layer's all-reduces follow it going forward and backward
         self.ends_forward = [self._ends_layer(j, +1) for j in range(len(self.segments))]
@@ -255,18 +262,14 @@ class StageLayout:
     @cached_property
     def step_plan(self) -> StepPlan:
         """The engine's step plan of the stage, which the graph cuts finer."""
-        return build_step_plan(
-            self.params, world_size=self.dp, gradient_accumulation_steps=self.m,
-            micro_batch_size=self.micro_batch, bucket_numel=self.bucket_numel,
-            comm_dtype=self.comm_dtype, comm_elem_size=self.comm_elem,
-            forward_flops=self.forward_flops, buckets=self.buckets,
-            reduce_every_micro_batch=self.reduce_every_mb, stage=self.stage, stages=self.pp,
-            schedule="interleaved" if self.v > 1 else "1f1b", virtual_stages=self.v,
+        return plan_step(
+            self.spec.replace(virtual_stages=self.v, schedule=self.schedule), self.params,
+            forward_flops=self.forward_flops, buckets=self.buckets, stage=self.stage,
             chunk_flops=self.chunk_flops,
             stage3=(self.uses, self.trace) if self.uses is not None and not self.shared_params
             else None, rows_bytes=self.rows_bytes)
 
-    def _stage3_uses(self, zero: Any) -> Stage3Uses:
+    def _stage3_uses(self) -> Stage3Uses:
         """Which partitioned bucket each segment uses, and the gathers of one micro-batch."""
         self.bucket_of_seg: list[int | None] = []
         for seg in self.segments:
@@ -284,9 +287,9 @@ class StageLayout:
             one = max(numel.values(), default=0)
             prefetch, live, reuse = one, 2 * one, 0
         else:
-            prefetch, live, reuse = (zero.stage3_prefetch_bucket_size,
-                                     zero.stage3_max_live_parameters,
-                                     zero.stage3_max_reuse_distance)
+            policy = self.spec.stage3
+            prefetch, live, reuse = (policy.prefetch_numel, policy.max_live_numel,
+                                     policy.max_reuse_distance)
         uses = stage3_uses(self.trace, numel, prefetch_numel=prefetch, max_live_numel=live,
                            max_reuse_distance=reuse)
         # each gather named for the use it serves, as the plan names it

@@ -9,12 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowtrain.plan.buckets import ParamSpec
 from flowtrain.plan.partition import partition_balanced
-
-ParamSpec = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, element size)
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from flowtrain.plan.spec import DTYPE_BYTES, PRECISION_DTYPE
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,248 @@
+"""The training spec: the one place where a config becomes decisions that both the engine
+(which runs them) and the simulator (which prices them) follow.
+
+``resolve(config, ...)`` turns a loaded ``FlowtrainConfig`` and the process grid into a frozen
+``TrainingSpec``: the grid, the batch, the precision, ZeRO's stage and offload, the gradient
+bucket size and how gradients are reduced (``GradientReduction``: the collective and whether
+it runs after every micro-batch or once a step). Every default that these decisions need is
+defined here once. Changing a decision (``simulate``'s what-ifs, the tuner) replaces fields of
+a spec (``TrainingSpec.replace``); the derived decisions follow the fields, so a replaced spec
+is as consistent as a resolved one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from flowtrain.plan.buckets import BucketPlan, ParamSpec
+from flowtrain.plan.schedule import SCHEDULES
+from flowtrain.plan.stage3 import Stage3Uses
+from flowtrain.plan.step_plan import StepPlan, build_step_plan
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.config.zero import ZeroConfig
+
+# The gradient bucket when the config sets no reduce_bucket_size: DeepSpeed's default (5e8
+# elements) would put a whole model in one bucket and leave nothing of the reduce to overlap
+# with the backward.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+_T = TypeVar("_T", bound=str)
+# the dtypes a spec names, by their torch names, and each precision's compute dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+ReduceOp = Literal["all_reduce", "reduce_scatter"]
+Precision = Literal["fp32", "bf16", "fp16"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+OFFLOAD_DEVICES: tuple[OffloadDevice, ...] = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How a data-parallel group reduces its gradients: ``op`` (None: one rank, nothing to
+    reduce) and ``every_micro_batch`` (reduced after each micro-batch's backward into the rank's
+    gradient shard, which ZeRO 2-3 keep instead of whole gradients; otherwise once a step, after
+    the last micro-batch)."""
+
+    op: ReduceOp | None
+    every_micro_batch: bool
+
+
+def decide_reduction(zero_stage: int, dp: int, *, reduce_scatter: bool = True,
+                     pipeline_stages: int = 1, mirrored: bool = False) -> GradientReduction:
+    """The reduction of ZeRO stage ``zero_stage`` over ``dp`` data-parallel ranks.
+
+    - Stage 0 all-reduces whole buckets once a step.
+    - Stage 1 reduce-scatters each bucket once a step into the rank's slice of it, the only
+      part its optimizer steps (DeepSpeed's stage 1 does too); ``reduce_scatter`` false
+      all-reduces instead.
+    - Stage 2 keeps only a gradient shard, so it reduce-scatters after every micro-batch;
+      ``reduce_scatter`` false all-reduces whole buckets once a step, as stage 1 does.
+    - Stage 3 always reduce-scatters after every micro-batch (the same sums as an all-reduce
+      at half its traffic; ``reduce_scatter`` false is not honoured; the engine warns).
+    - ``mirrored`` (``launch --peer-recovery`` with stages 1-2: each rank also steps its
+      neighbour's shard) needs whole gradients: all-reduce once a step.
+    - With pipeline stages a stage accumulates its gradients over the step's micro-batches and
+      reduces them once, after its last backward (Megatron's distributed optimizer; flowtrain's
+      and DeepSpeed's pipeline engines refuse stages 2-3)."""
+    if dp < 1:
+        raise ValueError(f"data-parallel size must be at least 1, got {dp!r}")
+    if dp == 1:
+        return GradientReduction(None, False)
+    op = reduce_op(zero_stage, reduce_scatter=reduce_scatter, mirrored=mirrored)
+    return GradientReduction(op, zero_stage >= 2 and op == "reduce_scatter" and
+                             pipeline_stages == 1)
+
+
+def reduce_op(zero_stage: int, *, reduce_scatter: bool = True, mirrored: bool = False
+              ) -> ReduceOp:
+    """The collective ZeRO stage ``zero_stage`` reduces gradients with over several ranks
+    (``decide_reduction`` says why)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    scatter = zero_stage == 3 or (zero_stage in (1, 2) and reduce_scatter and not mirrored)
+    return "reduce_scatter" if scatter else "all_reduce"
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """ZeRO-3's parameter decisions (DeepSpeed's stage-3 keys): parameters of at most
+    ``persistence_threshold`` elements stay gathered; gathers are launched up to
+    ``prefetch_numel`` elements ahead of their use, with at most ``max_live_numel`` gathered at
+    once, and a gathered unit used again within ``max_reuse_distance`` elements is kept."""
+
+    persistence_threshold: int
+    prefetch_numel: int
+    max_live_numel: int
+    max_reuse_distance: int
+
+    @classmethod
+    def of(cls, zero: ZeroConfig) -> Stage3Policy:
+        return cls(zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size,
+                   zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
+
+
+def bucket_numel(zero: ZeroConfig, elem_size: int) -> int:
+    """The gradient bucket's size in elements: the config's ``reduce_bucket_size`` when set;
+    with ZeRO, which also gathers parameters bucket by bucket, the smaller of it and
+    ``allgather_bucket_size`` where either is set; else ``DEFAULT_BUCKET_BYTES`` of parameters
+    of ``elem_size`` bytes."""
+    if elem_size < 1:
+        raise ValueError(f"element size must be at least 1 byte, got {elem_size!r}")
+    keys = ("reduce_bucket_size", "allgather_bucket_size") if zero.stage else \
+        ("reduce_bucket_size",)
+    set_sizes = [int(getattr(zero, k)) for k in keys if k in zero.model_fields_set]
+    if set_sizes:
+        return min(set_sizes)
+    return DEFAULT_BUCKET_BYTES // elem_size
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What a run does, decided once (``resolve``). ``dp`` x ``tp`` x ``pp`` is the grid
+    (``virtual_stages`` model chunks per pipeline stage under the interleaved ``schedule``);
+    ``reduce_scatter`` and ``mirrored`` are the inputs of ``reduction``, which is derived from
+    the fields so that a replaced spec stays consistent."""
+
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    schedule: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    precision: Precision
+    loss_scaling: bool  # fp16 with a dynamic loss scale
+    comm_dtype: str  # the gradient reduce's dtype ("float32", "bfloat16", "float16")
+    zero_stage: int
+    reduce_scatter: bool
+    mirrored: bool
+    overlap_comm: bool
+    bucket_numel: int
+    offload_optimizer: OffloadDevice
+    offload_params: OffloadDevice
+    stage3: Stage3Policy
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
+                     "gradient_accumulation_steps", "bucket_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainingSpec.{name} must be an integer >= 1, got {value!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"TrainingSpec.zero_stage must be 0, 1, 2 or 3, got "
+                             f"{self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainingSpec.precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOAD_DEVICES:
+                raise ValueError(f"TrainingSpec.{name} must be one of "
+                                 f"{', '.join(OFFLOAD_DEVICES)}, got {getattr(self, name)!r}")
+
+    @property
+    def reduction(self) -> GradientReduction:
+        return decide_reduction(self.zero_stage, self.dp, reduce_scatter=self.reduce_scatter,
+                                pipeline_stages=self.pp, mirrored=self.mirrored)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def compute_dtype(self) -> str:
+        return PRECISION_DTYPE[self.precision]
+
+    @property
+    def comm_elem_size(self) -> int:
+        return DTYPE_BYTES[self.comm_dtype]
+
+    def replace(self, **changes: Any) -> TrainingSpec:
+        """This spec with ``changes`` (field names) replaced, checked as a new one is."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"TrainingSpec has no field {', '.join(map(repr, unknown))}; "
+                             f"fields: {', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+
+def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
+            elem_size: int, mirrored: bool = False) -> TrainingSpec:
+    """The spec of training with ``config`` (loaded, its batch rule applied for ``dp`` ranks)
+    on a grid of ``dp`` x ``tp`` x ``pp`` ranks, whose parameters are ``elem_size`` bytes each
+    as the model arrives (the default bucket holds ``DEFAULT_BUCKET_BYTES`` of them);
+    ``mirrored``: ``launch --peer-recovery`` keeps a neighbour's ZeRO shard too."""
+    zero = config.zero_optimization
+    pipe = config.pipeline
+    v = int(pipe.virtual_stages or 1) if pp > 1 else 1
+    schedule = str(pipe.schedule).lower() if pp > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    return TrainingSpec(
+        dp=dp, tp=tp, pp=pp, virtual_stages=v, schedule=schedule,
+        micro_batch_size=config.micro_batch, gradient_accumulation_steps=config.grad_accum,
+        precision=_choice(config.precision, PRECISIONS, "precision"),
+        loss_scaling=config.dynamic_loss_scale,
+        comm_dtype=str(config.communication_dtype).removeprefix("torch."),
+        zero_stage=zero.stage, reduce_scatter=zero.reduce_scatter,
+        mirrored=mirrored and zero.stage in (1, 2), overlap_comm=zero.overlap_comm,
+        bucket_numel=bucket_numel(zero, elem_size),
+        offload_optimizer=_choice(zero.offload_optimizer.device, OFFLOAD_DEVICES,
+                                  "zero_optimization.offload_optimizer.device")
+        if zero.stage else "none",
+        offload_params=_choice(zero.offload_param.device, OFFLOAD_DEVICES,
+                               "zero_optimization.offload_param.device")
+        if zero.stage == 3 else "none",
+        stage3=Stage3Policy.of(zero))
+
+
+def plan_step(spec: TrainingSpec, params: Sequence[ParamSpec], *, stage: int = 0,
+              buckets: Sequence[BucketPlan] | None = None, groups: Sequence[int] | None = None,
+              order: Sequence[int] | None = None, forward_flops: float = 0.0,
+              chunk_flops: Sequence[float] | None = None,
+              stage3: tuple[Stage3Uses, Sequence[int]] | None = None,
+              rows_bytes: int | None = None) -> StepPlan:
+    """The step plan (``flowtrain.plan.step_plan``) of a rank of pipeline stage ``stage`` that
+    trains ``params`` as ``spec`` decides: its data-parallel group, batch, buckets, reduction
+    and pipeline schedule. The other arguments are ``build_step_plan``'s."""
+    return build_step_plan(
+        params, world_size=spec.dp, gradient_accumulation_steps=spec.gradient_accumulation_steps,
+        micro_batch_size=spec.micro_batch_size, bucket_numel=spec.bucket_numel,
+        comm_dtype=spec.comm_dtype, comm_elem_size=spec.comm_elem_size, order=order,
+        forward_flops=forward_flops, groups=groups, buckets=buckets,
+        reduce_every_micro_batch=spec.reduction.every_micro_batch, stage=stage,
+        stages=spec.pp, schedule=spec.schedule, virtual_stages=spec.virtual_stages,
+        chunk_flops=chunk_flops, stage3=stage3, rows_bytes=rows_bytes)
+
+
+def _choice(value: str, allowed: tuple[_T, ...], what: str) -> _T:
+    for choice in allowed:
+        if value == choice:
+            return choice
+    raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
