@@ -44,7 +44,7 @@ def init_distributed(backend: str | None = None, auto_mpi_discovery: bool = True
                      distributed_port: int | None = None, verbose: bool = True,
                      timeout: float | timedelta = DEFAULT_TIMEOUT,
                      init_method: str | None = "env://", dist_init_required: bool | None = None,
-                     config: Any = None, rank: int = -1, world_size: int = -1) -> str:
+                     config: object = None, rank: int = -1, world_size: int = -1) -> str:
     """Initialises the default process group from the launcher's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT); idempotent. Returns the backend in use. Takes
     deepspeed.comm.init_distributed's arguments (a timedelta timeout, distributed_port, rank,

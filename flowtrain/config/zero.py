@@ -196,7 +196,7 @@ def check_zero(zero: ZeroConfig, pipeline_stages: int | str,
 _LEGACY_OFFLOAD = (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
 
 
-def legacy_offload_conflicts(zero: Any, problems: list[str]) -> None:
+def legacy_offload_conflicts(zero: object, problems: list[str]) -> None:
     """Reports a deprecated ``cpu_offload``/``cpu_offload_param`` flag given together with the
     ``offload_optimizer``/``offload_param`` section that replaced it, and removes the flag from
     ``zero`` (the raw section, a private copy) so that it is not reported twice.

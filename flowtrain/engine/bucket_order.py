@@ -12,21 +12,26 @@ in the last bits."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from flowtrain.log import get_logger
 
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.plan.step_plan import StepPlan
+
 log = get_logger("flowtrain.engine")
 
 
 class BucketOrder:
     # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
-    config: Any
-    buckets: Any
-    plan: Any
+    config: FlowtrainConfig
+    buckets: GradBuckets
+    plan: StepPlan
     trainable: list[torch.nn.Parameter]
     global_steps: int
     world_size: int

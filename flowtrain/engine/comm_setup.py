@@ -3,7 +3,7 @@ the start, and the shared-memory channels (a mixin of ``FlowtrainEngine``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -11,26 +11,33 @@ import torch.distributed as dist
 from flowtrain.engine.reducer import BucketReducer
 from flowtrain.zero import construct
 
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.step_plan import StepPlan
+    from flowtrain.zero.sharded import ZeroOptimizer
+
 
 class EngineComm:
     # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
     peer: Any
-    config: Any
+    config: FlowtrainConfig
     module: torch.nn.Module
-    buckets: Any
+    buckets: GradBuckets
     world_size: int
     dp_group: Any
     comm_dtype: torch.dtype
     stages: Any
     channel: Any
-    zero: Any
+    zero: ZeroOptimizer | None
     zero_stage: int
     stage3: Any
-    grid: Any
+    grid: ProcessGrid | None
     model_parallel: bool
     transient: bool
     trainable: list[torch.nn.Parameter]
-    plan: Any
+    plan: StepPlan
     reducer: Any
     _reducer_actor: Any
     _rank: Any

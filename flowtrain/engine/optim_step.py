@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,22 +14,31 @@ import torch.distributed as dist
 from flowtrain.engine.mixed import clip_, total_grad_norm
 from flowtrain.precision import has_inf_or_nan
 
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.mixed import MasterWeights
+    from flowtrain.engine.surface import LRScheduler
+    from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.precision.loss_scaler import LossScaler
+    from flowtrain.zero.sharded import ZeroOptimizer
+
 
 class OptimizerStep:
     # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
-    zero: Any
-    master: Any
+    zero: ZeroOptimizer | None
+    master: MasterWeights | None
     model_parallel: bool
-    optimizer: Any
-    buckets: Any
-    loss_scaler: Any
+    optimizer: torch.optim.Optimizer
+    buckets: GradBuckets
+    loss_scaler: LossScaler
     precision: str
-    config: Any
+    config: FlowtrainConfig
     global_steps: int
     skipped_steps: int
-    lr_scheduler: Any
+    lr_scheduler: LRScheduler | None
     world_size: int
-    grid: Any
+    grid: ProcessGrid | None
     trainable: list[torch.nn.Parameter]
     _global_grad_norm: float | None
     # a method of the engine (an annotation only: a stub here would shadow it)

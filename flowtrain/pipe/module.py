@@ -183,7 +183,7 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _param_count(spec: Any) -> int:
+def _param_count(spec: object) -> int:
     if isinstance(spec, nn.Module):
         return sum(p.numel() for p in spec.parameters())
     if isinstance(spec, LayerSpec):
@@ -192,7 +192,7 @@ def _param_count(spec: Any) -> int:
     return 0
 
 
-def _class_name(spec: Any) -> str:
+def _class_name(spec: object) -> str:
     if isinstance(spec, LayerSpec):
         return spec.typename.__name__
     return type(spec).__name__

@@ -20,6 +20,7 @@ from flowtrain import comm
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:
+    from flowtrain.config.load import ConfigSource
     from flowtrain.zero.sharded import ZeroOptimizer
     from flowtrain.zero.stage3 import Stage3Params
 
@@ -146,7 +147,8 @@ class Init:
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: Any = None,
-                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
+                 pin_memory: bool = False, config_dict_or_path: ConfigSource | None = None,
+                 config: ConfigSource | None = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
                  **_: Any) -> None:
         self.config = config_dict_or_path if config_dict_or_path is not None else config
@@ -174,7 +176,7 @@ class Init:
         return None
 
 
-def _stage_three(config: Any) -> bool:
+def _stage_three(config: ConfigSource | None) -> bool:
     """Whether ``config`` (a dict, a path to a JSON file, or None) leaves stage 3 on."""
     if config is None:
         return True

@@ -8,15 +8,19 @@ still runs shard by shard, exactly as it would with a GPU."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from flowtrain.config.zero import OffloadOptimizerConfig
+    from flowtrain.zero.sharded import ZeroOptimizer
 
 
 class Offloader:
     """Steps a ZeroOptimizer's master shards on the CPU (``offload_optimizer.device: cpu``)."""
 
-    def __init__(self, config: Any, compute_device: torch.device) -> None:
+    def __init__(self, config: OffloadOptimizerConfig, compute_device: torch.device) -> None:
         self.device = torch.device("cpu")
         self.compute_device = compute_device
         self.cuda = compute_device.type == "cuda" and torch.cuda.is_available()
@@ -33,10 +37,11 @@ class Offloader:
             cache[b] = buffer
         return buffer
 
-    def step(self, zero: Any, sources: Sequence[torch.Tensor], coef: float) -> None:
+    def step(self, zero: ZeroOptimizer, sources: Sequence[torch.Tensor], coef: float) -> None:
         """Copies each gradient shard down (all launched at once on a side stream), then per
         shard: wait for its copy, unscale/clip, step it, copy the new parameters back."""
         optimizer = zero.optimizer
+        assert optimizer is not None, "an offloaded ZeRO step needs the sharded optimizer"
         masters = zero.master
         if self._stream is not None:  # set on a CUDA device
             self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
@@ -75,7 +80,7 @@ class Offloader:
             torch.cuda.current_stream(self.compute_device).wait_stream(self._stream)
             self._stream.synchronize()
 
-    def _write_back(self, zero: Any, b: int) -> None:
+    def _write_back(self, zero: ZeroOptimizer, b: int) -> None:
         if zero.aliased:
             return
         master, model = zero.master[b], zero.model_shards[b]
@@ -88,14 +93,15 @@ class Offloader:
             with _on(self._stream):
                 model.copy_(staging, non_blocking=True)
 
-    def bytes(self, zero: Any) -> int:
+    def bytes(self, zero: ZeroOptimizer) -> int:
         """Bytes this rank keeps in CPU memory for the optimizer: master shards, their state,
         and the copy buffers."""
         def nbytes(ts: Any) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
-        state = sum(v.numel() * v.element_size() for m in zero.master
-                    for v in zero.optimizer.state.get(m, {}).values() if torch.is_tensor(v))
+        held = zero.optimizer.state if zero.optimizer is not None else {}
+        state = sum(int(v.numel() * v.element_size()) for m in zero.master
+                    for v in held.get(m, {}).values() if torch.is_tensor(v))
         return nbytes(zero.master) + state + nbytes(self._grad_buffers.values()) + \
             nbytes(self._param_buffers.values())
 

@@ -20,7 +20,7 @@ import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from flowtrain.log import get_logger
 from flowtrain.plan import names
 from flowtrain.plan.stage3 import prefetch_window, reused_soon
 from flowtrain.runtime.actor import Actor, handler
+
+if TYPE_CHECKING:
+    from flowtrain.zero.sharded import ZeroOptimizer
 
 log = get_logger("flowtrain.zero")
 
@@ -60,7 +63,8 @@ class ParamFetcher(Actor):
 
     mailbox_size = 1024
 
-    def __init__(self, zero: Any, group: Any, timeout: float = comm.DEFAULT_TIMEOUT) -> None:
+    def __init__(self, zero: ZeroOptimizer, group: Any, timeout: float = comm.DEFAULT_TIMEOUT
+                 ) -> None:
         self.zero = zero
         self.group = group
         self.timeout = timeout
@@ -118,7 +122,8 @@ class Stage3Params:
     """The training thread's side of stage 3: module hooks, the observed use order (recorded
     over the first training micro-batch), prefetch and release decisions."""
 
-    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter], zero: Any,
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
+                 zero: ZeroOptimizer,
                  fetcher: Any, *, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, timeout: float = comm.DEFAULT_TIMEOUT) -> None:
         self.zero = zero
