@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.plan.spec import partitions_parameters
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:
@@ -121,8 +122,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
                       dataset_length=dataset_length(training_data),
                       epochs=epochs_of(auto_values))
     _report_auto(cfg.auto_resolved)
-    if cfg.zero_optimization.stage != 3 or world_size == 1 or grid is not None:
-        # only stage 3 on several data-parallel ranks takes zero.Init's partitions as they are
+    if not (partitions_parameters(cfg.zero_optimization.stage) and world_size > 1 and
+            grid is None):
+        # only ZeRO-3 over several data-parallel ranks takes zero.Init's partitions as they are
         construct.restore(model.parameters())
 
     if pipe_module is not None:
@@ -164,10 +166,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
         engine = PipelineEngine(pipe_module, optim, cfg, training_data=training_data,
                                 collate_fn=collate_fn)
     else:
-        if grid is not None and cfg.zero_optimization.stage >= 2:
-            raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with "
-                             f"tensor_parallel.tp_size {grid.shape.tp}: ZeRO stages 2 and 3 "
-                             f"with tensor parallelism are not supported yet; use stage 0 or 1")
         engine = FlowtrainEngine(model, optim, cfg, training_data=training_data,
                                  collate_fn=collate_fn, grid=grid)
     # The scheduler is built on the optimizer as the engine left it (master weights in place).
@@ -347,11 +345,6 @@ def _check_pipeline_config(cfg: FlowtrainConfig, model: PipelineModule) -> None:
     if isinstance(stages, int) and stages != model.num_stages:
         raise ValueError(f"pipeline.stages {stages} in the config, but the PipelineModule has "
                          f"{model.num_stages} stages; make them agree (or set \"auto\")")
-    if cfg.zero_optimization.stage >= 2:
-        raise ValueError(f"zero_optimization.stage {cfg.zero_optimization.stage} with a "
-                         f"{model.num_stages}-stage PipelineModule: ZeRO stages 2 and 3 "
-                         f"partition gradients, which pipeline stages accumulate across "
-                         f"micro-batches; use stage 0 or 1")
     tp = max(cfg.tensor_parallel.tp_size, cfg.tensor_parallel.autotp_size, 1)
     if tp != model.grid.shape.tp:
         raise ValueError(f"tensor_parallel.tp_size {tp} in the config, but the PipelineModule "

@@ -84,7 +84,7 @@ class ModelSpec:
 
     def units(self) -> list[list[int]]:
         """Parameter indices grouped by owning module (the name without its last component),
-        in first-seen order: the same units ``flowtrain.zero.build.module_units`` gives ZeRO-3
+        in first-seen order: the same units ``flowtrain.engine.strategy.module_units`` gives ZeRO-3
         for a model whose parameters are registered module by module."""
         groups: dict[str, list[int]] = {}
         for index, (name, _) in enumerate(self.params):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowtrain.zero.build import module_units
+from flowtrain.engine.strategy import module_units
 from sims import models
 from sims.models import Architecture, get_model, trace_module
 

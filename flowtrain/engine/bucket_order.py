@@ -22,6 +22,7 @@ from flowtrain.log import get_logger
 if TYPE_CHECKING:
     from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.strategy import Strategy
     from flowtrain.plan.step_plan import StepPlan
 
 log = get_logger("flowtrain.engine")
@@ -35,7 +36,7 @@ class BucketOrder:
     trainable: list[torch.nn.Parameter]
     global_steps: int
     world_size: int
-    zero_stage: int
+    strategy: Strategy
     model_parallel: bool
     peer: Any
     reducer: Any
@@ -52,8 +53,9 @@ class BucketOrder:
         fixes the layout). Other layouts never change: ZeRO's shards are cut once, pipeline and
         tensor parallel stages are planned, a peer-recovery replacement builds the same buckets
         without asking, and "reverse" is a fixed order."""
-        return self.world_size > 1 and not self.zero_stage and not self.model_parallel and \
-            self.peer is None and self.config.flowtrain.bucket_order == "observed"
+        return self.world_size > 1 and self.strategy.observes_bucket_order and \
+            not self.model_parallel and self.peer is None and \
+            self.config.flowtrain.bucket_order == "observed"
 
     def _observe_order_again(self) -> None:
         """The tied embedding's split was just switched off (on every rank at this step): its

@@ -14,6 +14,7 @@ from flowtrain.zero import construct
 if TYPE_CHECKING:
     from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.engine.strategy import Strategy
     from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.plan.step_plan import StepPlan
     from flowtrain.zero.sharded import ZeroOptimizer
@@ -31,7 +32,7 @@ class EngineComm:
     stages: Any
     channel: Any
     zero: ZeroOptimizer | None
-    zero_stage: int
+    strategy: Strategy
     stage3: Any
     grid: ProcessGrid | None
     model_parallel: bool
@@ -137,6 +138,6 @@ class EngineComm:
                 any(p.dtype != self.comm_dtype for p in self.trainable):
             return 0
         elem = torch.empty((), dtype=self.comm_dtype).element_size()
-        pad = self.world_size if self.zero_stage else 1
+        pad = self.strategy.bucket_pad
         return sum(p.numel() for p in self.trainable) * elem + \
             (64 + pad * elem) * (len(self.trainable) + 1)

@@ -34,6 +34,7 @@ from flowtrain.engine.stages import (
     Stages,
     StepDone,
 )
+from flowtrain.engine.strategy import param_groups, strategy_for
 from flowtrain.engine.surface import EngineSurface
 from flowtrain.engine.timing import StepTimer
 from flowtrain.env import RUN_DIR
@@ -41,7 +42,7 @@ from flowtrain.log import get_logger
 from flowtrain.parallel.grid import ProcessGrid
 from flowtrain.peer_recovery import enabled as _peer_recovery_enabled
 from flowtrain.plan import StepPlan, names
-from flowtrain.plan.spec import plan_step, resolve
+from flowtrain.plan.spec import engine_problem, plan_step, resolve
 from flowtrain.precision import build_loss_scaler
 from flowtrain.runtime.actor import Actor, ActorRef
 from flowtrain.zero import construct
@@ -110,6 +111,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
                             pp=grid.shape.pp if grid is not None else 1,
                             elem_size=arriving_elem,
                             mirrored=self.world_size > 1 and on and _peer_recovery_enabled())
+        problem = engine_problem(self.spec)
+        if problem is not None:
+            raise ValueError(problem)
+        # how the group holds its model states: replicated, or ZeRO's shards
+        self.strategy = strategy_for(self.spec)
         # launch --peer-recovery with ZeRO-1/2: every rank also steps its neighbour's shard
         # (flowtrain.zero.mirror), which needs whole reduced gradients
         self._mirrored = self.spec.mirrored
@@ -117,8 +123,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         # the buckets are transient, handed to the reducer as each micro-batch fills them.
         self.transient = self.spec.reduction.every_micro_batch
         self._handed: set[int] = set()
-        self.master = MasterWeights(self.trainable) \
-            if model_dtype != torch.float32 and not self.zero_stage else None
+        self.master = MasterWeights(self.trainable) if self.strategy.master_weights else None
         if self.master is not None:
             self.master.replace_in_optimizer(optimizer)
         self.optimizer = optimizer
@@ -138,11 +143,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             param_specs=self._param_specs(), grid=grid, dp_group=self.dp_group,
             world_size=self.world_size, dp_rank=self.dp_rank,
             model_parallel=self.model_parallel, spawn=self._spawn)
-        self._groups = None
-        if self.zero_stage:
-            from flowtrain.zero.build import param_groups
-
-            self._groups = param_groups(optimizer, self.trainable)
+        self._groups = param_groups(optimizer, self.trainable) \
+            if self.strategy.needs_groups() else None
         self.plan = self._make_plan(order=None)
         self.channel = None
         self._param_channel: Any = None
@@ -157,10 +159,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = not self._observed_layout()
         self._settle_after = 0  # the first step that may settle the order
-        if self.zero_stage:
-            from flowtrain.zero.build import build_zero
-
-            self.zero, self.stage3 = build_zero(self._parts, self.buckets, optimizer)
+        self.zero, self.stage3 = self.strategy.build(self._parts, self.buckets, optimizer)
+        if self.zero is not None:
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
@@ -171,8 +171,8 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         # a tied embedding's gradient reduced in two parts, so that its bucket need not wait
         # for the end of backward (flowtrain/engine/embedding_rows.py)
         self._rows: EmbeddingRows | None = None
-        if self.world_size > 1 and not self.zero_stage and not self.model_parallel and \
-                self.peer is None and config.flowtrain.tied_embedding_rows:
+        if self.world_size > 1 and self.strategy.splits_tied_rows and not self.model_parallel \
+                and self.peer is None and config.flowtrain.tied_embedding_rows:
             tied = tied_embeddings(model)
             if tied:
                 self._rows = EmbeddingRows(tied, world_size=self.world_size,
@@ -230,11 +230,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         return self._specs
 
     def _make_plan(self, order: list[int] | None) -> StepPlan:
-        buckets = None
-        if self.zero_stage == 3 and self.world_size > 1:
-            from flowtrain.zero.build import stage3_buckets
-
-            buckets = stage3_buckets(self._parts, self._groups)
+        buckets = self.strategy.plan_buckets(self._parts, self._groups)
         return plan_step(self.spec, self._param_specs(), groups=self._groups, buckets=buckets,
                          order=order, stage=self._pipeline_stage())
 
@@ -246,12 +242,12 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         allocate = self.channel.arena_allocator() \
             if self.channel is not None and self.channel.arena_bytes else None
         buckets = GradBuckets(self.trainable, plan.buckets,
-                              pad_to=self.world_size if self.zero_stage else 1,
+                              pad_to=self.strategy.bucket_pad,
                               transient=self.transient, allocate=allocate)
         if self.world_size > 1:
             # the hooks count arrivals for the reducer; one data-parallel rank has none
             buckets.install_hooks()
-        if not self.zero_stage:  # ZeRO lays parameters out flat itself
+        if self.strategy.flat_model:  # ZeRO lays parameters out flat itself
             lay_out_flat(buckets, self.master)
         return buckets
 
@@ -320,9 +316,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block do not reduce gradients (DDP's no_sync)."""
-        if self.zero_stage >= 2:
-            raise RuntimeError("no_sync is not supported with ZeRO stage 2: gradients are "
-                               "partitioned as they are reduced (DeepSpeed refuses it too)")
+        problem = self.strategy.no_sync_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         previous, self._no_sync = self._no_sync, True
         try:
             yield

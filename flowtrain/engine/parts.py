@@ -22,7 +22,7 @@ from flowtrain.runtime.actor import Actor, ActorRef
 
 @dataclass(frozen=True)
 class EngineParts:
-    """The parts of an engine that ZeRO (``flowtrain.zero.build``) and the health figures
+    """The parts of an engine that ZeRO (``flowtrain.engine.strategy``) and the health figures
     (``flowtrain.engine.health``) are built from. Taken once the model is cast to its training
     dtype and before ZeRO stage 3 replaces partitioned parameters with empty placeholders, so
     ``param_specs`` keeps every parameter's full shape."""

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from flowtrain.engine.strategy import strategy_for
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
     from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.parts import EngineParts
+    from flowtrain.engine.strategy import Strategy
     from flowtrain.engine.surface import LRScheduler
     from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.plan.spec import TrainingSpec
@@ -56,6 +58,7 @@ class PeerRecovery:
     reducer: Any
     _parts: EngineParts
     spec: TrainingSpec
+    strategy: Strategy
     _losses: Any
     _order_settled: bool
     _runtime: Any
@@ -74,9 +77,8 @@ class PeerRecovery:
 
         if not peer_recovery.enabled() or not dist.is_initialized():
             return None
-        zcfg = self.config.zero_optimization
-        offload = self.zero_stage > 0 and (zcfg.offloads_optimizer or zcfg.offloads_params)
-        if self.zero_stage > 2 or offload or self.model_parallel or self.grid is not None:
+        offload = self.spec.offload_optimizer != "none" or self.spec.offload_params != "none"
+        if not self.strategy.peer_recoverable or self.model_parallel or self.grid is not None:
             what = f"ZeRO stage {self.zero_stage}" + (" with offload" if offload else "") + \
                 (" and model parallelism" if self.model_parallel else "")
             raise ValueError(f"flowtrain launch --peer-recovery recovers data-parallel replicas "
@@ -150,6 +152,7 @@ class PeerRecovery:
         self.dp_rank = dist.get_rank()
         # the same decisions over the group's new size (the mirror, decided at the start, stays)
         self.spec = self.spec.replace(dp=self.world_size)
+        self.strategy = strategy_for(self.spec)
         self._parts = dataclasses.replace(self._parts, spec=self.spec,
                                           world_size=self.world_size, dp_rank=self.dp_rank)
         self.health.parts = self._parts
@@ -207,8 +210,6 @@ class PeerRecovery:
         """New buckets and ZeroOptimizer for this group's size and rank, loaded from the
         buckets' ``whole`` state (``flowtrain.zero.mirror.assemble``)."""
         from flowtrain.zero import mirror as zm
-        from flowtrain.zero.build import build_zero
-
         optimizer = self.optimizer
         self.buckets.remove_hooks()
         # the user's optimizer back on the model's parameters and without state, as it was
@@ -218,8 +219,9 @@ class PeerRecovery:
             group["params"] = [p for p, gi in zip(self.trainable, self._groups) if gi == g]
         self.plan = self._make_plan(order=None)
         self.buckets = self._make_buckets(self.plan)
-        self.zero, _ = build_zero(self._parts, self.buckets, optimizer)
+        self.zero, _ = self.strategy.build(self._parts, self.buckets, optimizer)
         zero = self.zero
+        assert zero is not None, "a ZeRO-1/2 rebuild makes a ZeroOptimizer"
         numels = [b.numel for b in zero.plan]
         zm.load_state(zero.master, optimizer,
                       [zm.take(w, s, n) for w, s, n in zip(whole, zero.shards, numels)],

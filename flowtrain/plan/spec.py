@@ -222,6 +222,29 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
         stage3=Stage3Policy.of(zero))
 
 
+def engine_problem(spec: TrainingSpec) -> str | None:
+    """Why flowtrain's engine cannot run ``spec``, or None. ZeRO stages 2-3 keep a shard of
+    each gradient, which a pipeline stage's accumulation over the step's micro-batches and a
+    tensor-parallel split do not fit yet (the simulator still prices such layouts, as
+    Megatron and FSDP run them)."""
+    stage = spec.zero_stage
+    if stage >= 2 and spec.pp > 1:
+        return (f"zero_optimization.stage {stage} with a {spec.pp}-stage PipelineModule: ZeRO "
+                f"stages 2 and 3 partition gradients, which pipeline stages accumulate across "
+                f"micro-batches; use stage 0 or 1")
+    if stage >= 2 and spec.tp > 1:
+        return (f"zero_optimization.stage {stage} with tensor_parallel.tp_size {spec.tp}: ZeRO "
+                f"stages 2 and 3 with tensor parallelism are not supported yet; use stage 0 "
+                f"or 1")
+    return None
+
+
+def partitions_parameters(zero_stage: int | str) -> bool:
+    """Whether the stage partitions parameters (ZeRO-3; "auto", as DeepSpeed's zero.Init reads
+    a config that leaves the stage to the trainer, counts as 3)."""
+    return zero_stage in (3, "auto")
+
+
 def plan_step(spec: TrainingSpec, params: Sequence[ParamSpec], *, stage: int = 0,
               buckets: Sequence[BucketPlan] | None = None, groups: Sequence[int] | None = None,
               order: Sequence[int] | None = None, forward_flops: float = 0.0,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
+from flowtrain.plan.spec import partitions_parameters
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def _stage_three(config: ConfigSource | None) -> bool:
         return True
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    return stage == 3 or stage == "auto"
+    return partitions_parameters(stage)
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:

@@ -42,11 +42,10 @@ class ZeroOptimizer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], buckets: GradBuckets, *,
                  stage: int, world_size: int, rank: int, group: Any = None,
-                 reduce_scatter: bool = True, offload_optimizer: Any = None,
+                 scattered: bool = False, sliced: bool = False, partitions: bool = False,
+                 offload_optimizer: Any = None,
                  offload_param: Any = None, norm_over_world: bool = False,
                  tp: int = 1, mirrored: bool = False) -> None:
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeroOptimizer implements stages 1, 2 and 3, got {stage}")
         self.params = list(params)
         self.buckets = buckets
         self.plan = buckets.plan
@@ -57,13 +56,19 @@ class ZeroOptimizer:
         # pipeline/tensor parallel: the other ranks' shards of other model parts count too
         self.norm_over_world = norm_over_world
         self.device = self.params[0].device
-        # Stages 2-3 get reduce-scattered gradients only when a reducer runs (world size > 1);
-        # zero_optimization.reduce_scatter false (stage 2) all-reduces and slices, as stage 1.
-        self.scattered = stage >= 2 and world_size > 1 and (reduce_scatter or stage == 3)
-        self.partitioned = [stage == 3 and world_size > 1 and b.partitioned for b in self.plan]
-        # Stage 1 keeps whole gradient buckets; with reduce_scatter (DeepSpeed's default) the
-        # reducer sums only this rank's slice of each (``slices``), the part it steps.
-        self.sliced = stage == 1 and world_size > 1 and reduce_scatter
+        # As the engine's strategy decides (flowtrain.engine.strategy, from the spec's
+        # reduction): ``scattered``, the reducer reduce-scatters every micro-batch into this
+        # rank's gradient shard; ``sliced``, gradient buckets stay whole and the reducer sums
+        # only this rank's slice of each (the part it steps); ``partitions`` (ZeRO-3), a
+        # partitioned bucket's parameters are held as this rank's shard. ``stage`` is the
+        # record a checkpoint keeps.
+        if scattered and sliced:
+            raise ValueError("a ZeroOptimizer's gradients are scattered into a shard or kept "
+                             "whole and sliced, not both")
+        self.partitions = partitions
+        self.scattered = scattered and world_size > 1
+        self.partitioned = [partitions and world_size > 1 and b.partitioned for b in self.plan]
+        self.sliced = sliced and world_size > 1
         self.shards: list[Shard] = [shard_of(b.numel, world_size, rank) for b in self.plan]
         # tensor parallel (``tp`` ranks): a parameter not split over the group is held alike by
         # all of them, so its share of the norm summed over the world counts 1/tp
@@ -98,7 +103,7 @@ class ZeroOptimizer:
                 master.grad = buckets.buffer(b).narrow(0, s.start, s.numel)
         self._persistent_grads = self.aliased  # .grad is the bucket view or the grad shard
         # launch --peer-recovery: a mirror of the next rank's shard (flowtrain.zero.mirror)
-        if mirrored and (self.scattered or offload_optimizer is not None or stage == 3):
+        if mirrored and (self.scattered or offload_optimizer is not None or partitions):
             raise ValueError("a ZeRO shard mirror needs whole reduced gradients and the "
                              "optimizer on the compute device: stages 1-2 without "
                              "reduce-scatter or optimizer offload")
@@ -491,7 +496,7 @@ class ZeroOptimizer:
                 "optimizer": self._stepped_optimizer().state_dict(),
                 "master": None if self.aliased else [m.detach().clone() for m in self.master],
                 "model_shards": [s.detach().clone() for s in self.model_shards]
-                if self.stage == 3 else None}
+                if self.partitions else None}
 
     def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
         layout = [(s.start, s.numel, s.padded) for s in self.shards]

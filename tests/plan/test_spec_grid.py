@@ -19,10 +19,10 @@ import torch
 from flowtrain.cli import main as cli_main
 from flowtrain.config import load_config
 from flowtrain.engine.parts import EngineParts
+from flowtrain.engine.strategy import param_groups, stage3_buckets
 from flowtrain.plan import StepPlan, names
 from flowtrain.plan.spec import TrainingSpec, plan_step, resolve
 from flowtrain.plan.stage3 import stage3_uses
-from flowtrain.zero.build import param_groups, stage3_buckets
 from helpers import DATA, launch
 from sims.compare import read_run
 from sims.hardware import get_profile
