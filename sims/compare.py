@@ -9,10 +9,13 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan import names
 from sims.executor import Timeline
+
+if TYPE_CHECKING:
+    from sims.prediction import Prediction
 
 CLASSES = ("forward", "backward", "reduce", "gather", "optimizer", "step")
 # What the engine's ``optimizer/step`` span covers besides the update itself: the offload copies
@@ -216,7 +219,7 @@ def comparison_rows(predicted: dict[str, float], measured: dict[str, float]
 
 def predict_run(run_dir: Any, cluster: str = "this-host", *, nodes: int = 1,
                 devices_per_node: int | None = None, ns: argparse.Namespace | None = None,
-                flag: str = "--compare") -> tuple[RunRecord, Any]:
+                flag: str = "--compare") -> tuple[RunRecord, Prediction]:
     """(the run's RunRecord, the prediction of its plan): a launched run's ``plan.json`` (and a
     pipeline's stage records) planned on ``cluster``'s profile with the run's world layout.
     ``ns`` carries --host-speed when a command has it. SimulateError on a run it cannot read."""
@@ -245,7 +248,7 @@ def predict_run(run_dir: Any, cluster: str = "this-host", *, nodes: int = 1,
         raise SimulateError(f"--nodes {nodes} x --devices-per-node {layout.devices_per_node}"
                             f" = {layout.world_size} ranks, but the run had {world}")
     cfg = validated_config(record.plan["config"], layout.dp, f"{record.path / 'plan.json'} config")
-    micro_batch = cfg.train_micro_batch_size_per_gpu
+    micro_batch = cfg.micro_batch
     work = Workload.from_stages(record.stages, micro_batch, name=record.path.name) \
         if record.stages else Workload.from_run(record.plan, micro_batch, name=record.path.name)
     prediction = predict(None, cfg, layout, hw, cluster=cluster, workload=work,

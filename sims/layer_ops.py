@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan.partition import PARTITIONS, partition_costs
 from sims.frameworks import LOSSES, get_framework
 from sims.workload import TransformerShape, layer_of
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
 
 # "selective": Megatron's (Korthikanti et al.): the attention core again; "op": torchtitan's
 # per-op selective checkpointing: every other matmul and every memory-bound op again; "full":
@@ -460,7 +463,7 @@ class SimOptions:
             raise ValueError(f"gemm_dtype must be float8 or unset, got {self.gemm_dtype!r}")
 
 
-def cfg_checkpoints_activations(cfg: Any) -> bool:
+def cfg_checkpoints_activations(cfg: FlowtrainConfig) -> bool:
     """Whether a ds_config says the model's layers are checkpointed: DeepSpeed's
     activation_checkpointing section configures deepspeed.checkpointing, which a model sets
     up only to call it, so the section's presence is read as "layers are checkpointed";

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowtrain.config import load_config
+from flowtrain.config import ConfigSource, FlowtrainConfig, load_config
 from sims.activation_memory import Kernels, in_flight, layer_bytes, loss_bytes
 from sims.frameworks import get_framework
 from sims.layer_ops import SimOptions, cfg_checkpoints_activations, stage_layer_costs
@@ -42,10 +42,8 @@ __all__ = ["ADAM_K", "SOFTWARE", "STAGES", "Software", "fsdp_state_bytes",
            "megatron_state_bytes", "memory_per_rank", "model_state_bytes"]
 
 
-def _raw(config: Any) -> dict[str, Any] | None:
+def _raw(config: FlowtrainConfig | ConfigSource) -> dict[str, Any] | None:
     """The config as a dict (None for an already loaded FlowtrainConfig)."""
-    from flowtrain.config import FlowtrainConfig
-
     if isinstance(config, FlowtrainConfig):
         return None
     if isinstance(config, Mapping):
@@ -67,10 +65,12 @@ def _raw(config: Any) -> dict[str, Any] | None:
                     f"{type(config).__name__}")
 
 
-def _parallel_sizes(cfg: Any, raw: dict[str, Any] | None) -> tuple[int, int]:
+def _parallel_sizes(cfg: FlowtrainConfig | ConfigSource, raw: dict[str, Any] | None
+                    ) -> tuple[int, int]:
     """(tp, pp) the config asks for: tensor_parallel autotp_size/tp_size and pipeline.stages,
     1 when unset or "auto"."""
     if raw is None:
+        assert isinstance(cfg, FlowtrainConfig)  # _raw is None only for a loaded config
         tp_section = cfg.tensor_parallel.model_dump()
         stages: Any = cfg.pipeline.stages
     else:
@@ -119,7 +119,7 @@ def _stages(model: ModelSpec, pp: int, v: int, options: SimOptions | None) -> li
     return out
 
 
-def _checkpointing(cfg: Any, asked: bool | None) -> bool:
+def _checkpointing(cfg: FlowtrainConfig, asked: bool | None) -> bool:
     return asked if asked is not None else cfg_checkpoints_activations(cfg)
 
 
@@ -171,7 +171,8 @@ def _program_figures(model: ModelSpec, *, tp: int, options: SimOptions | None,
     return layer, outside
 
 
-def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int | None = None,
+def memory_per_rank(model: ModelSpec, config: FlowtrainConfig | ConfigSource, *,
+                    world_size: int, tp: int | None = None,
                     pp: int | None = None, checkpointing: bool | None = None,
                     options: SimOptions | None = None,
                     software: str | Software | None = None) -> dict[str, float]:
@@ -225,7 +226,11 @@ def memory_per_rank(model: ModelSpec, config: Any, *, world_size: int, tp: int |
     dp = world_size // (tp * pp)
     # The simulator plans runs the engine may not execute yet: the support gate is off, every
     # other check (batch rule against dp, ZeRO key conflicts) still applies.
-    cfg = config if raw is None else load_config(raw, world_size=dp, check_supported=False)
+    if raw is None:
+        assert isinstance(config, FlowtrainConfig)  # _raw is None only for a loaded config
+        cfg = config
+    else:
+        cfg = load_config(raw, world_size=dp, check_supported=False)
     zero = cfg.zero_optimization
     mixed = cfg.precision != "fp32"
     act_scale = 1.0 if mixed else 2.0  # formula bytes are for 16-bit activations

@@ -6,9 +6,12 @@ and picks the pipeline stage that needs the most."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sims.activation_memory import LOSS_EAGER_FP32, LOSS_FP32_COPY, LOSS_FUSED, Kernels
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
 
 # Adam's optimizer state in bytes per parameter (ZeRO paper Sec. 3.1, "K"): mixed precision
 # keeps an fp32 master copy, momentum and variance (4 + 4 + 4); fp32 training only the two
@@ -173,7 +176,7 @@ def software_named(software: str | Software) -> Software:
     return found
 
 
-def stage_states(soft: Software, cfg: Any, psi: int, *, dp: int, pipelined: bool,
+def stage_states(soft: Software, cfg: FlowtrainConfig, psi: int, *, dp: int, pipelined: bool,
                  mixed: bool, width: int, comm_width: int, units: list[int],
                  zero3: tuple[float, float]) -> dict[str, float]:
     """A stage's model states and the buffers beside them, as ``soft`` lays them out.

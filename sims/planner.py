@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan import StepPlan
 from flowtrain.plan.schedule import one_f_one_b
@@ -38,6 +38,10 @@ from sims.workload import (
     tp_shard,
 )
 from sims.workload import numel as _numel
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from sims.hardware import HardwareProfile
 
 __all__ = ["DTYPE_BYTES", "PIPELINE_JOB_RANKS", "PRECISION_DTYPE",
            "LaidOutStep", "Layout", "ParamSpec", "SimPlan", "Workload", "build_plan",
@@ -71,7 +75,7 @@ class SimPlan:
         return tuple(stage.step_plan for stage in self.stages)
 
 
-def build_plan(work: Workload, cfg: Any, layout: Layout, hw: Any,
+def build_plan(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
                options: SimOptions | None = None) -> SimPlan:
     """The step of ``work`` trained with ``cfg`` (a loaded FlowtrainConfig whose batch rule was
     applied for ``layout.dp`` data-parallel ranks) on ``layout`` with hardware ``hw``;
@@ -99,13 +103,14 @@ class LaidOutStep:
     tasks and their dependencies do not depend on the hardware's speeds, only their times do,
     so one layout serves several pricings (the ends of a prediction's range)."""
 
-    def __init__(self, work: Workload, cfg: Any, layout: Layout, options: SimOptions | None,
-                 stages: list[_Stage], costs: list[StageCosts], graph: TaskGraph) -> None:
+    def __init__(self, work: Workload, cfg: FlowtrainConfig, layout: Layout,
+                 options: SimOptions | None, stages: list[_Stage], costs: list[StageCosts],
+                 graph: TaskGraph) -> None:
         self.work, self.cfg, self.layout, self.options = work, cfg, layout, options
         self.stages, self.costs = stages, costs
         self.columns = PricedColumns(graph.columns())
 
-    def price(self, hw: Any) -> SimPlan:
+    def price(self, hw: HardwareProfile) -> SimPlan:
         """The step's tasks priced on ``hw``; hardware that lays the step out otherwise (other
         engine overheads as tasks, another kind of device) gets a layout of its own."""
         work, cfg, layout = self.work, self.cfg, self.layout
@@ -118,8 +123,8 @@ class LaidOutStep:
             for c, stage in zip(costs, self.stages):
                 _price_passes(c, stage, work, cfg)
         zero = cfg.zero_optimization
-        micro_batch = int(cfg.train_micro_batch_size_per_gpu)
-        micro_batches = int(cfg.gradient_accumulation_steps)
+        micro_batch = cfg.micro_batch
+        micro_batches = cfg.grad_accum
         samples = micro_batch * micro_batches * layout.dp
         notes = []
         if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
@@ -147,24 +152,23 @@ def _lays_out(costs: StageCosts) -> tuple[Any, ...]:
     return costs.gpu, frozenset(costs.overheads()), costs.kernels is not None
 
 
-def _stage_costs(s: int, cfg: Any, layout: Layout, hw: Any, options: SimOptions | None,
-                 params: list[ParamSpec]) -> StageCosts:
+def _stage_costs(s: int, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
+                 options: SimOptions | None, params: list[ParamSpec]) -> StageCosts:
     dtype = PRECISION_DTYPE[cfg.precision]
     comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
     return StageCosts(s, layout=layout, hw=hw, cfg=cfg, params=params,
-                      micro_batches=int(cfg.gradient_accumulation_steps),
-                      micro_batch=int(cfg.train_micro_batch_size_per_gpu), dtype=dtype,
+                      micro_batches=cfg.grad_accum, micro_batch=cfg.micro_batch, dtype=dtype,
                       comm_elem=DTYPE_BYTES.get(comm_dtype, 4), options=options)
 
 
-def _price_passes(costs: StageCosts, stage: _Stage, work: Workload, cfg: Any) -> None:
+def _price_passes(costs: StageCosts, stage: _Stage, work: Workload, cfg: FlowtrainConfig) -> None:
     costs.price_passes(stage.layout.segments, stage.layout.buckets, stage_flops=stage.flops,
                        work=work, weights=stage.weights, total_weight=stage.total_weight,
                        dtype=PRECISION_DTYPE[cfg.precision], cfg=cfg,
                        act_bytes=stage.act_bytes, with_head=stage.tied)
 
 
-def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
+def _stage_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, options: SimOptions
                   ) -> tuple[list[list[ParamSpec]], list[list[int]],
                              list[list[list[int]]] | None]:
     """Each stage's parameters as one rank holds them, their global indices, and (interleaved)
@@ -201,7 +205,7 @@ def _stage_params(work: Workload, cfg: Any, layout: Layout, options: SimOptions
     return params, split, chunks
 
 
-def _tied_params(work: Workload, cfg: Any, layout: Layout, indices: Sequence[int],
+def _tied_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, indices: Sequence[int],
                  params: Sequence[ParamSpec], splits: bool) -> tuple[set[int], dict[int, float]]:
     """The embedding weights tied to the head (stage-local indices; none with pipeline stages,
     where the head runs on another stage), and those of them whose gradient the engine splits
@@ -220,8 +224,7 @@ def _tied_params(work: Workload, cfg: Any, layout: Layout, indices: Sequence[int
     split = {}
     for i, lookups in tied.items():
         vocab = params[i][1][0]
-        tokens = lookups * int(cfg.train_micro_batch_size_per_gpu) * \
-            int(cfg.gradient_accumulation_steps)
+        tokens = lookups * cfg.micro_batch * cfg.grad_accum
         rows = distinct_rows(tokens, vocab)
         if layout.dp * rows <= vocab:
             split[i] = rows
@@ -237,7 +240,7 @@ def distinct_rows(tokens: float, vocab: int) -> float:
     return -vocab * math.expm1(tokens * math.log1p(-1.0 / vocab))
 
 
-def lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
+def lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
             options: SimOptions | None = None) -> LaidOutStep:
     """The step of ``work`` (see ``build_plan``) laid out for ``hw``'s kind of device, ready to
     be priced (``LaidOutStep.price``) on ``hw`` or on hardware that differs in speeds only."""
@@ -259,12 +262,12 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _lay_out(work: Workload, cfg: Any, layout: Layout, hw: Any,
+def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
              options: SimOptions | None) -> LaidOutStep:
     if not work.params:
         raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
     dtype = PRECISION_DTYPE[cfg.precision]
-    micro_batch = int(cfg.train_micro_batch_size_per_gpu)
+    micro_batch = cfg.micro_batch
     weights_all = [_numel(p[1]) for p in work.params]
     total_weight = sum(weights_all)
     if total_weight == 0:

@@ -9,7 +9,14 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
+    from sims.hardware import HardwareProfile
+    from sims.layer_ops import SimOptions
+    from sims.models import ModelSpec
+    from sims.workload import Layout, Workload
 
 DEFAULT_CLUSTER = "h100-x8"
 
@@ -80,7 +87,7 @@ class Prediction:
 
 # -- inputs ------------------------------------------------------------------------------------
 
-def load_profile(name: str) -> Any:
+def load_profile(name: str) -> HardwareProfile:
     """--cluster's hardware profile."""
     from sims.hardware import get_profile
 
@@ -90,7 +97,8 @@ def load_profile(name: str) -> Any:
         raise SimulateError(f"--cluster: {exc}") from None
 
 
-def with_network(hw: Any, nic_gbps: float | None, nics: int | None) -> Any:
+def with_network(hw: HardwareProfile, nic_gbps: float | None, nics: int | None
+                 ) -> HardwareProfile:
     """``hw`` with its nodes' network as ``nics`` NICs of ``nic_gbps`` Gb/s each (one
     direction); either left None keeps the profile's figure for it."""
     if nic_gbps is None and nics is None:
@@ -108,7 +116,7 @@ def with_network(hw: Any, nic_gbps: float | None, nics: int | None) -> Any:
     return dataclasses.replace(hw, inter_node=Link(hw.inter_node.latency_s, bandwidth))
 
 
-def host_speed_factor(ns: argparse.Namespace, hw: Any) -> float:
+def host_speed_factor(ns: argparse.Namespace, hw: HardwareProfile) -> float:
     """--host-speed as a factor: 1.0 without it, the probe's figure for auto."""
     from sims.calibrate.probe import check_speed, host_speed
 
@@ -136,7 +144,7 @@ def read_config(path: str) -> dict[str, Any]:
     return read_json_object(Path(path), "--config", SimulateError)
 
 
-def validated_config(raw: dict[str, Any], dp: int, source: str) -> Any:
+def validated_config(raw: dict[str, Any], dp: int, source: str) -> FlowtrainConfig:
     """The validated config for ``dp`` data-parallel ranks. The engine's support gate is off:
     the simulator plans what flowtrain cannot run yet (pipeline, tensor parallel)."""
     import warnings
@@ -158,7 +166,7 @@ def _config_parallel(raw: dict[str, Any]) -> tuple[int, int]:
     return tp, stages if isinstance(stages, int) and stages > 0 else 1
 
 
-def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str) -> Any:
+def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str) -> ModelSpec:
     """--model's ModelSpec: a preset, an architecture file or a Hugging Face config, or
     "pkg.mod:fn" traced at ``micro_batch`` x ``seq_len`` in ``precision`` (a bad name, file or
     factory raises SimulateError)."""
@@ -183,8 +191,9 @@ def model_spec(name: str, seq_len: int | None, micro_batch: int, precision: str)
 
 # -- one prediction ----------------------------------------------------------------------------
 
-def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
-            workload: Any = None, host_speed: float = 1.0, options: Any = None,
+def predict(model: ModelSpec | None, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
+            *, cluster: str, workload: Workload | None = None, host_speed: float = 1.0,
+            options: SimOptions | None = None,
             software: str | None = None, with_range: bool = True) -> Prediction:
     """Plans, executes and measures one configuration. ``model`` is a ModelSpec (memory is
     estimated from it) or None with ``workload`` given (a measured run: no memory figure).
@@ -202,8 +211,9 @@ def predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str,
                         with_range=with_range)
 
 
-def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, workload: Any,
-             host_speed: float, options: Any, software: str | None,
+def _predict(model: ModelSpec | None, cfg: FlowtrainConfig, layout: Layout,
+             hw: HardwareProfile, *, cluster: str, workload: Workload | None,
+             host_speed: float, options: SimOptions | None, software: str | None,
              with_range: bool) -> Prediction:
     from sims.executor import execute, step_figures
     from sims.planner import Workload, lay_out
@@ -274,7 +284,7 @@ def _predict(model: Any, cfg: Any, layout: Any, hw: Any, *, cluster: str, worklo
         assumptions=assumption_lines(work, cfg, layout, hw, options), memory=memory)
 
 
-def _memory_options(hw: Any, options: Any) -> Any:
+def _memory_options(hw: HardwareProfile, options: SimOptions | None) -> SimOptions | None:
     """The run options as the memory model reads them: on a GPU with kernel figures the
     attention kernel is the profile's flash kernel unless asked otherwise."""
     kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
@@ -288,7 +298,8 @@ def _memory_options(hw: Any, options: Any) -> Any:
     return opts
 
 
-def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) -> list[str]:
+def assumption_lines(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
+                     options: SimOptions | None) -> list[str]:
     """Where the prediction's costs come from, one line per kind (``--explain``)."""
     from sims.gpu_costs import collective_algorithm
     from sims.layer_ops import SimOptions, cfg_checkpoints_activations
@@ -343,7 +354,7 @@ def assumption_lines(work: Any, cfg: Any, layout: Any, hw: Any, options: Any) ->
     return out
 
 
-def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
+def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Layout:
     """The cluster layout; an impossible one raises SimulateError."""
     from sims.planner import Layout
 
@@ -357,16 +368,16 @@ def make_layout(nodes: int, devices_per_node: int, tp: int, pp: int) -> Any:
 class Inputs:
     """What one configuration of the command's flags resolves to: the predict() arguments."""
 
-    model: Any
-    cfg: Any
-    layout: Any
-    hw: Any
-    options: Any
+    model: ModelSpec
+    cfg: FlowtrainConfig
+    layout: Layout
+    hw: HardwareProfile
+    options: SimOptions
 
 
-def resolve_inputs(ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
+def resolve_inputs(ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
                    layout_over: dict[str, int], source: str,
-                   models: dict[tuple[Any, ...], Any]) -> Inputs:
+                   models: dict[tuple[Any, ...], ModelSpec]) -> Inputs:
     """The model, config, layout and options of the command's flags (``layout_over``: a
     sweep's nodes, tp or pp in their place); ``models`` caches traced models across a
     sweep."""
@@ -381,14 +392,14 @@ def resolve_inputs(ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
     seq_len = _rank_seq_len(ns.model, ns.seq_len, options.cp)
     key = (ns.model, seq_len, cfg.train_micro_batch_size_per_gpu, cfg.precision)
     if key not in models:  # a traced model is traced once per micro-batch size and precision
-        models[key] = model_spec(ns.model, seq_len, cfg.train_micro_batch_size_per_gpu,
-                                 cfg.precision)
+        models[key] = model_spec(ns.model, seq_len, cfg.micro_batch, cfg.precision)
     return Inputs(models[key], cfg, layout, hw, options)
 
 
-def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
+                   cluster: str,
                    layout_over: dict[str, int], source: str,
-                   models: dict[tuple[Any, ...], Any], host_speed: float = 1.0,
+                   models: dict[tuple[Any, ...], ModelSpec], host_speed: float = 1.0,
                    with_range: bool = True) -> Prediction:
     """One configuration of the command's flags (``resolve_inputs``), predicted."""
     got = resolve_inputs(ns, raw, hw, layout_over, source, models)
@@ -396,7 +407,8 @@ def predict_config(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster
                    options=got.options, with_range=with_range)
 
 
-def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
+                    cluster: str,
                     source: str, host_speed: float = 1.0) -> Prediction:
     """``predict_config``'s prediction, its range widened on a GPU profile by what the command
     does not state (``sims.unstated``)."""
@@ -406,7 +418,7 @@ def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluste
         parse_assumed(getattr(ns, "assumed", None))
     except ValueError as exc:
         raise SimulateError(str(exc)) from None
-    models: dict[tuple[Any, ...], Any] = {}
+    models: dict[tuple[Any, ...], ModelSpec] = {}
     point = predict_config(ns, raw, hw, cluster, {}, source, models, host_speed)
     if getattr(hw, "kernels", None) is None or getattr(hw, "kind", "gpu") != "gpu" or \
             host_speed != 1.0:
@@ -419,7 +431,7 @@ def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluste
     return widen(point, ns, raw, hw, one)
 
 
-def sim_options(ns: argparse.Namespace) -> Any:
+def sim_options(ns: argparse.Namespace) -> SimOptions:
     """The run options of the command's flags (recompute, sequence and context parallelism,
     attention kernel, TP overlap, fp8 GEMMs)."""
     from sims.layer_ops import SimOptions

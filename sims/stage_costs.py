@@ -33,9 +33,11 @@ from sims.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Work
 from sims.workload import numel as _numel
 
 if TYPE_CHECKING:
+    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.plan import BucketPlan
     from sims.engine_costs import EngineCosts
     from sims.graph import Segment
+    from sims.hardware import HardwareProfile
 
 # ranks of the pipeline job `flowtrain calibrate` measures pipeline hand-offs on
 PIPELINE_JOB_RANKS = 2
@@ -48,7 +50,7 @@ class StageCosts:
     # embedding weights tied to the head (``price_passes``)
     with_head: frozenset[int] = frozenset()
 
-    def __init__(self, stage: int, *, layout: Layout, hw: Any, cfg: Any,
+    def __init__(self, stage: int, *, layout: Layout, hw: HardwareProfile, cfg: FlowtrainConfig,
                  params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
                  comm_elem: int, options: SimOptions | None = None) -> None:
         self.stage, self.layout, self.hw = stage, layout, hw
@@ -196,7 +198,7 @@ class StageCosts:
 
     def price_passes(self, segments: list[Segment], buckets: tuple[BucketPlan, ...], *,
                      stage_flops: float, work: Workload, weights: list[int], total_weight: int,
-                     dtype: str, cfg: Any, act_bytes: float,
+                     dtype: str, cfg: FlowtrainConfig, act_bytes: float,
                      with_head: Collection[int] = ()) -> None:
         """Each of the stage's ``segments``' forward and backward seconds (``stage_flops``: the
         stage's forward FLOPs of one sample; ``weights``: its parameters' unsharded element
@@ -439,7 +441,7 @@ class StageCosts:
         return sum(seconds) if segment < 0 else seconds[segment]
 
     def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
-                       cfg: Any) -> None:
+                       cfg: FlowtrainConfig) -> None:
         """Each segment's forward and backward seconds: one roofline op per parameter (so the
         efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count.
         On a host with the engine's measured costs, one op per module instead (a Linear's

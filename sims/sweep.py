@@ -11,9 +11,13 @@ import json
 import sys
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sims.prediction import Prediction, SimulateError, predict_config
+
+if TYPE_CHECKING:
+    from sims.hardware import HardwareProfile
+    from sims.models import ModelSpec
 
 # Sweepable besides config keys: the cluster layout.
 LAYOUT_KEYS = ("nodes", "tp", "pp")
@@ -152,7 +156,7 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str,
+def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile, cluster: str,
               sweeps: list[tuple[str, list[Any]]], host_speed: float = 1.0,
               ) -> list[tuple[dict[str, Any], Any]]:
     """Every combination: (its values, a Prediction or the one-line reason it cannot run):
@@ -160,7 +164,7 @@ def run_sweep(ns: argparse.Namespace, raw: dict[str, Any], hw: Any, cluster: str
     of memory (best throughput first), then those that cannot run."""
     combos = list(itertools.product(*[values for _, values in sweeps]))
     progress = _Progress(len(combos))
-    models: dict[tuple[Any, ...], Any] = {}
+    models: dict[tuple[Any, ...], ModelSpec] = {}
     results: list[tuple[dict[str, Any], Any]] = []
     try:
         for combo in combos:

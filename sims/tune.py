@@ -24,7 +24,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sims.prediction import (
     Prediction,
@@ -35,6 +35,11 @@ from sims.prediction import (
     predict,
     validated_config,
 )
+
+if TYPE_CHECKING:
+    from sims.hardware import HardwareProfile
+    from sims.layer_ops import SimOptions
+    from sims.models import ModelSpec
 
 # reduce_bucket_size values tried: flowtrain's default bucket (25M elements) and DeepSpeed's
 # (5e8); stage3_prefetch_bucket_size likewise (5e7 is DeepSpeed's default)
@@ -83,7 +88,7 @@ class Candidate:
         flight (one without stages): what the largest micro-batch search predicts and tries."""
         return replace(self, micro_batch=micro_batch, accumulation=max(1, self.pp))
 
-    def options(self, model: Any, framework: str) -> Any:
+    def options(self, model: ModelSpec, framework: str) -> SimOptions:
         """The simulator's options for this point: its recompute where the model's layers are
         known (a traced module recomputes only what its own code checkpoints)."""
         from sims.layer_ops import SimOptions
@@ -252,7 +257,8 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def default_space(model: Any, hw: Any, world: int, per_node: int, space: Space) -> Space:
+def default_space(model: ModelSpec, hw: HardwareProfile, world: int, per_node: int, space: Space
+                  ) -> Space:
     """``space`` with its None fields filled for this model and cluster: offload and recompute
     on GPUs only (a CPU rank's memory is the host's already, and a traced module recomputes
     only if its own code calls checkpointing); tensor and pipeline widths for a preset on GPUs
@@ -341,9 +347,9 @@ def search(model: str, config: dict[str, Any], *, cluster: str = "this-host", no
     batch = global_batch or base.global_batch
     if batch < 1:
         raise TuneError(f"the global batch must be at least 1, got {batch}")
-    models: dict[tuple[int, str], Any] = {}
+    models: dict[tuple[int, str], ModelSpec] = {}
 
-    def model_for(mb: int) -> Any:
+    def model_for(mb: int) -> ModelSpec:
         key = (mb, base.precision)
         if key not in models:
             models[key] = model_spec(model, seq_len, mb, base.precision)

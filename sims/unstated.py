@@ -12,7 +12,11 @@ import argparse
 import copy
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sims.hardware import HardwareProfile
+    from sims.prediction import Prediction
 
 INPUTS = ("micro-batch", "recompute", "attention")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -43,8 +47,8 @@ def unstated(ns: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
     return [name for name in INPUTS if name in out]
 
 
-def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
-                 point: Any) -> list[tuple[str, argparse.Namespace, dict[str, Any]]]:
+def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
+                 point: Prediction) -> list[tuple[str, argparse.Namespace, dict[str, Any]]]:
     """(label, flags, config) of each other value ``name`` might take."""
     out = []
     if name == "attention":
@@ -70,7 +74,7 @@ def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: Any
     return out
 
 
-def _current_attention(ns: argparse.Namespace, hw: Any) -> str | None:
+def _current_attention(ns: argparse.Namespace, hw: HardwareProfile) -> str | None:
     kernels = getattr(hw, "kernels", None)
     return getattr(ns, "attention", None) or (kernels.default_attention if kernels else None)
 
@@ -102,8 +106,9 @@ class Widening:
         return f"{self.name} ({values}): x{self.low:.2f} to x{self.high:.2f}"
 
 
-def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: Any,
-          predict_one: Callable[[argparse.Namespace, dict[str, Any]], Any]) -> Any:
+def widen(point: Prediction, ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
+          predict_one: Callable[[argparse.Namespace, dict[str, Any]], Prediction]
+          ) -> Prediction:
     """``point`` with its range widened by each unstated input's alternatives
     (``predict_one(flags, config)`` predicts one without a range). Where ``point`` does not fit
     its devices, the alternatives that do are named (``fits_with``): an input the user did not

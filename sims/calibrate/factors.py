@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowtrain.config import load_config
 from sims.calibrate.probe import profile_probe_seconds
@@ -17,12 +17,15 @@ from sims.costs import collective_seconds
 from sims.planner import Layout, Workload
 from sims.prediction import predict
 
+if TYPE_CHECKING:
+    from sims.hardware import EngineCosts, HardwareProfile
+
 FIT_ROUNDS = 12
 BUCKET_PASSES = 8  # at most, fitting the small-bucket run's figures and the sizes' in turn
 MIN_FACTOR = 0.1
 
 
-def job_speed(profile: Any, job: dict[str, Any]) -> float:
+def job_speed(profile: HardwareProfile, job: dict[str, Any]) -> float:
     """How much slower the host computed during a job run than ``profile`` says (its
     ``probe_s`` over the profile's probe time); 1.0 for a record without a probe."""
     probe = job.get("probe_s")
@@ -31,7 +34,7 @@ def job_speed(profile: Any, job: dict[str, Any]) -> float:
     return float(probe) / profile_probe_seconds(profile)
 
 
-def predict_job(profile: Any, job: dict[str, Any], host_speed: float = 1.0
+def predict_job(profile: HardwareProfile, job: dict[str, Any], host_speed: float = 1.0
                 ) -> dict[str, float]:
     """The simulator's task classes for a recorded calibration job (one size of it) on
     ``profile``, the host ``host_speed`` times slower than the profile says."""
@@ -45,7 +48,7 @@ def predict_job(profile: Any, job: dict[str, Any], host_speed: float = 1.0
     return predicted_classes(prediction.timeline)
 
 
-def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
+def fit_factors(profile: HardwareProfile, jobs: Sequence[dict[str, Any]]) -> EngineCosts:
     """The engine section of ``profile`` (whose factors are not fitted yet) completed from the
     launched jobs.
 
@@ -70,6 +73,8 @@ def fit_factors(profile: Any, jobs: Sequence[dict[str, Any]]) -> Any:
     half-second pass against the least disturbed of the pass curve's rounds, interpolated
     between other shapes) reads below 1 on a host that has not changed: applied, it would
     inflate the factors by as much, and the predictions with them."""
+    # the caller (profile_fit._with_engine_factors) fits only a profile with engine costs
+    assert profile.engine is not None
     engine = dataclasses.replace(profile.engine, factors={}, pipeline_op_s=0.0,
                                  pipeline_message_s=0.0)
 

@@ -11,10 +11,13 @@ drift indicator, not a correction to trust blindly. A factor given by hand is ap
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sims.calibrate.settings import CONCURRENCY_SHAPE
 from sims.costs import pass_seconds
+
+if TYPE_CHECKING:
+    from sims.hardware import HardwareProfile
 
 
 def probe_seconds(seconds: float = 0.5) -> float:
@@ -34,7 +37,7 @@ def probe_seconds(seconds: float = 0.5) -> float:
     return timed["forward_s"] + timed["backward_s"]
 
 
-def profile_probe_seconds(hw: Any) -> float:
+def profile_probe_seconds(hw: HardwareProfile) -> float:
     """What ``hw`` says the probe pass takes. ValueError for a profile without engine costs
     (only a calibrated CPU host has them)."""
     if hw.engine is None:
@@ -46,7 +49,7 @@ def profile_probe_seconds(hw: Any) -> float:
     return pass_seconds("forward", flops, 1, hw) + pass_seconds("backward", 2 * flops, 1, hw)
 
 
-def host_speed(hw: Any, seconds: float = 0.5) -> float:
+def host_speed(hw: HardwareProfile, seconds: float = 0.5) -> float:
     """How slow this host computes now against ``hw``: the probe pass timed for ``seconds``
     over the profile's time for it; 1.15 means 15 % slower. ValueError for a profile without
     engine costs."""
