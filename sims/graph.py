@@ -135,9 +135,8 @@ class StageLayout:
     """Lays out pipeline stage ``stage``'s tasks into a shared ``TaskGraph``.
 
     ``params`` are the stage's parameters as one rank holds them (tensor-parallel shards);
-    ``spec`` is what the run decided (``flowtrain.plan.spec``: the grid, batch, buckets,
-    reduction, ZeRO and offload; the planner's variant of it for a framework that decides
-    otherwise); ``forward_flops`` one micro-batch's
+    ``spec`` is the run's decisions (``flowtrain.plan.spec``, in the planner's variant for a
+    framework that decides otherwise); ``forward_flops`` one micro-batch's
     forward on the rank; ``act_bytes`` one layer's output (what a TP all-reduce sums),
     ``send_bytes`` / ``recv_bytes`` what goes to the next stage and (its gradient) to the
     previous one; ``overheads`` the ``OVERHEADS`` laid out as tasks of their own.
@@ -195,9 +194,8 @@ class StageLayout:
         self.segments = segments(params, self.partitioned, blocks=self.fsdp)
         self.seg_of = seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
-        # the spec's schedule; interleaving needs the stage's model chunks
         self.schedule = "interleaved" if self.v > 1 else \
-            ("gpipe" if spec.schedule == "gpipe" else "1f1b")
+            spec.schedule.replace("interleaved", "1f1b")  # the spec's, as chunks allow
         # each chunk's segments, in forward order (one chunk, every segment, without them)
         self.chunk_segments = [list(range(len(self.segments)))]
         chunk_flops = None

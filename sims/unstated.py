@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sims.hardware import HardwareProfile
-    from sims.prediction import Prediction
 
 INPUTS = ("micro-batch", "recompute", "attention")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -48,7 +47,7 @@ def unstated(ns: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
 
 
 def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
-                 point: Prediction) -> list[tuple[str, argparse.Namespace, dict[str, Any]]]:
+                 point: Any) -> list[tuple[str, argparse.Namespace, dict[str, Any]]]:
     """(label, flags, config) of each other value ``name`` might take."""
     out = []
     if name == "attention":
@@ -106,9 +105,9 @@ class Widening:
         return f"{self.name} ({values}): x{self.low:.2f} to x{self.high:.2f}"
 
 
-def widen(point: Prediction, ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
-          predict_one: Callable[[argparse.Namespace, dict[str, Any]], Prediction]
-          ) -> Prediction:
+def widen(point: Any, ns: argparse.Namespace, raw: dict[str, Any], hw: HardwareProfile,
+          predict_one: Callable[[argparse.Namespace, dict[str, Any]], Any]
+          ) -> Any:
     """``point`` with its range widened by each unstated input's alternatives
     (``predict_one(flags, config)`` predicts one without a range). Where ``point`` does not fit
     its devices, the alternatives that do are named (``fits_with``): an input the user did not

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from flowtrain.zero.partition import Shard, shard_of
-
-if TYPE_CHECKING:
-    from flowtrain.zero.sharded import ZeroOptimizer
 
 MASTER = "__master__"  # the key of the fp32 master weights among a shard's state tensors
 
@@ -50,7 +47,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer,
 class ShardMirror:
     """This rank's copy of rank (rank + 1) % world's optimizer shard (``ZeroOptimizer.mirror``)."""
 
-    def __init__(self, zero: ZeroOptimizer, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, zero: Any, optimizer: torch.optim.Optimizer) -> None:
         self.owner = (zero.rank + 1) % zero.world_size
         self.shards: list[Shard] = [shard_of(b.numel, zero.world_size, self.owner)
                                     for b in zero.plan]
@@ -79,7 +76,7 @@ class ShardMirror:
                 if key != "params":
                     mine[key] = value
 
-    def sources(self, zero: ZeroOptimizer) -> list[torch.Tensor]:
+    def sources(self, zero: Any) -> list[torch.Tensor]:
         """Each bucket's reduced gradient slice of the mirrored shard (still loss-scaled)."""
         return [zero.buckets.buffer(b).narrow(0, s.start, s.numel)
                 for b, s in enumerate(self.shards)]

@@ -14,7 +14,6 @@ import torch
 
 if TYPE_CHECKING:
     from flowtrain.config.zero import OffloadOptimizerConfig
-    from flowtrain.zero.sharded import ZeroOptimizer
 
 
 class Offloader:
@@ -37,7 +36,7 @@ class Offloader:
             cache[b] = buffer
         return buffer
 
-    def step(self, zero: ZeroOptimizer, sources: Sequence[torch.Tensor], coef: float) -> None:
+    def step(self, zero: Any, sources: Sequence[torch.Tensor], coef: float) -> None:
         """Copies each gradient shard down (all launched at once on a side stream), then per
         shard: wait for its copy, unscale/clip, step it, copy the new parameters back."""
         optimizer = zero.optimizer
@@ -80,7 +79,7 @@ class Offloader:
             torch.cuda.current_stream(self.compute_device).wait_stream(self._stream)
             self._stream.synchronize()
 
-    def _write_back(self, zero: ZeroOptimizer, b: int) -> None:
+    def _write_back(self, zero: Any, b: int) -> None:
         if zero.aliased:
             return
         master, model = zero.master[b], zero.model_shards[b]
@@ -93,7 +92,7 @@ class Offloader:
             with _on(self._stream):
                 model.copy_(staging, non_blocking=True)
 
-    def bytes(self, zero: ZeroOptimizer) -> int:
+    def bytes(self, zero: Any) -> int:
         """Bytes this rank keeps in CPU memory for the optimizer: master shards, their state,
         and the copy buffers."""
         def nbytes(ts: Any) -> int:
