@@ -23,7 +23,8 @@ BLOCK = 1 << 14
 
 # numba's disk cache keys a kernel by the content of its own file only, so kernels here would
 # keep stale machine code after an edit of _bits.py. Recording _bits.py's hash in this file
-# makes such an edit change this file too (tests/test_kernels_cpu.py checks it is current).
+# makes such an edit change this file too (tests/cuda_numba/test_kernels_cpu.py checks it is
+# current).
 BITS_SHA256 = "160a0c364fa0bbc2"
 
 _opts = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")

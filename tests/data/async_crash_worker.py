@@ -1,4 +1,4 @@
-"""Worker for tests/test_async_checkpoint.py: one process with checkpoint.async_save. It
+"""Worker for tests/checkpoint/test_async_checkpoint.py: one process with checkpoint.async_save. It
 publishes a checkpoint at step 10 and writes its parameters to OUT; at step 20 it saves again,
 and then, by MODE:
 - crash: it is SIGKILLed inside the background write, after the tensor files are written and

@@ -1,9 +1,9 @@
-"""Worker for tests/test_async_checkpoint.py: 2 ranks under ZeRO stage STAGE (each rank holds
-pieces of the parameters and optimizer state, saved as sharded tensors). After 3 steps, and
-again after 5, every rank saves synchronously into SYNC_DIR and then asynchronously into
-ASYNC_DIR; each async write waits until 2 more steps have changed every shard, so it must come
-from the host copies. The second async save refills the first one's host buffers and reuses
-their sharded-tensor descriptions, so it shows that what is reused holds the new values.
+"""Worker for tests/checkpoint/test_async_checkpoint.py: 2 ranks under ZeRO stage STAGE (each rank
+holds pieces of the parameters and optimizer state, saved as sharded tensors). After 3 steps, and
+again after 5, every rank saves synchronously into SYNC_DIR and then asynchronously into ASYNC_DIR;
+each async write waits until 2 more steps have changed every shard, so it must come from the host
+copies. The second async save refills the first one's host buffers and reuses their sharded-tensor
+descriptions, so it shows that what is reused holds the new values.
 
 argv: SYNC_DIR ASYNC_DIR STAGE
 """

@@ -1,4 +1,4 @@
-"""Worker for tests/test_auto_resume.py: a script that never calls load_checkpoint; its
+"""Worker for tests/checkpoint/test_auto_resume.py: a script that never calls load_checkpoint; its
 config's checkpoint.auto_resume resumes it. It trains a small model on data keyed by the step,
 saves every CKPT_EVERY steps into checkpoint.save_dir, and writes each step's loss. With KILL_AT
 set, rank 1 of the first attempt (TORCHELASTIC_RESTART_COUNT 0) SIGKILLs itself after that

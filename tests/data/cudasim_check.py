@@ -1,9 +1,10 @@
 """Run every cuda_numba.cuda kernel under the CUDA simulator and compare with torch CPU.
 
-Run as ``NUMBA_ENABLE_CUDASIM=1 python tests/data/cudasim_check.py`` (tests/test_kernels_cuda_sim.py
-does so in a subprocess, so the simulator never leaks into other tests). Prints progress, then
-one line ``CUDASIM_RESULT {json}`` with {"checks": {name: {"ok": bool, "detail": str}}, ...}.
-Arrays are tiny (1, 7, 300 elements): the simulator runs each CUDA thread as a Python thread.
+Run as ``NUMBA_ENABLE_CUDASIM=1 python tests/data/cudasim_check.py``
+(tests/cuda_numba/test_kernels_cuda_sim.py does so in a subprocess, so the simulator never leaks
+into other tests). Prints progress, then one line ``CUDASIM_RESULT {json}`` with {"checks": {name:
+{"ok": bool, "detail": str}}, ...}. Arrays are tiny (1, 7, 300 elements): the simulator runs each
+CUDA thread as a Python thread.
 """
 
 import json

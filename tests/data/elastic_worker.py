@@ -1,4 +1,4 @@
-"""Worker for tests/test_launch_elastic.py: ``elastic_worker.py OUTDIR CKPT KILL_AT STEPS``.
+"""Worker for tests/launch/test_launch_elastic.py: ``elastic_worker.py OUTDIR CKPT KILL_AT STEPS``.
 
 Trains a tiny model with a global batch of 16 samples per step (ZeRO-1; the config gives
 train_batch_size and the micro batch, so accumulation follows the world size), each step's

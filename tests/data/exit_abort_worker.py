@@ -1,5 +1,5 @@
-"""Worker for tests/test_launch_exit.py (reliability finding 5): rank 1 leaves a daemon thread
-inside a torch receive that completes while its interpreter finalizes (rank 0 sends once rank
+"""Worker for tests/launch/test_launch_exit.py (reliability finding 5): rank 1 leaves a daemon
+thread inside a torch receive that completes while its interpreter finalizes (rank 0 sends once rank
 1's exit handlers have run), the way a pipeline stage's receive thread can at the end of a
 run. Python then aborts the process in torch's C++ (SIGABRT) unless the rank ends without
 finalizing."""

@@ -1,4 +1,4 @@
-"""Worker for tests/test_hf_trainer.py: flowtrain's Hugging Face Trainer
+"""Worker for tests/integrations/test_hf_trainer.py: flowtrain's Hugging Face Trainer
 (``flowtrain.integrations.transformers``) on a tiny GPT2LMHeadModel, against
 ``flowtrain.initialize`` given the same HF config with its "auto" values written out by hand
 as HF's Trainer fills them from the TrainingArguments below. Every rank writes

@@ -1,4 +1,4 @@
-"""Worker for tests/test_hf_interop.py: Hugging Face's raw DeepSpeed configs through
+"""Worker for tests/integrations/test_hf_interop.py: Hugging Face's raw DeepSpeed configs through
 ``initialize`` with a Dataset and a tiny GPT2LMHeadModel, and DeepSpeed's names
 (``import flowtrain as deepspeed``) on real ranks. Every rank writes ``<out>.rank<R>.json``,
 one result per case.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_peer_recovery.py (``flowtrain launch --peer-recovery``): ZeRO-0 data
+"""Worker for tests/engine/test_peer_recovery.py (``flowtrain launch --peer-recovery``): ZeRO-0 data
 parallelism on data keyed by (step, launch rank), looping on ``engine.global_steps`` so a step
 the engine drops is redone. Each process appends one JSON line per committed step to
 OUT.rank<R>.pid<PID>.jsonl (loss, members, a hash of the weights and optimizer state); a

@@ -1,7 +1,7 @@
-"""Worker for tests/test_peer_recovery.py: ZeRO-1 under ``flowtrain launch --peer-recovery`` on
-2 ranks trains 3 steps, saves a checkpoint, trains 2 more and loads the checkpoint back. Each
-rank writes OUT.rank<R>.json: the digests of its own optimizer shard and of its mirror of the
-next rank's shard, right after the load, and its own shard's digest as saved (step 3).
+"""Worker for tests/engine/test_peer_recovery.py: ZeRO-1 under ``flowtrain launch --peer-recovery``
+on 2 ranks trains 3 steps, saves a checkpoint, trains 2 more and loads the checkpoint back. Each
+rank writes OUT.rank<R>.json: the digests of its own optimizer shard and of its mirror of the next
+rank's shard, right after the load, and its own shard's digest as saved (step 3).
 
 argv: OUT CKPT_DIR
 """

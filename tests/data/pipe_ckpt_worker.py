@@ -1,4 +1,4 @@
-"""Worker for tests/test_pipeline.py's checkpoint test: a PipelineModule saved on one number
+"""Worker for tests/pipe/test_pipeline.py's checkpoint test: a PipelineModule saved on one number
 of pipeline stages resumes on another. Rank 0 writes ``<out>.json``.
 
 argv: save|load CKPT OUT PP

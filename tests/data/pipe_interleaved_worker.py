@@ -1,4 +1,4 @@
-"""Worker for tests/test_interleaved.py: a PipelineModule trained with the interleaved 1F1B
+"""Worker for tests/pipe/test_interleaved.py: a PipelineModule trained with the interleaved 1F1B
 schedule (two model chunks per stage) against single-process training of the same layers on the
 same global batch (computed on every rank), and a checkpoint of the interleaved run saved and
 loaded back. Every rank writes ``<out>.rank<R>.json``.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_pipeline.py: the pipeline engine's point-to-point streams
+"""Worker for tests/pipe/test_pipeline.py: the pipeline engine's point-to-point streams
 (flowtrain.pipe.p2p's Sender and Receiver) between two plain processes, no launcher, so
 that one of them may die and the other report it. Rank 0 plays stage 0, rank 1 stage 1.
 

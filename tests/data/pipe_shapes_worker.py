@@ -1,4 +1,4 @@
-"""Worker for tests/test_pipeline.py: a 2-stage pipeline whose micro-batches change size
+"""Worker for tests/pipe/test_pipeline.py: a 2-stage pipeline whose micro-batches change size
 between micro-batches, between steps and between train_batch and eval_batch (the stages'
 messages change shape), against single-process training on the same micro-batches.
 

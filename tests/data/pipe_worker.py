@@ -1,4 +1,4 @@
-"""Worker for tests/test_pipeline.py: a PipelineModule trained with train_batch against
+"""Worker for tests/pipe/test_pipeline.py: a PipelineModule trained with train_batch against
 single-process training of the same layers on the same global batch (computed on every rank).
 Every rank writes ``<out>.rank<R>.json``.
 

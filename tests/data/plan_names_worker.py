@@ -1,4 +1,4 @@
-"""Worker for tests/test_plan_names.py: a small model trained a few steps under one parallel
+"""Worker for tests/plan/test_plan_names.py: a small model trained a few steps under one parallel
 layout, launched with ``flowtrain launch --run-dir``, so the run directory holds what each rank
 recorded (``spans/rank{R}.jsonl``) and planned (``plan.json``, ``stages/``).
 

@@ -1,6 +1,6 @@
-"""Worker for tests/test_zero_checkpoint.py: checkpoints saved on one world size and ZeRO stage
-and loaded into another. Every rank writes ``<out>.rank<R>.json`` (per case: the global loss of
-each step, the lr, counters, or the error); rank 0 also writes ``<out>.pt`` (per case: fp32
+"""Worker for tests/checkpoint/test_zero_checkpoint.py: checkpoints saved on one world size and ZeRO
+stage and loaded into another. Every rank writes ``<out>.rank<R>.json`` (per case: the global loss
+of each step, the lr, counters, or the error); rank 0 also writes ``<out>.pt`` (per case: fp32
 parameter values, from the engine's own memory, to compare with consolidated checkpoints).
 
 The global batch is 8 samples of a 40-sample dataset whatever the world size (micro-batch
@@ -277,7 +277,8 @@ PHASES: dict[str, dict[str, Callable[[str], dict[str, Any]]]] = {
 
 def run_phase(phase: str, ckpt: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(this rank's results by case, in JSON's types; the tensors by case). The 1-rank phases
-    also run inside the test process (tests/test_zero_checkpoint.py), which spares a launch."""
+    also run inside the test process (tests/checkpoint/test_zero_checkpoint.py), which spares a
+    launch."""
     flowtrain.init_distributed()
     results: dict[str, Any] = {}
     tensors: dict[str, Any] = {}

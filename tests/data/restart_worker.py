@@ -1,4 +1,4 @@
-"""Worker for tests/test_launch_restarts.py: trains a small model on data keyed by the step,
+"""Worker for tests/launch/test_launch_restarts.py: trains a small model on data keyed by the step,
 saving a checkpoint every CKPT_EVERY steps and loading the latest one at start (as a DeepSpeed
 script does), and writes each step's loss. With KILL_AT set, rank 1 of the first attempt
 (TORCHELASTIC_RESTART_COUNT 0) SIGKILLs itself after that step.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_launch_stall.py: ``stall_worker.py OUTDIR``. Two ranks train a tiny
+"""Worker for tests/launch/test_launch_stall.py: ``stall_worker.py OUTDIR``. Two ranks train a tiny
 model with the engine; at step 3 rank 1 deadlocks in its own code (a lock it already holds)
 while its heartbeats, sent from another thread, go on, and rank 0 waits in the gradient
 all-reduce. The job must end naming rank 1, long before the collective's timeout."""

@@ -1,4 +1,4 @@
-"""Worker for tests/test_tied_embedding.py: a small language model whose head is tied to its
+"""Worker for tests/engine/test_tied_embedding.py: a small language model whose head is tied to its
 embedding, trained by the engine with the tied weight's gradient in two parts (or whole), and by
 torch DDP, on the same data. Every rank writes ``<out>.rank<R>.json``.
 

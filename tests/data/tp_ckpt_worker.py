@@ -1,5 +1,5 @@
-"""Worker for tests/test_tensor_parallel.py: tensor parallel x data parallel (ZeRO 0 and 1) against
-the unsplit model, and checkpoints that change the tensor-parallel layout.
+"""Worker for tests/tp/test_tensor_parallel.py: tensor parallel x data parallel (ZeRO 0 and 1)
+against the unsplit model, and checkpoints that change the tensor-parallel layout.
 
 Every case trains the example GPT (tied head) on the same global batch per step (DP_REF
 data-parallel halves) and compares with ``reference()``: the unsplit model trained by plain

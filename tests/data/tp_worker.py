@@ -1,4 +1,4 @@
-"""Worker for tests/test_tensor_parallel.py: the example GPT split with tensor_parallel.tp_size
+"""Worker for tests/tp/test_tensor_parallel.py: the example GPT split with tensor_parallel.tp_size
 against the unsplit model trained in-process on every rank (same batches, same weights).
 Every rank writes ``<out>.rank<R>.json``.
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_zero3.py: ZeRO stages 1-3, with and without CPU offload, against
+"""Worker for tests/zero/test_zero3.py: ZeRO stages 1-3, with and without CPU offload, against
 stage 0 on the same ranks; and model-state bytes per rank for the ZeRO paper's formulas.
 Every rank writes ``<out>.rank<R>.json``.
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_zero_init.py: a model built under ``flowtrain.zero.Init`` (DeepSpeed's
+"""Worker for tests/zero/test_zero_init.py: a model built under ``flowtrain.zero.Init`` (DeepSpeed's
 ``zero.Init``), partitioned at construction, trained against the same model built whole.
 Every rank writes ``<out>.rank<R>.json``.
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_zero.py: ZeRO stages 1 and 2 against stage 0 on the same ranks.
+"""Worker for tests/zero/test_zero.py: ZeRO stages 1 and 2 against stage 0 on the same ranks.
 Every rank writes ``<out>.rank<R>.json``.
 
 Modes (argv[1]):

@@ -12,7 +12,7 @@ import pytest
 
 from flowtrain.launch.affinity import available_cores, format_cores, parse_core_list, split
 from flowtrain.launch.hostfile import LaunchInputError
-from helpers import LAUNCH, launcher_env, one_error_line
+from helpers import DATA, LAUNCH, launcher_env, one_error_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,7 +183,7 @@ def test_hostfile_nodes_bind_their_own_ranks(tmp_path: Path, script: Path) -> No
     last = available_cores()[-1]
     hosts = tmp_path / "hostfile"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    ssh = f"bash {Path(__file__).parent / 'data' / 'fake_ssh.sh'}"
+    ssh = f"bash {DATA / 'fake_ssh.sh'}"
     proc = _launch(tmp_path, ["-H", str(hosts), "--ssh-command", ssh, "--bind_core_list",
                               str(last), str(script), str(tmp_path / "out")])
     assert proc.returncode == 0, proc.stderr

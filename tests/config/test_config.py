@@ -466,7 +466,7 @@ def test_bfloat16_alias_does_not_warn():
 def test_unsupported_features_and_switching_them_on(monkeypatch):
     # With nothing switched on, every feature the config uses gets its sentence; switching a
     # feature on (adding it to SUPPORTED_FEATURES) removes exactly that sentence. ZeRO 3 and
-    # pipeline stages > 1 contradict each other (tests/test_zero_config.py), so the pipeline
+    # pipeline stages > 1 contradict each other (tests/config/test_zero_config.py), so the pipeline
     # is asked for with stage 1 at the end.
     monkeypatch.setattr("flowtrain.config.support.SUPPORTED_FEATURES", set())
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},

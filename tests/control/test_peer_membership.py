@@ -10,7 +10,6 @@ from typing import Any
 
 import anyio
 import pytest
-
 from test_control_plane import coordinator_running, start_client
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]

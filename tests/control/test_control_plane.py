@@ -270,7 +270,7 @@ def bad_frames() -> dict[str, list[list[bytes]]]:
             [truncated, hmac.new(SECRET, truncated, hashlib.sha256).digest()],
             signed(["not", "a", "map"]),
         ],
-        "replayed": [],  # a replay sends a frame seen before: tests/test_control_replay.py
+        "replayed": [],  # a replay sends a frame seen before: tests/control/test_control_replay.py
     }
 
 

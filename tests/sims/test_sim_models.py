@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -16,8 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from flowtrain.engine.strategy import module_units
 from sims import models
 from sims.models import Architecture, get_model, trace_module
-
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from helpers import DATA, REPO, check_cases, child_env, free_port, launch, rank_results
 
 WORKER = DATA / "hf_trainer_worker.py"
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
+CONFIGS = REPO.parent / "shared" / "data" / "ds_configs"
 # as the worker names them: HF's file (accumulation 2), its ZeRO-3 bf16 file, the ZeRO-2 file
 # at stage 1 with fp16, and no config at all (stage 0, HF's own optimizer and schedule)
 CASES = ["zero2", "zero3_bf16", "zero1_fp16", "no_config"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from helpers import DATA
 from sims.calibrate import collectives, command, fits, settings
 from sims.calibrate.command import main
 from sims.calibrate.fits import fit_collectives, fit_efficiency, fit_link, fit_ring_link
@@ -22,7 +23,7 @@ from sims.calibrate.settings import CalibrationError
 from sims.costs import collective_seconds, compute_seconds, ring_factor, ring_steps
 from sims.hardware import HardwareProfile, Link, ProfileError, get_profile
 
-SAMPLE = Path(__file__).parent / "data" / "calibration_sample.json"
+SAMPLE = DATA / "calibration_sample.json"
 
 
 @pytest.fixture(scope="module")

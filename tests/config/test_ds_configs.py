@@ -16,8 +16,9 @@ from flowtrain.config import (
     load_config,
     unsupported_features,
 )
+from helpers import REPO
 
-DS_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
+DS_CONFIGS = REPO.parent / "shared" / "data" / "ds_configs"
 pytestmark = pytest.mark.skipif(not DS_CONFIGS.is_dir(),
                                 reason=f"real DeepSpeed configs not found at {DS_CONFIGS} "
                                        f"(shared/ sits beside the repo checkout in CI)")

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import DATA, check_cases, launch, rank_results
+from helpers import DATA, REPO, check_cases, launch, rank_results
 
 pytest.importorskip("transformers")
 WORKER = DATA / "hf_worker.py"
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds_configs"
+CONFIGS = REPO.parent / "shared" / "data" / "ds_configs"
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from flowtrain.cli import main
+from helpers import DATA
 from sims.hardware import BUILTIN_PROFILES
 from sims.models import get_model
 
-RUN = Path(__file__).parent / "data" / "sim_run"
+RUN = DATA / "sim_run"
 
 
 @pytest.fixture

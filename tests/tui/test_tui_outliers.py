@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from helpers import DATA
 from tui.app import MonitorApp
 from tui.event_log import EventLog, rank_ranges
 from tui.header import JobHeader
@@ -236,7 +237,7 @@ def test_rank_ranges_are_short() -> None:
 
 
 # ----------------------------------------------------------------------------- a real run
-RECORDED_4 = Path(__file__).parent / "data" / "telemetry_run4" / "telemetry.msgpack"
+RECORDED_4 = DATA / "telemetry_run4" / "telemetry.msgpack"
 
 
 def recorded_4_records() -> list[dict[str, Any]]:

@@ -8,11 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
+ROOT = REPO
 SCRIPT = ROOT / "tests" / "data" / "cudasim_check.py"
 
 EXPECTED = [
