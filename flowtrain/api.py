@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
                      distributed_port: int | None = None, verbose: bool = True,
                      timeout: Any = None, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: Any = None,
+                     dist_init_required: bool | None = None, config: object = None,
                      rank: int = -1, world_size: int = -1) -> None:
     """Initialises torch.distributed (and this rank's runtime) like
     ``deepspeed.init_distributed``."""
