@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from flowtrain.plan.spec import reduce_op
+from flowtrain.plan.spec import reduce_op, shares_host_params
 from sims import costs, gpu_costs
 from sims.frameworks import get_framework
 from sims.gpu_kernels import GpuKernels
@@ -142,9 +142,11 @@ class StageCosts:
         # use is a view of it, no gather. A run's record names the channel it used; a plan's
         # "auto" is the channel where this host has one.
         channel = cfg.flowtrain.data_channel
-        self.shared_params = self.stage_no >= 1 and self.dp > 1 and self.pp == 1 and \
-            layout.nodes == 1 and self.tp == 1 and bool(cfg.flowtrain.zero_shared_params) and \
-            (channel == "shm" or (channel is None and self.channel))
+        self.shared_params = shares_host_params(
+            self.stage_no, dp=self.dp, tp=self.tp, pp=self.pp,
+            zero_shared_params=bool(cfg.flowtrain.zero_shared_params),
+            shm_channel=layout.nodes == 1 and (channel == "shm" or
+                                               (channel is None and self.channel)))
         # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards, and ZeRO-1 into
         # each rank's slice of its whole buckets where the framework does; zero_optimization's
         # reduce_scatter false all-reduces at stages 1-2 (stage 3 always scatters)

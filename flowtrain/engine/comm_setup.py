@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.strategy import Strategy
     from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.spec import TrainingSpec
     from flowtrain.plan.step_plan import StepPlan
     from flowtrain.zero.sharded import ZeroOptimizer
 
@@ -33,6 +34,7 @@ class EngineComm:
     channel: Any
     zero: ZeroOptimizer | None
     strategy: Strategy
+    spec: TrainingSpec
     stage3: Any
     grid: ProcessGrid | None
     model_parallel: bool
@@ -109,7 +111,7 @@ class EngineComm:
 
         # A /dev/shm too small for either channel (open_channel's fallback) leaves each rank
         # its own copy of the parameters, and then stage 3's gathers to torch.distributed.
-        if self.config.flowtrain.zero_shared_params:
+        if self.spec.shares_host_params(shm_channel=True):  # the channel is open here
             channel = shm.open_channel(self._rank, slot_bytes=64 + 64,
                                        timeout=comm.DEFAULT_TIMEOUT,
                                        shared_bytes=self.zero.shared_bytes(), fallback=True)

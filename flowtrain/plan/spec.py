@@ -108,6 +108,17 @@ class Stage3Policy:
                    zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
 
 
+def shares_host_params(zero_stage: int, *, dp: int, tp: int = 1, pp: int = 1,
+                       zero_shared_params: bool = True, shm_channel: bool = False) -> bool:
+    """Whether the ZeRO ranks of one host keep its one copy of the parameters in shared
+    memory (``flowtrain.zero_shared_params``, ``ZeroOptimizer.share_params``): data parallel
+    only, over the shared-memory data channel (``shm_channel``: every rank a CPU rank of one
+    host, the channel open). Then nothing is all-gathered after the step, and a ZeRO-3 use is
+    a view of the shared copy, not a gather."""
+    return zero_stage > 0 and dp > 1 and tp == 1 and pp == 1 and zero_shared_params and \
+        shm_channel
+
+
 def bucket_numel(zero: ZeroConfig, elem_size: int) -> int:
     """The gradient bucket's size in elements: the config's ``reduce_bucket_size`` when set;
     with ZeRO, which also gathers parameters bucket by bucket, the smaller of it and
@@ -148,6 +159,7 @@ class TrainingSpec:
     offload_optimizer: OffloadDevice
     offload_params: OffloadDevice
     stage3: Stage3Policy
+    zero_shared_params: bool = True  # flowtrain.zero_shared_params (``shares_host_params``)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
@@ -170,6 +182,12 @@ class TrainingSpec:
     def reduction(self) -> GradientReduction:
         return decide_reduction(self.zero_stage, self.dp, reduce_scatter=self.reduce_scatter,
                                 pipeline_stages=self.pp, mirrored=self.mirrored)
+
+    def shares_host_params(self, shm_channel: bool) -> bool:
+        """``shares_host_params`` for this spec, with or without the shared-memory channel."""
+        return shares_host_params(self.zero_stage, dp=self.dp, tp=self.tp, pp=self.pp,
+                                  zero_shared_params=self.zero_shared_params,
+                                  shm_channel=shm_channel)
 
     @property
     def world_size(self) -> int:
@@ -219,7 +237,8 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
         offload_params=_choice(zero.offload_param.device, OFFLOAD_DEVICES,
                                "zero_optimization.offload_param.device")
         if zero.stage == 3 else "none",
-        stage3=Stage3Policy.of(zero))
+        stage3=Stage3Policy.of(zero),
+        zero_shared_params=bool(config.flowtrain.zero_shared_params))
 
 
 def engine_problem(spec: TrainingSpec) -> str | None:

@@ -107,3 +107,15 @@ def test_bad_replacements_are_named() -> None:
         spec.replace(offload_params="gpu")
     with pytest.raises(ValueError, match="element size must be at least 1 byte, got 0"):
         resolve(cfg(), dp=2, elem_size=0)
+
+
+def test_host_shared_parameters_need_zero_one_host_and_the_shm_channel() -> None:
+    zero1 = resolve(cfg(zero_optimization={"stage": 1}), dp=2, elem_size=4)
+    assert zero1.shares_host_params(shm_channel=True)
+    assert not zero1.shares_host_params(shm_channel=False)
+    assert not resolve(cfg(), dp=2, elem_size=4).shares_host_params(shm_channel=True)
+    assert not zero1.replace(dp=1).shares_host_params(shm_channel=True)
+    assert not zero1.replace(tp=2).shares_host_params(shm_channel=True)
+    off = resolve(cfg(zero_optimization={"stage": 3}, flowtrain={"zero_shared_params": False}),
+                  dp=2, elem_size=4)
+    assert not off.zero_shared_params and not off.shares_host_params(shm_channel=True)
