@@ -10,21 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plan_names_worker import Block  # an MLP block named as tensor parallelism splits
+
 VOCAB, WIDTH, SEQ, MICRO = 64, 16, 8, 2
 # small buckets: several reduces (and ZeRO-3 gathers) a step; both executors read this size
 BUCKET = 1500
-
-
-class Block(nn.Module):
-    """An MLP block whose projections carry the names tensor parallelism splits by."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 class TokenNet(nn.Module):
