@@ -103,7 +103,6 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
         self._names = _param_names(model, self.trainable)
 
-        self.zero_stage = config.zero_optimization.stage
         self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stages 1-3
         self.stage3 = None  # flowtrain.zero.stage3.Stage3Params: stage 3 on several ranks
         self.spec = resolve(config, dp=self.world_size,
@@ -111,6 +110,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
                             pp=grid.shape.pp if grid is not None else 1,
                             elem_size=arriving_elem,
                             mirrored=self.world_size > 1 and on and _peer_recovery_enabled())
+        self.zero_stage = self.spec.zero_stage  # the record checkpoints and telemetry keep
         problem = engine_problem(self.spec)
         if problem is not None:
             raise ValueError(problem)
