@@ -196,7 +196,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None,
     from flowtrain import telemetry
 
     telemetry.attach(engine)  # a no-op unless `flowtrain launch` hosts the job
-    engine.flops_profiler = engine_hook(engine)  # the flops_profiler section (rank 0), or None
+    engine.flops_profiler = engine_hook(engine, cfg.flops_profiler)  # rank 0's, or None
     return engine, engine.optimizer, engine.training_dataloader, scheduler
 
 

@@ -48,7 +48,7 @@ def save_engine(engine: CheckpointableEngine, save_dir: str, tag: str | None = N
             "loss_scaler_kind": type(engine.loss_scaler).__name__,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+            "gradient_accumulation_steps": engine.spec.gradient_accumulation_steps,
             # the resumed run reduces its gradients as this one did: the same sums
             "layout": engine.layout_state() if hasattr(engine, "layout_state") else None,
             # world size and batch size say how far into the epoch the ranks are together
@@ -78,8 +78,8 @@ def auto_resume(engine: CheckpointableEngine) -> tuple[str | None, dict[str, Any
     calls it, and every rank must see the same checkpoint (a shared file system)."""
     from flowtrain.checkpoint.dcp_io import all_gather_objects
 
-    directory = engine.config.checkpoint.save_dir
-    if not engine.config.checkpoint.auto_resume or directory is None:
+    directory = engine.spec.checkpoint.save_dir
+    if not engine.spec.checkpoint.auto_resume or directory is None:
         return None, None
     path = resolve(directory, None)
     seen = all_gather_objects(str(path) if path is not None else None)
@@ -141,7 +141,7 @@ def load_engine(engine: CheckpointableEngine, load_dir: str, tag: str | None = N
         engine.skipped_steps = shared["skipped_steps"]
         # With another accumulation count (the world size changed, the global batch did not)
         # the next micro-step starts a fresh window.
-        gas = engine.config.grad_accum
+        gas = engine.spec.gradient_accumulation_steps
         engine.micro_steps = shared["micro_steps"] \
             if shared.get("gradient_accumulation_steps", gas) == gas \
             else engine.global_steps * gas

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from flowtrain.engine.dataloader import DistributedLoader
     from flowtrain.engine.mixed import MasterWeights
     from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.spec import TrainingSpec
     from flowtrain.precision.loss_scaler import LossScaler
     from flowtrain.zero.sharded import ZeroOptimizer
 
@@ -37,7 +38,8 @@ class CheckpointableEngine(Protocol):
     zero_stage: int
     precision: str
     loss_scaler: LossScaler
-    config: FlowtrainConfig
+    config: FlowtrainConfig  # recorded beside the checkpoint, never read for a decision
+    spec: TrainingSpec
     training_dataloader: DistributedLoader | None
 
     # where this rank is: ``world_size`` and ``dp_rank`` count the data-parallel group, which

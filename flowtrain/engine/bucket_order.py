@@ -20,9 +20,9 @@ import torch.distributed as dist
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
-    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.strategy import Strategy
+    from flowtrain.plan.spec import TrainingSpec
     from flowtrain.plan.step_plan import StepPlan
 
 log = get_logger("flowtrain.engine")
@@ -30,7 +30,7 @@ log = get_logger("flowtrain.engine")
 
 class BucketOrder:
     # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
-    config: FlowtrainConfig
+    spec: TrainingSpec
     buckets: GradBuckets
     plan: StepPlan
     trainable: list[torch.nn.Parameter]
@@ -55,7 +55,7 @@ class BucketOrder:
         without asking, and "reverse" is a fixed order."""
         return self.world_size > 1 and self.strategy.observes_bucket_order and \
             not self.model_parallel and self.peer is None and \
-            self.config.flowtrain.bucket_order == "observed"
+            self.spec.host.bucket_order == "observed"
 
     def _observe_order_again(self) -> None:
         """The tied embedding's split was just switched off (on every rank at this step): its

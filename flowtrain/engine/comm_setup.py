@@ -12,7 +12,6 @@ from flowtrain.engine.reducer import BucketReducer
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:
-    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.strategy import Strategy
     from flowtrain.parallel.grid import ProcessGrid
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
 class EngineComm:
     # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
     peer: Any
-    config: FlowtrainConfig
     module: torch.nn.Module
     buckets: GradBuckets
     world_size: int
@@ -47,12 +45,11 @@ class EngineComm:
     _runtime: Any
 
     def _spawn_reducer(self) -> None:
-        config = self.config
         peer = self.peer
         reducer = BucketReducer(self.buckets, world_size=self.world_size, group=self.dp_group,
                                 comm_dtype=self.comm_dtype,
-                                predivide=config.gradient_predivide_factor,
-                                prescale=config.prescale_gradients, stages=self.stages,
+                                predivide=self.spec.gradient_predivide,
+                                prescale=self.spec.prescale_gradients, stages=self.stages,
                                 channel=self.channel,
                                 shards=self.zero.grad_shards if self.zero is not None and
                                 self.zero.scattered else None,
@@ -136,7 +133,7 @@ class EngineComm:
         (data parallel and ZeRO stage 1, not the transient ones of stages 2-3) reduced in the
         gradients' own dtype. Room for every bucket of any order: each padded and aligned, one
         per parameter at most."""
-        if not self.config.flowtrain.shm_arena or self.transient or \
+        if not self.spec.host.shm_arena or self.transient or \
                 any(p.dtype != self.comm_dtype for p in self.trainable):
             return 0
         elem = torch.empty((), dtype=self.comm_dtype).element_size()

@@ -78,7 +78,15 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self.dp_rank = dist.get_rank(self.dp_group) if on else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = next(model.parameters()).device
-        self.precision = config.precision
+        # the default bucket holds a fixed number of bytes of the parameters as the model
+        # arrives, before they are cast to the training dtype
+        arriving_elem = next((p.element_size() for p in model.parameters()), 4)
+        self.spec = resolve(config, dp=self.world_size,
+                            tp=grid.shape.tp if grid is not None else 1,
+                            pp=grid.shape.pp if grid is not None else 1,
+                            elem_size=arriving_elem,
+                            mirrored=self.world_size > 1 and on and _peer_recovery_enabled())
+        self.precision = self.spec.precision
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -89,9 +97,6 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self.stages = Stages()
         self.timer = StepTimer()
 
-        # the default bucket holds a fixed number of bytes of the parameters as the model
-        # arrives, before they are cast to the training dtype
-        arriving_elem = next((p.element_size() for p in model.parameters()), 4)
         model_dtype = TORCH_DTYPES[self.precision]
         if model_dtype != torch.float32:
             # zero.Init's partitions are cast as they are (the model never whole)
@@ -105,11 +110,6 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
 
         self.zero = None  # a flowtrain.zero.ZeroOptimizer with ZeRO stages 1-3
         self.stage3 = None  # flowtrain.zero.stage3.Stage3Params: stage 3 on several ranks
-        self.spec = resolve(config, dp=self.world_size,
-                            tp=grid.shape.tp if grid is not None else 1,
-                            pp=grid.shape.pp if grid is not None else 1,
-                            elem_size=arriving_elem,
-                            mirrored=self.world_size > 1 and on and _peer_recovery_enabled())
         self.zero_stage = self.spec.zero_stage  # the record checkpoints and telemetry keep
         problem = engine_problem(self.spec)
         if problem is not None:
@@ -128,18 +128,14 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             self.master.replace_in_optimizer(optimizer)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        fp16 = config.fp16
-        self.loss_scaler = build_loss_scaler(
-            enabled=self.precision == "fp16", loss_scale=fp16.loss_scale,
-            initial_scale_power=fp16.initial_scale_power, loss_scale_window=fp16.loss_scale_window,
-            hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-            min_loss_scale=fp16.min_loss_scale)
+        self.loss_scaler = build_loss_scaler(self.spec.loss_scale,
+                                             enabled=self.precision == "fp16")
 
-        self.comm_dtype = config.communication_dtype
+        self.comm_dtype = getattr(torch, self.spec.comm_dtype)
         self.bucket_numel = self.spec.bucket_numel
         # what ZeRO and the health figures are built from
         self._parts = EngineParts(
-            config=config, spec=self.spec, module=model, trainable=self.trainable,
+            spec=self.spec, module=model, trainable=self.trainable,
             param_specs=self._param_specs(), grid=grid, dp_group=self.dp_group,
             world_size=self.world_size, dp_rank=self.dp_rank,
             model_parallel=self.model_parallel, spawn=self._spawn)
@@ -155,7 +151,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             # before the buckets: with the shared-memory channel they live in its arena; not
             # under peer recovery: shared memory would wait on a dead peer, gloo's connections
             # see it close
-            self.channel = self._open_channel(config.flowtrain.data_channel)
+            self.channel = self._open_channel(self.spec.host.data_channel)
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = not self._observed_layout()
         self._settle_after = 0  # the first step that may settle the order
@@ -172,7 +168,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         # for the end of backward (flowtrain/engine/embedding_rows.py)
         self._rows: EmbeddingRows | None = None
         if self.world_size > 1 and self.strategy.splits_tied_rows and not self.model_parallel \
-                and self.peer is None and config.flowtrain.tied_embedding_rows:
+                and self.peer is None and self.spec.host.tied_embedding_rows:
             tied = tied_embeddings(model)
             if tied:
                 self._rows = EmbeddingRows(tied, world_size=self.world_size,
@@ -196,9 +192,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self.training_dataloader = None
         if training_data is not None:
             self.training_dataloader = DistributedLoader(
-                training_data, batch_size=config.micro_batch,
+                training_data, batch_size=self.spec.micro_batch_size,
                 rank=self.dp_rank, world_size=self.world_size, collate_fn=collate_fn,
-                seed=config.flowtrain.seed or 0)
+                seed=self.spec.host.seed)
 
     # -- setup helpers --------------------------------------------------------------------------
 
@@ -255,7 +251,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._send_stage("micro_batch", MicroBatchStart(self.global_steps, self.micro_steps))
-        mb = self.micro_steps % self.config.grad_accum
+        mb = self.micro_steps % self.spec.gradient_accumulation_steps
         if self.stage3 is not None and torch.is_grad_enabled():
             self.stage3.start_micro_batch(mb)
         if self._plan_pending:
@@ -264,7 +260,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             return self._run_module(args, kwargs)
 
     def _run_module(self, args: Any, kwargs: Any) -> Any:
-        if self.precision != "fp32" and getattr(self.config.fp16, "auto_cast", False):
+        if self.precision != "fp32" and self.spec.loss_scale.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), TORCH_DTYPES[self.precision])
         if self._rows is None:
             return self.module(*args, **kwargs)
@@ -335,7 +331,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self._losses.append(loss.detach())
         scale = self.loss_scaler.loss_scale
         if scale_wrt_gas:
-            scale = scale / self.config.grad_accum
+            scale = scale / self.spec.gradient_accumulation_steps
         self.backward_pass(lambda: (loss.float() * scale if scale != 1.0 else loss).backward(
             retain_graph=retain_graph))
         return loss
@@ -350,7 +346,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         reduce_now = (boundary or self.transient) and self.reducer is not None and \
             not self._no_sync
         self._handed.clear()
-        mb = self.micro_steps % self.config.grad_accum
+        mb = self.micro_steps % self.spec.gradient_accumulation_steps
         if self.stage3 is not None:
             self.stage3.start_backward()
         with self.buckets.watch(self._bucket_ready if reduce_now else None,
@@ -374,7 +370,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
     def _reduce_micro_batch(self, micro_step: int | None = None) -> int | None:
         """The micro-batch a reduce belongs to when every micro-batch reduces (ZeRO 2-3 with
         accumulation: the plan names each micro-batch's reduce), else None (once a step)."""
-        gas = self.config.grad_accum
+        gas = self.spec.gradient_accumulation_steps
         if not self.transient or gas == 1:
             return None
         return (self.micro_steps if micro_step is None else micro_step) % gas
@@ -434,7 +430,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
                 self.global_steps >= self._settle_after:
             self._settle_bucket_order()
         self.global_steps += 1
-        self.global_samples += self.config.global_batch
+        self.global_samples += self.spec.train_batch_size
         loss = torch.stack(self._losses).float().mean().item() if self._losses else None
         self._losses.clear()
         lr = self.get_lr()[0] if self.get_lr() else 0.0
@@ -444,7 +440,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
         self._send_stage("after_step", StepDone(self.global_steps, skipped, loss, lr,
                                                 self._global_grad_norm,
                                                 self.loss_scaler.loss_scale))
-        every = self.config.steps_per_print
+        every = self.spec.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(loss, lr, every)
         if verdict is not None and verdict.get("joined"):
@@ -476,7 +472,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
 
     def _log_step(self, loss: float | None, lr: float, every: int) -> None:
         breakdown = self.timer.breakdown(every)
-        samples_per_s = (self.config.global_batch / breakdown["step_s"]
+        samples_per_s = (self.spec.train_batch_size / breakdown["step_s"]
                          if breakdown.get("step_s") else None)
         memory = self.memory_breakdown()
         health = self.health.figures(breakdown.get("step_s"), breakdown.get("comm_s"))
@@ -489,7 +485,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
                  model_state_mib=round(memory["total"] / 2**20, 1),
                  rss_mib=round(memory["process_rss"] / 2**20, 1),
                  **{k: (round(v, 4) if v is not None else None) for k, v in health.items()},
-                 **({k: v for k, v in breakdown.items()} if self.config.wall_clock_breakdown
+                 **({k: v for k, v in breakdown.items()} if self.spec.wall_clock_breakdown
                     else {"step_s": breakdown.get("step_s")}))
 
     def destroy(self) -> None:

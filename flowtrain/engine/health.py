@@ -59,7 +59,7 @@ class Health:
         parts = self.parts
         # the specs keep full shapes where ZeRO stage 3 left placeholders
         weights = sum(e * _numel(shape) for _, shape, _, e in parts.param_specs)
-        gas = parts.config.grad_accum
+        gas = parts.spec.gradient_accumulation_steps
         if self.zero is not None:
             stepped = sum(m.numel() for m in self.zero.master)
         else:
@@ -72,7 +72,7 @@ class Health:
             return out
         out["comm_share"] = (comm_s or 0.0) / step_s
         peak, bandwidth = self._peaks()
-        gas = self.parts.config.grad_accum
+        gas = self.parts.spec.gradient_accumulation_steps
         if peak and self.forward_flops:
             out["mfu"] = 3.0 * self.forward_flops * gas / (step_s * peak)
         if bandwidth:

@@ -15,11 +15,11 @@ from flowtrain.engine.mixed import clip_, total_grad_norm
 from flowtrain.precision import has_inf_or_nan
 
 if TYPE_CHECKING:
-    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.mixed import MasterWeights
     from flowtrain.engine.surface import LRScheduler
     from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.spec import TrainingSpec
     from flowtrain.precision.loss_scaler import LossScaler
     from flowtrain.zero.sharded import ZeroOptimizer
 
@@ -33,7 +33,7 @@ class OptimizerStep:
     buckets: GradBuckets
     loss_scaler: LossScaler
     precision: str
-    config: FlowtrainConfig
+    spec: TrainingSpec
     global_steps: int
     skipped_steps: int
     lr_scheduler: LRScheduler | None
@@ -61,7 +61,7 @@ class OptimizerStep:
         self.loss_scaler.update(overflow)
         if overflow:
             return self._skip()
-        clip = self.config.gradient_clipping
+        clip = self.spec.gradient_clipping
         printing = self._logs_this_step()
         if (clip and clip > 0) or printing:
             # The norm costs a pass over every gradient: only when clipping or logging needs it.
@@ -90,7 +90,7 @@ class OptimizerStep:
         halves = self.buckets.buffers()
         inv = 1.0 / self.loss_scaler.loss_scale
         fp16 = self.precision == "fp16"
-        clip = self.config.gradient_clipping
+        clip = self.spec.gradient_clipping
         printing = self._logs_this_step()
         wants_norm = bool(clip and clip > 0) or printing
         norm = float(l2_norm(halves)) * inv if fp16 or wants_norm else 0.0
@@ -109,7 +109,7 @@ class OptimizerStep:
 
     def _logs_this_step(self) -> bool:
         """The step about to be taken is one steps_per_print logs (its norm is wanted)."""
-        every = self.config.steps_per_print
+        every = self.spec.steps_per_print
         return bool(every and (self.global_steps + 1) % every == 0)
 
     def _skip(self) -> bool:
@@ -154,7 +154,7 @@ class OptimizerStep:
         return float(t)
 
     def _zero_step(self) -> bool:
-        clip = self.config.gradient_clipping
+        clip = self.spec.gradient_clipping
         printing = self._logs_this_step()
         fp16 = self.precision == "fp16"
         if self.zero is None:

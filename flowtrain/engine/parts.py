@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 import torch
 
-from flowtrain.config import FlowtrainConfig
 from flowtrain.engine.stages import Stages
 from flowtrain.engine.timing import StepTimer
 from flowtrain.parallel.grid import ProcessGrid
@@ -27,7 +26,6 @@ class EngineParts:
     dtype and before ZeRO stage 3 replaces partitioned parameters with empty placeholders, so
     ``param_specs`` keeps every parameter's full shape."""
 
-    config: FlowtrainConfig
     spec: TrainingSpec  # the config's decisions (flowtrain.plan.spec.resolve)
     module: torch.nn.Module
     trainable: list[torch.nn.Parameter]
@@ -90,7 +88,7 @@ class TelemetrySource(TimedEngine, Protocol):
     """What ``flowtrain.telemetry.actor`` reads from an engine and wires into it."""
 
     @property
-    def config(self) -> FlowtrainConfig: ...
+    def spec(self) -> TrainingSpec: ...
     @property
     def health(self) -> HealthFigures: ...
     @property
@@ -117,11 +115,13 @@ class ProfiledEngine(TimedEngine, Protocol):
     partitioned parameters (from the step plan)."""
 
     @property
-    def config(self) -> FlowtrainConfig: ...
-    @property
     def world_size(self) -> int: ...
     @property
     def stage3(self) -> object | None: ...
+
+    def train_micro_batch_size_per_gpu(self) -> int: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
     @property
     def trainable(self) -> list[torch.nn.Parameter]: ...
     @property

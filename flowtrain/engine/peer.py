@@ -15,7 +15,6 @@ from flowtrain.engine.strategy import strategy_for
 from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
-    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.parts import EngineParts
     from flowtrain.engine.strategy import Strategy
@@ -46,7 +45,6 @@ class PeerRecovery:
     plan: StepPlan
     model_parallel: bool
     grid: ProcessGrid | None
-    config: FlowtrainConfig
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     lr_scheduler: LRScheduler | None
@@ -108,7 +106,7 @@ class PeerRecovery:
         self.peer.dropped_steps += 1
         self._losses.clear()
         self._zero_grads()
-        self.micro_steps -= self.config.grad_accum
+        self.micro_steps -= self.spec.gradient_accumulation_steps
         log.warning("step dropped: the group lost a rank; re-forming it",
                     step=self.global_steps + 1, reduce_error=error, members=verdict.get("members"),
                     generation=verdict.get("generation"))

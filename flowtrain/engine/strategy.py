@@ -30,6 +30,7 @@ from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
 from flowtrain.plan.spec import TrainingSpec
 from flowtrain.zero.gathered import register
+from flowtrain.zero.offload import OffloadTarget
 
 if TYPE_CHECKING:
     from flowtrain.zero.sharded import ZeroOptimizer
@@ -182,8 +183,7 @@ class ShardedParameters(ShardedOptimizer):
 
     def build(self, parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.Optimizer
               ) -> tuple[ZeroOptimizer | None, Stage3Params | None]:
-        zcfg = parts.config.zero_optimization
-        if not zcfg.reduce_scatter and self.spec.dp > 1:
+        if not self.spec.reduce_scatter and self.spec.dp > 1:
             log.warning("zero_optimization.reduce_scatter false is not honoured with stage 3: "
                         "flowtrain's stage 3 always reduce-scatters gradients (the same sums, "
                         "half the traffic of an all-reduce)", console=True)
@@ -267,9 +267,12 @@ def _zero_optimizer(parts: EngineParts, buckets: GradBuckets,
     mirror of the next rank's shard (``flowtrain.zero.mirror``)."""
     from flowtrain.zero.sharded import ZeroOptimizer
 
-    zcfg = parts.config.zero_optimization
-    offload_optimizer = zcfg.offload_optimizer if spec.offload_optimizer != "none" else None
-    offload_param = _Placement(torch.device("cpu")) if spec.offload_params != "none" else None
+    # the spec's "nvme" is refused before here (flowtrain.config.support): both land on the CPU
+    host = torch.device("cpu")
+    offload_optimizer = OffloadTarget(host, spec.offload_pin_memory) \
+        if spec.offload_optimizer != "none" else None
+    offload_param = OffloadTarget(host, spec.offload_pin_memory) \
+        if spec.offload_params != "none" else None
     reduction = spec.reduction
     zero = ZeroOptimizer(parts.trainable, buckets, stage=spec.zero_stage,
                          world_size=parts.world_size, rank=parts.dp_rank,
@@ -284,7 +287,3 @@ def _zero_optimizer(parts: EngineParts, buckets: GradBuckets,
     zero.replace_in_optimizer(optimizer)
     return zero
 
-
-class _Placement:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device

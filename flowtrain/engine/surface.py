@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from flowtrain.engine.dataloader import DistributedLoader
     from flowtrain.engine.mixed import MasterWeights
     from flowtrain.parallel.grid import ProcessGrid
+    from flowtrain.plan.spec import TrainingSpec
     from flowtrain.precision.loss_scaler import LossScaler
     from flowtrain.zero.sharded import ZeroOptimizer
     from flowtrain.zero.stage3 import Stage3Params
@@ -47,7 +48,8 @@ class EngineSurface:
     # so that the methods below are checked against them, and so that the mixin is the
     # CheckpointableEngine that save_checkpoint and load_checkpoint hand on.
     module: torch.nn.Module
-    config: FlowtrainConfig
+    config: FlowtrainConfig  # recorded beside checkpoints, never read for a decision
+    spec: TrainingSpec
     optimizer: torch.optim.Optimizer
     trainable: list[torch.nn.Parameter]
     buckets: GradBuckets
@@ -163,13 +165,13 @@ class EngineSurface:
         return self._global_grad_norm
 
     def train_batch_size(self) -> int:
-        return self.config.global_batch
+        return self.spec.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.micro_batch
+        return self.spec.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.grad_accum
+        return self.spec.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-batch ends the step: every gradient_accumulation_steps-th one,
@@ -177,7 +179,7 @@ class EngineSurface:
         told = getattr(self, "_boundary_told", None)
         if told is not None:
             return bool(told)
-        return (self.micro_steps + 1) % self.config.grad_accum == 0
+        return (self.micro_steps + 1) % self.spec.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's manual override (what accelerate calls): the next backward and step
@@ -197,7 +199,7 @@ class EngineSurface:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """The config's stage3_gather_16bit_weights_on_model_save (what HF's Trainer asks
         before saving a ZeRO-3 model as one file)."""
-        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+        return self.spec.checkpoint.gather_16bit_on_save
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False,
                                              ) -> dict[str, torch.Tensor] | None:
@@ -233,11 +235,11 @@ class EngineSurface:
         """Writes the model, optimizer, scheduler, loss scaler, counters, dataloader position
         and random generators atomically (into the config's checkpoint.save_dir when
         ``save_dir`` is not given); every rank must call it."""
-        directory = save_dir if save_dir is not None else self.config.checkpoint.save_dir
+        directory = save_dir if save_dir is not None else self.spec.checkpoint.save_dir
         if directory is None:
             raise ValueError("save_checkpoint needs a directory: pass save_dir, or set "
                              "checkpoint.save_dir in the config")
-        if self.config.checkpoint.async_save and self.checkpoint_writer is None:
+        if self.spec.checkpoint.async_save and self.checkpoint_writer is None:
             from flowtrain.checkpoint.background import BackgroundWriter
 
             self.checkpoint_writer = BackgroundWriter()

@@ -63,9 +63,8 @@ class PipelineEngine(FlowtrainEngine):
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
         self.schedule = self.plan.schedule  # checked when the engine planned its step
-        if config.pipeline.activation_checkpoint_interval and \
-                not model.activation_checkpoint_interval:
-            model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
+        if self.spec.recompute_interval and not model.activation_checkpoint_interval:
+            model.activation_checkpoint_interval = self.spec.recompute_interval
         group = dist.new_group(ranks=list(range(dist.get_world_size()))) \
             if dist.is_initialized() and dist.get_world_size() > 1 else None
         self._p2p_group = group
@@ -162,7 +161,7 @@ class PipelineEngine(FlowtrainEngine):
         Called by the stage actor."""
         name = names.backward(mb, chunk=chunk)
         if grad is None:
-            scale = self.loss_scaler.loss_scale / self.config.grad_accum
+            scale = self.loss_scaler.loss_scale / self.spec.gradient_accumulation_steps
             self.backward_pass(lambda: (out.float() * scale).backward(), name)
         else:
             outs = [t for t in tensors_of(out) if t.requires_grad]
@@ -176,7 +175,7 @@ class PipelineEngine(FlowtrainEngine):
     # -- the DeepSpeed surface ---------------------------------------------------------------------
 
     def _batches(self, data_iter: Iterator[Any] | None) -> tuple[Any, ...]:
-        gas = self.config.grad_accum
+        gas = self.spec.gradient_accumulation_steps
         if not (self.grid.is_first_stage or self.grid.is_last_stage):
             return (None,) * gas
         if data_iter is None:
@@ -214,8 +213,9 @@ class PipelineEngine(FlowtrainEngine):
                    compute_loss: bool = True) -> torch.Tensor:
         """Forward only over gradient_accumulation_steps micro-batches; the mean loss."""
         schedule = "interleaved" if self.virtual_stages > 1 else "gpipe"
-        ops = tuple(op for op in stage_ops(schedule, self.stage_id, self.num_stages,
-                                           self.config.grad_accum, self.virtual_stages)
+        gas = self.spec.gradient_accumulation_steps
+        ops = tuple(op for op in stage_ops(schedule, self.stage_id, self.num_stages, gas,
+                                           self.virtual_stages)
                     if op.kind in ("recv_act", "forward", "send_act"))
         was = self.module.training
         self.module.eval()

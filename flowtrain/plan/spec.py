@@ -2,12 +2,14 @@
 (which runs them) and the simulator (which prices them) follow.
 
 ``resolve(config, ...)`` turns a loaded ``FlowtrainConfig`` and the process grid into a frozen
-``TrainingSpec``: the grid, the batch, the precision, ZeRO's stage and offload, the gradient
-bucket size and how gradients are reduced (``GradientReduction``: the collective and whether
-it runs after every micro-batch or once a step). Every default that these decisions need is
-defined here once. Changing a decision (``simulate``'s what-ifs, the tuner) replaces fields of
-a spec (``TrainingSpec.replace``); the derived decisions follow the fields, so a replaced spec
-is as consistent as a resolved one.
+``TrainingSpec``: the grid, the batch, the precision and its loss scale, ZeRO's stage and
+offload, the gradient bucket size and how gradients are reduced (``GradientReduction``: the
+collective and whether it runs after every micro-batch or once a step), clipping, logging,
+checkpointing and flowtrain's own host choices. Every default that these decisions need is
+defined here once; after ``resolve`` the engine reads the spec, never the config (which it
+keeps only to record it beside checkpoints and plans). Changing a decision (``simulate``'s
+what-ifs, the tuner) replaces fields of a spec (``TrainingSpec.replace``); the derived
+decisions follow the fields, so a replaced spec is as consistent as a resolved one.
 """
 
 from __future__ import annotations
@@ -108,6 +110,53 @@ class Stage3Policy:
                    zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
 
 
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16's loss scale (DeepSpeed's ``fp16`` keys): ``static`` above 0 is a fixed scale;
+    otherwise the scale starts at 2**``initial_power``, doubles after ``window`` steps without
+    an overflow and halves after ``hysteresis`` overflows (counted only when consecutive with
+    ``consecutive_hysteresis``), never below ``min_scale``. ``auto_cast``: the forward runs
+    under autocast to the half dtype (``fp16.auto_cast``, read for bf16 too)."""
+
+    static: float
+    initial_power: int
+    window: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_scale: float
+    auto_cast: bool
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and how checkpoints are written: ``save_dir`` (None: only where the caller says),
+    ``auto_resume`` from its latest, ``async_save`` in the background, and ZeRO-3's
+    ``gather_16bit_on_save`` (a whole 16-bit model file beside the shards)."""
+
+    save_dir: str | None
+    auto_resume: bool
+    async_save: bool
+    gather_16bit_on_save: bool
+
+
+@dataclass(frozen=True)
+class HostChoices:
+    """flowtrain's own choices of how a host carries the run (the ``flowtrain`` section):
+    bucket order (``"observed"`` or ``"reverse"``), the data channel (``"shm"``, ``"torch"``
+    or None: shm where it can be used), buckets in the shm arena, a tied embedding's rows
+    reduced apart, the data loader's seed, and telemetry (on, records a second, a spans
+    record every so many steps)."""
+
+    bucket_order: str
+    data_channel: str | None
+    shm_arena: bool
+    tied_embedding_rows: bool
+    seed: int
+    telemetry: bool
+    telemetry_hz: float
+    telemetry_spans_every: int
+
+
 def shares_host_params(zero_stage: int, *, dp: int, tp: int = 1, pp: int = 1,
                        zero_shared_params: bool = True, shm_channel: bool = False) -> bool:
     """Whether the ZeRO ranks of one host keep its one copy of the parameters in shared
@@ -159,7 +208,18 @@ class TrainingSpec:
     offload_optimizer: OffloadDevice
     offload_params: OffloadDevice
     stage3: Stage3Policy
-    zero_shared_params: bool = True  # flowtrain.zero_shared_params (``shares_host_params``)
+    zero_shared_params: bool  # flowtrain.zero_shared_params (``shares_host_params``)
+    train_batch_size: int  # samples a step over the data-parallel group
+    gradient_clipping: float  # the global norm gradients are clipped to; 0: no clipping
+    gradient_predivide: float  # gradients divided by this before the reduce, the rest after
+    prescale_gradients: bool  # divide by the group size before the reduce, not after
+    offload_pin_memory: bool  # the offloaded optimizer's host buffers are pinned
+    recompute_interval: int  # pipeline layers recomputed in groups of this many; 0: none
+    steps_per_print: int  # log (and take the gradient norm) every this many steps; 0: never
+    wall_clock_breakdown: bool  # the step's time broken down in each log line
+    loss_scale: LossScalePolicy
+    checkpoint: CheckpointPolicy
+    host: HostChoices
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch_size",
@@ -218,6 +278,7 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
     ``mirrored``: ``launch --peer-recovery`` keeps a neighbour's ZeRO shard too."""
     zero = config.zero_optimization
     pipe = config.pipeline
+    fp16, ckpt, own = config.fp16, config.checkpoint, config.flowtrain
     v = int(pipe.virtual_stages or 1) if pp > 1 else 1
     schedule = str(pipe.schedule).lower() if pp > 1 else "1f1b"
     if schedule not in SCHEDULES:
@@ -238,7 +299,30 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
                                "zero_optimization.offload_param.device")
         if zero.stage == 3 else "none",
         stage3=Stage3Policy.of(zero),
-        zero_shared_params=bool(config.flowtrain.zero_shared_params))
+        zero_shared_params=bool(config.flowtrain.zero_shared_params),
+        train_batch_size=config.global_batch,
+        gradient_clipping=float(config.gradient_clipping or 0.0),
+        gradient_predivide=float(config.gradient_predivide_factor),
+        prescale_gradients=bool(config.prescale_gradients),
+        offload_pin_memory=bool(zero.offload_optimizer.pin_memory),
+        recompute_interval=int(pipe.activation_checkpoint_interval),
+        steps_per_print=int(config.steps_per_print or 0),
+        wall_clock_breakdown=bool(config.wall_clock_breakdown),
+        loss_scale=LossScalePolicy(
+            static=float(fp16.loss_scale), initial_power=fp16.initial_scale_power,
+            window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=float(fp16.min_loss_scale), auto_cast=bool(fp16.auto_cast)),
+        checkpoint=CheckpointPolicy(
+            save_dir=ckpt.save_dir, auto_resume=bool(ckpt.auto_resume),
+            async_save=bool(ckpt.async_save),
+            gather_16bit_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save)),
+        host=HostChoices(
+            bucket_order=own.bucket_order, data_channel=own.data_channel,
+            shm_arena=bool(own.shm_arena), tied_embedding_rows=bool(own.tied_embedding_rows),
+            seed=int(own.seed or 0), telemetry=bool(own.telemetry),
+            telemetry_hz=float(own.telemetry_hz),
+            telemetry_spans_every=int(own.telemetry_spans_every)))
 
 
 def engine_problem(spec: TrainingSpec) -> str | None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from flowtrain.log import get_logger
+
+if TYPE_CHECKING:
+    from flowtrain.plan.spec import LossScalePolicy
 
 __all__ = [
     "DynamicLossScaler",
@@ -116,13 +119,16 @@ class DynamicLossScaler(LossScaler):
 
     dynamic = True
 
+    # No defaults: DeepSpeed's (the config schema's, flowtrain.config.sections.FP16Config) are
+    # decided once, by the training spec's LossScalePolicy.
     def __init__(
         self,
-        initial_scale_power: int = 16,
-        loss_scale_window: int = 1000,
-        hysteresis: int = 2,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
+        *,
+        initial_scale_power: int,
+        loss_scale_window: int,
+        hysteresis: int,
+        consecutive_hysteresis: bool,
+        min_loss_scale: float,
         scale_factor: float = 2.0,
     ) -> None:
         if isinstance(initial_scale_power, bool) or not isinstance(initial_scale_power, int):
@@ -224,40 +230,28 @@ class DynamicLossScaler(LossScaler):
         )
 
 
-def build_loss_scaler(
-    enabled: bool = False,
-    loss_scale: float = 0.0,
-    initial_scale_power: int = 16,
-    loss_scale_window: int = 1000,
-    hysteresis: int = 2,
-    consecutive_hysteresis: bool = False,
-    min_loss_scale: float = 1.0,
-) -> LossScaler:
-    """The scaler for an ``fp16`` config block (DeepSpeed's key names and defaults).
+def build_loss_scaler(policy: LossScalePolicy, *, enabled: bool) -> LossScaler:
+    """The scaler ``policy`` decides (``flowtrain.plan.spec.LossScalePolicy``, resolved from
+    the config's ``fp16`` block with DeepSpeed's key names and defaults).
 
-    ``enabled=False`` (bf16/fp32 training) gives a no-op scale of 1.0; ``loss_scale == 0``
-    selects dynamic scaling; ``loss_scale > 0`` is a static scale.
+    ``enabled=False`` (bf16/fp32 training) gives a no-op scale of 1.0; a ``static`` scale of 0
+    selects dynamic scaling; above 0 it is the fixed scale.
     """
     if not enabled:
         return StaticLossScaler(1.0)
-    try:
-        static = float(loss_scale)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"fp16.loss_scale must be 0 (dynamic) or > 0, got {loss_scale!r}"
-        ) from None
+    static = policy.static
     if not math.isfinite(static) or static < 0:
         raise ValueError(
-            f"fp16.loss_scale must be 0 (dynamic) or a finite number > 0, got {loss_scale!r}"
+            f"fp16.loss_scale must be 0 (dynamic) or a finite number > 0, got {static!r}"
         )
     if static > 0:
         return StaticLossScaler(static)
     return DynamicLossScaler(
-        initial_scale_power=initial_scale_power,
-        loss_scale_window=loss_scale_window,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive_hysteresis,
-        min_loss_scale=min_loss_scale,
+        initial_scale_power=policy.initial_power,
+        loss_scale_window=policy.window,
+        hysteresis=policy.hysteresis,
+        consecutive_hysteresis=policy.consecutive_hysteresis,
+        min_loss_scale=policy.min_scale,
     )
 
 

@@ -96,11 +96,11 @@ class EngineProfile:
             del self.engine.step
 
 
-def engine_hook(engine: FlowtrainEngine) -> EngineProfile | None:
-    """Wires the FLOPs profiler into ``engine`` when its config enables it; on rank 0 only, as
-    DeepSpeed profiles and prints there alone. Returns the hook, or None when nothing was
-    wired. Called by ``flowtrain.initialize`` once the engine is built."""
-    cfg = engine.config.flops_profiler
+def engine_hook(engine: FlowtrainEngine, cfg: FlopsProfilerConfig) -> EngineProfile | None:
+    """Wires the FLOPs profiler into ``engine`` when the config's ``flops_profiler`` section
+    ``cfg`` enables it; on rank 0 only, as DeepSpeed profiles and prints there alone. Returns
+    the hook, or None when nothing was wired. Called by ``flowtrain.initialize`` once the
+    engine is built."""
     if not cfg.enabled or getattr(engine, "global_rank", 0) != 0:
         return None
     if hasattr(engine, "train_batch"):

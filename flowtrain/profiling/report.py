@@ -80,9 +80,9 @@ def _summary(prof: Profile, profile_step: int) -> list[str]:
         world = int(engine.world_size)
     else:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    config = getattr(engine, "config", None)
-    micro = getattr(config, "train_micro_batch_size_per_gpu", None)
-    gas = int(getattr(config, "gradient_accumulation_steps", 1) or 1)
+    # DeepSpeed's engine methods, which flowtrain's engine has too
+    micro = engine.train_micro_batch_size_per_gpu() if engine is not None else None
+    gas = engine.gradient_accumulation_steps() if engine is not None else 1
     out = [
         "-------------------------- flowtrain FLOPs profiler --------------------------",
         f"Profile summary at step {profile_step}:",

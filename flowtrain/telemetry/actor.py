@@ -248,7 +248,7 @@ class TelemetryActor(Actor):
         overlaps = [t["overlap"] for t in timings if t["overlap"] is not None]
         overlap = sum(overlaps) / len(overlaps) if overlaps else None
         step_s = phases["step_s"]
-        batch = getattr(self.engine.config, "train_batch_size", None)
+        batch = self.engine.spec.train_batch_size
         return {
             "v": SCHEMA_VERSION, "kind": "step", "rank": self.rank, "t": time.time(),
             "step": msg.step, "loss": _num(msg.loss), "lr": float(msg.lr),
@@ -342,13 +342,13 @@ def _num(value: float | None) -> float | None:
 
 
 def _engine_summary(engine: TelemetrySource) -> dict[str, Any]:
-    cfg = engine.config
+    spec = engine.spec
     return {"precision": getattr(engine, "precision", None),
             "zero_stage": getattr(engine, "zero_stage", None),
             "world_size": getattr(engine, "world_size", None),
-            "train_batch_size": cfg.train_batch_size,
-            "micro_batch_size": cfg.train_micro_batch_size_per_gpu,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_batch_size": spec.train_batch_size,
+            "micro_batch_size": spec.micro_batch_size,
+            "gradient_accumulation_steps": spec.gradient_accumulation_steps,
             "parameters": sum(p.numel() for p in getattr(engine, "trainable", []))}
 
 
@@ -361,7 +361,7 @@ def attach(engine: TelemetrySource, *, force: bool = False) -> ActorRef[Any] | N
     launcher hosts the job (a plain ``python train.py`` or torchrun: nobody would record or
     watch); ``force`` attaches anyway, for benchmarks and tests in one process.
     """
-    section = engine.config.flowtrain
+    section = engine.spec.host
     if not section.telemetry:
         return None
     from flowtrain.runtime.rank import current_rank

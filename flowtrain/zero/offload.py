@@ -8,22 +8,29 @@ still runs shard by shard, exactly as it would with a GPU."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from flowtrain.config.zero import OffloadOptimizerConfig
+
+@dataclass(frozen=True)
+class OffloadTarget:
+    """Where a ZeroOptimizer keeps what it offloads (the spec's offload placement): the host
+    ``device``, in pinned buffers when ``pin_memory`` (and the compute device is a GPU)."""
+
+    device: torch.device
+    pin_memory: bool
 
 
 class Offloader:
     """Steps a ZeroOptimizer's master shards on the CPU (``offload_optimizer.device: cpu``)."""
 
-    def __init__(self, config: OffloadOptimizerConfig, compute_device: torch.device) -> None:
-        self.device = torch.device("cpu")
+    def __init__(self, target: OffloadTarget, compute_device: torch.device) -> None:
+        self.device = target.device
         self.compute_device = compute_device
         self.cuda = compute_device.type == "cuda" and torch.cuda.is_available()
-        self.pin = bool(getattr(config, "pin_memory", True)) and self.cuda
+        self.pin = target.pin_memory and self.cuda
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._param_buffers: dict[int, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(compute_device) if self.cuda else None

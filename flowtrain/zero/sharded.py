@@ -18,7 +18,7 @@ from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
 from flowtrain.engine.mixed import point_optimizer_at
 from flowtrain.zero import construct
-from flowtrain.zero.offload import Offloader
+from flowtrain.zero.offload import Offloader, OffloadTarget
 from flowtrain.zero.partition import Shard, flatten_params, padded_numel, shard_of
 
 
@@ -43,8 +43,8 @@ class ZeroOptimizer:
     def __init__(self, params: Sequence[torch.nn.Parameter], buckets: GradBuckets, *,
                  stage: int, world_size: int, rank: int, group: Any = None,
                  scattered: bool = False, sliced: bool = False, partitions: bool = False,
-                 offload_optimizer: Any = None,
-                 offload_param: Any = None, norm_over_world: bool = False,
+                 offload_optimizer: OffloadTarget | None = None,
+                 offload_param: OffloadTarget | None = None, norm_over_world: bool = False,
                  tp: int = 1, mirrored: bool = False) -> None:
         self.params = list(params)
         self.buckets = buckets

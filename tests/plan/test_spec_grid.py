@@ -56,10 +56,10 @@ def spec_plan(spec: TrainingSpec, cfg: Any, stage: int = 0,
     groups = param_groups(optimizer, trainable) if spec.zero_stage and params is None else None
     # ZeRO ranks of one host keeping its one copy of the parameters in shared memory read it
     # where they are: no gathers (ZeroOptimizer.share_params)
-    shared = spec.shares_host_params(shm_channel=cfg.flowtrain.data_channel == "shm")
+    shared = spec.shares_host_params(shm_channel=spec.host.data_channel == "shm")
     if spec.zero_stage != 3 or spec.dp == 1:
         return plan_step(spec, specs, groups=groups, stage=stage)
-    parts = EngineParts(config=cfg, spec=spec, module=model, trainable=trainable,
+    parts = EngineParts(spec=spec, module=model, trainable=trainable,
                         param_specs=specs, grid=None, dp_group=None, world_size=spec.dp,
                         dp_rank=0, model_parallel=False, spawn=lambda actor: None)
     buckets = stage3_buckets(parts, groups)

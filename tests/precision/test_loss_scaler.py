@@ -7,14 +7,37 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flowtrain.config.sections import FP16Config
+from flowtrain.plan.spec import LossScalePolicy
+from flowtrain.precision import DynamicLossScaler as _Dynamic
 from flowtrain.precision import (
-    DynamicLossScaler,
     LossScaleAtMinimum,
     StaticLossScaler,
     build_loss_scaler,
     has_inf_or_nan,
     unscale_,
 )
+
+# DeepSpeed's fp16 defaults, as the config schema holds them (their one definition)
+_FP16 = FP16Config()
+DEFAULTS = dict(initial_scale_power=_FP16.initial_scale_power,
+                loss_scale_window=_FP16.loss_scale_window, hysteresis=_FP16.hysteresis,
+                consecutive_hysteresis=_FP16.consecutive_hysteresis,
+                min_loss_scale=_FP16.min_loss_scale)
+
+
+def dynamic(**kw):
+    """The scaler with the config's defaults for what ``kw`` leaves out."""
+    return _Dynamic(**{**DEFAULTS, **kw})
+
+
+def policy(**kw):
+    """A LossScalePolicy with the config's defaults for what ``kw`` leaves out."""
+    base = dict(static=_FP16.loss_scale, initial_power=_FP16.initial_scale_power,
+                window=_FP16.loss_scale_window, hysteresis=_FP16.hysteresis,
+                consecutive_hysteresis=_FP16.consecutive_hysteresis,
+                min_scale=_FP16.min_loss_scale, auto_cast=False)
+    return LossScalePolicy(**{**base, **kw})
 
 
 def oracle(pattern, power, window, hyst, consecutive, min_scale):
@@ -54,7 +77,7 @@ def oracle(pattern, power, window, hyst, consecutive, min_scale):
 
 
 def run_scaler(pattern, **kw):
-    s = DynamicLossScaler(**kw)
+    s = dynamic(**kw)
     scales = []
     for i, overflow in enumerate(pattern):
         try:
@@ -147,7 +170,7 @@ def test_min_scale_not_power_of_two_is_clamped_then_raises():
 
 
 def test_error_message_and_state_unchanged():
-    s = DynamicLossScaler(initial_scale_power=0, hysteresis=1, min_loss_scale=1.0)
+    s = dynamic(initial_scale_power=0, hysteresis=1, min_loss_scale=1.0)
     before = s.state_dict()
     with pytest.raises(LossScaleAtMinimum) as info:
         s.update(True)
@@ -178,10 +201,11 @@ def test_state_dict_round_trip_continues_identically(cut):
     kw = dict(initial_scale_power=5, loss_scale_window=2, hysteresis=2)
     full = run_scaler(pattern, **kw)[0]
 
-    first = DynamicLossScaler(**kw)
+    first = dynamic(**kw)
     for o in pattern[:cut]:
         first.update(bool(o))
-    resumed = DynamicLossScaler()  # defaults differ on purpose: the state carries the config
+    # the config's defaults differ from kw on purpose: the state carries the scaler's settings
+    resumed = dynamic()
     resumed.load_state_dict(first.state_dict())
     rest = []
     for o in pattern[cut:]:
@@ -194,10 +218,10 @@ def test_static_and_noop_scalers():
     s = StaticLossScaler(128.0)
     s.update(True)
     assert s.loss_scale == 128.0 and not s.dynamic
-    assert build_loss_scaler(enabled=False).loss_scale == 1.0
-    assert build_loss_scaler(enabled=True, loss_scale=64).loss_scale == 64.0
-    d = build_loss_scaler(enabled=True, initial_scale_power=8, hysteresis=1)
-    assert isinstance(d, DynamicLossScaler) and d.loss_scale == 256.0 and d.hysteresis == 1
+    assert build_loss_scaler(policy(), enabled=False).loss_scale == 1.0
+    assert build_loss_scaler(policy(static=64.0), enabled=True).loss_scale == 64.0
+    d = build_loss_scaler(policy(initial_power=8, hysteresis=1), enabled=True)
+    assert isinstance(d, _Dynamic) and d.loss_scale == 256.0 and d.hysteresis == 1
     loss = torch.tensor(2.0)
     assert s.scale_loss(loss).item() == 256.0
 
@@ -214,12 +238,12 @@ def test_static_and_noop_scalers():
 def test_invalid_dynamic_settings_name_the_key(kwargs):
     key = next(iter(kwargs))
     with pytest.raises(ValueError, match=key):
-        DynamicLossScaler(**kwargs)
+        dynamic(**kwargs)
 
 
 def test_invalid_static_scale():
     with pytest.raises(ValueError, match="loss_scale"):
-        build_loss_scaler(enabled=True, loss_scale=-1)
+        build_loss_scaler(policy(static=-1.0), enabled=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
