@@ -112,8 +112,9 @@ def bench_step(args: argparse.Namespace, precision: str) -> dict[str, list[float
     peers: dict[str, Callable[[], object]] = {k: o.step for k, o in optimizers.items()}
     ours: Callable[[], object] = opt.step
     if precision != "fp32":
-        # as the engine steps (Engine._folded_step): the kernel reads the reduced half
-        # buckets with the loss-scale factor; torch's peers read unscaled fp32 gradients
+        # as the engine steps (flowtrain.engine.optim_step._folded_step): the kernel reads the
+        # reduced half buckets with the loss-scale factor; torch's peers read unscaled fp32
+        # gradients
         def ours() -> None:
             opt.read_grads_from(zip(engine.master.flat, engine.buckets.buffers()), 1.0 / 1024)
             opt.step()

@@ -22,7 +22,6 @@ from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.embedding_rows import EmbeddingRows, count_lookups, tied_embeddings
 from flowtrain.engine.health import Health
 from flowtrain.engine.mixed import MasterWeights, lay_out_flat
-from flowtrain.engine.optim_step import OptimizerStep
 from flowtrain.engine.parts import EngineParts
 from flowtrain.engine.peer import PeerRecovery
 from flowtrain.engine.reducer import BucketReady, EndMicroBatch, Flush
@@ -51,8 +50,7 @@ log = get_logger("flowtrain.engine")
 
 
 
-class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, EngineComm,
-                      torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -447,6 +445,24 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, OptimizerStep, BucketOrder, E
             # replacement ranks enter the group after this committed step
             self._peer_reform(int(verdict["generation"]), list(verdict["members"]),
                               joined=list(verdict["joined"]))
+
+    def _optimizer_step(self) -> bool:
+        """The strategy's optimizer step, then what follows every step: the gradients zeroed,
+        the scheduler moved past a step that was taken. Returns True when it was skipped (an
+        fp16 overflow)."""
+        outcome = self.strategy.optimizer_step(self, need_norm=self._logs_this_step())
+        self._global_grad_norm = outcome.grad_norm
+        if outcome.skipped:
+            self.skipped_steps += 1
+        self._zero_grads()
+        if not outcome.skipped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return outcome.skipped
+
+    def _logs_this_step(self) -> bool:
+        """The step about to be taken is one steps_per_print logs (its norm is wanted)."""
+        every = self.spec.steps_per_print
+        return bool(every and (self.global_steps + 1) % every == 0)
 
     def _zero_grads(self) -> None:
         if self.channel is not None and self.channel.arena_bytes:

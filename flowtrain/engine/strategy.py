@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from flowtrain import comm
 from flowtrain.engine.buckets import GradBuckets
+from flowtrain.engine.optim_step import StepOutcome, StepStates, replicated_step, sharded_step
 from flowtrain.engine.parts import EngineParts
 from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
@@ -107,6 +108,11 @@ class Strategy(ABC):
         the Stage3Params that gathers parameters around each module, where the strategy has
         them."""
 
+    @abstractmethod
+    def optimizer_step(self, states: StepStates, need_norm: bool) -> StepOutcome:
+        """The optimizer step over the reduced gradients (``flowtrain.engine.optim_step``);
+        ``need_norm``: the global gradient norm is wanted even without clipping."""
+
 
 class Replicated(Strategy):
     name = "replicated"
@@ -130,6 +136,9 @@ class Replicated(Strategy):
     def build(self, parts: EngineParts, buckets: GradBuckets, optimizer: torch.optim.Optimizer
               ) -> tuple[ZeroOptimizer | None, Stage3Params | None]:
         return None, None
+
+    def optimizer_step(self, states: StepStates, need_norm: bool) -> StepOutcome:
+        return replicated_step(states, need_norm)
 
 
 class ShardedOptimizer(Strategy):
@@ -165,6 +174,9 @@ class ShardedOptimizer(Strategy):
               ) -> tuple[ZeroOptimizer | None, Stage3Params | None]:
         zero = _zero_optimizer(parts, buckets, optimizer, self.spec, partitions=False)
         return zero, None
+
+    def optimizer_step(self, states: StepStates, need_norm: bool) -> StepOutcome:
+        return sharded_step(states, need_norm)
 
 
 class ShardedParameters(ShardedOptimizer):
