@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flowtrain import comm
-from flowtrain.plan.spec import partitions_parameters
+from flowtrain.plan.zero_stage import partitions_parameters
 from flowtrain.zero import construct
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 from sims.activation_memory import LOSS_EAGER_FP32, LOSS_FP32_COPY, LOSS_FUSED, Kernels
 
 if TYPE_CHECKING:
@@ -98,16 +99,16 @@ def model_state_bytes(psi: int, *, stage: int, dp: int, mixed: bool = True,
     positive_int("dp (data-parallel ranks)", dp)
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
-    if offload_optimizer and stage == 0:
+    if offload_optimizer and not shards_optimizer(stage):
         raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (the optimizer it "
                          "moves is ZeRO's), got stage 0")
-    if offload_param and stage != 3:
+    if offload_param and not partitions_parameters(stage):
         raise ValueError(f"offload_param needs ZeRO stage 3 (only partitioned parameters can "
                          f"live on the host), got stage {stage}")
     width = 2 if mixed else 4
-    params = width * psi / (dp if stage >= 3 else 1)
-    grads = width * psi / (dp if stage >= 2 else 1)
-    optimizer = ADAM_K[mixed] * psi / (dp if stage >= 1 else 1)
+    params = width * psi / (dp if partitions_parameters(stage) else 1)
+    grads = width * psi / (dp if partitions_gradients(stage) else 1)
+    optimizer = ADAM_K[mixed] * psi / (dp if shards_optimizer(stage) else 1)
     host = 0.0
     if offload_optimizer:
         host, optimizer = host + optimizer, 0.0
@@ -157,8 +158,9 @@ def fsdp_state_bytes(psi: int, *, dp: int, stage: int, mixed: bool = True,
     parameters, gradients and moments (16Ψ)."""
     positive_int("psi (parameter count)", psi)
     positive_int("dp (data-parallel ranks)", dp)
-    n = dp if stage >= 1 else 1
-    params = 4 * psi / n + ((2 if mixed else 4) * psi if gathered and stage >= 1 else 0.0)
+    n = dp if shards_optimizer(stage) else 1
+    params = 4 * psi / n + ((2 if mixed else 4) * psi if gathered and shards_optimizer(stage)
+                            else 0.0)
     grads = 4 * psi / n + accumulated_grad_bytes * psi
     optimizer = 8 * psi / n
     return {"parameters": params, "gradients": grads, "optimizer": optimizer,
@@ -186,34 +188,40 @@ def stage_states(soft: Software, cfg: FlowtrainConfig, psi: int, *, dp: int, pip
     zero = cfg.zero_optimization
     stage = zero.stage
     gradient_buckets = gathered = fp32_grads = host = 0.0
-    whole_grads = pipelined and stage >= 2 and soft.pipeline_grads == "step"
+    whole_grads = pipelined and partitions_gradients(stage) and soft.pipeline_grads == "step"
     # Megatron-Core's ZeRO-3 is its FSDP (Megatron-FSDP): parameters, gradients and optimizer
     # states sharded a unit at a time, as PyTorch's FSDP lays them out
-    states_layout = "fsdp" if soft.states == "megatron" and stage == 3 else soft.states
+    states_layout = "fsdp" if soft.states == "megatron" and partitions_parameters(stage) \
+        else soft.states
     if states_layout == "megatron":
-        shard_grads = stage == 2 and not whole_grads
-        states = megatron_state_bytes(psi, dp=dp, distributed=stage >= 1, mixed=mixed,
+        shard_grads = partitions_gradients(stage) and not partitions_parameters(stage) and \
+            not whole_grads
+        states = megatron_state_bytes(psi, dp=dp, distributed=shards_optimizer(stage),
+                                      mixed=mixed,
                                       grad_bytes=comm_width, shard_grads=shard_grads)
         fp32_grads = states.pop("fp32_gradients")
         states["total"] -= fp32_grads
         if shard_grads and dp > 1:  # a bucket reduce-scattered into the shard
             gradient_buckets = 2 * min(zero.reduce_bucket_size, psi) * comm_width
-        if zero.offloads_optimizer and stage > 0:
+        if zero.offloads_optimizer and shards_optimizer(stage):
             host = states["optimizer"] + fp32_grads
             states["total"] -= states["optimizer"]
             states["optimizer"] = fp32_grads = 0.0
     elif states_layout == "fsdp":
-        stage = 2 if stage == 1 else stage  # FSDP shards gradients with the optimizer states
-        whole_grads = pipelined and stage >= 2 and soft.pipeline_grads == "step"
+        # FSDP shards gradients with the optimizer states: its stage 1 is stage 2
+        stage = 2 if shards_optimizer(stage) and not partitions_gradients(stage) else stage
+        sharded_grads = partitions_gradients(stage)
+        whole_grads = pipelined and sharded_grads and soft.pipeline_grads == "step"
         states = fsdp_state_bytes(psi, dp=dp, stage=stage, mixed=mixed,
-                                  gathered=stage == 2 or (pipelined and stage >= 2),
+                                  gathered=(sharded_grads and not partitions_parameters(stage))
+                                  or (pipelined and sharded_grads),
                                   accumulated_grad_bytes=comm_width if whole_grads else 0)
         largest = sorted(units, reverse=True) + [0, 0]
-        if stage == 3 and not pipelined and dp > 1:
+        if partitions_parameters(stage) and not pipelined and dp > 1:
             # the unit being computed and the next one, prefetched (FSDP1's
             # limit_all_gathers, FSDP2's implicit prefetch)
             gathered = (largest[0] + largest[1]) * width
-        if dp > 1 and stage >= 1:
+        if dp > 1 and shards_optimizer(stage):
             # one unit's unsharded 16-bit gradient, and its copy in the reduce dtype
             gradient_buckets = largest[0] * (width + (comm_width if comm_width != width and
                                                       not whole_grads else 0))
@@ -222,21 +230,22 @@ def stage_states(soft: Software, cfg: FlowtrainConfig, psi: int, *, dp: int, pip
     else:
         # flowtrain's pipeline keeps a stage's parameters gathered and its gradients whole
         # through the step (sims.planner), so ZeRO 2-3 shard only the optimizer there
-        st = 1 if pipelined and stage >= 2 else stage
+        st = 1 if pipelined and partitions_gradients(stage) else stage
         states = model_state_bytes(psi, stage=st, dp=dp, mixed=mixed,
-                                   offload_optimizer=zero.offloads_optimizer and stage > 0,
-                                   offload_param=zero.offloads_params and st == 3)
+                                   offload_optimizer=zero.offloads_optimizer and
+                                   shards_optimizer(stage),
+                                   offload_param=zero.offloads_params and partitions_parameters(st))
         host = states["host"]
         gradient_buckets = 2 * min(zero.reduce_bucket_size, psi) * comm_width if dp > 1 else 0.0
-        if st == 3 and dp > 1:
+        if partitions_parameters(st) and dp > 1:
             live = min(zero.stage3_max_live_parameters, zero3[0] + zero.stage3_prefetch_bucket_size,
                        psi)
             resident = min(zero3[1], psi) * width * (1 - 1 / dp)
             gathered = live * width + resident
-        shard = psi / dp if stage >= 1 else psi
-        step_numel = min(shard, zero.sub_group_size) if st == 3 else shard
+        shard = psi / dp if shards_optimizer(stage) else psi
+        step_numel = min(shard, zero.sub_group_size) if partitions_parameters(st) else shard
         fp32_grads = 4 * step_numel if mixed else 0.0
-        if zero.offloads_optimizer and stage > 0:
+        if zero.offloads_optimizer and shards_optimizer(stage):
             host += fp32_grads + 2 * width * shard  # gradient copy-down and parameter staging
             fp32_grads = 0.0
     states.pop("host", None)

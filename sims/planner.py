@@ -19,6 +19,7 @@ from flowtrain.plan import StepPlan
 from flowtrain.plan.schedule import one_f_one_b
 from flowtrain.plan.spec import resolve
 from flowtrain.plan.stage3 import stage3_uses
+from flowtrain.plan.zero_stage import shards_optimizer
 from sims.executor import SimTask
 from sims.frameworks import get_framework
 from sims.graph import StageLayout, TaskGraph
@@ -218,7 +219,8 @@ def _tied_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, indices: 
     local = {work.params[g][0]: i for i, g in enumerate(indices)}
     tied = {local[name]: lookups for name, lookups in work.tied if name in local}
     ft = getattr(cfg, "flowtrain", None)
-    if not (splits and tied and cfg.zero_optimization.stage == 0 and layout.dp > 1 and
+    if not (splits and tied and not shards_optimizer(cfg.zero_optimization.stage) and
+            layout.dp > 1 and
             layout.tp == 1 and getattr(ft, "tied_embedding_rows", True)):
         return set(tied), {}
     split = {}

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 from sims.prediction import (
     Prediction,
     SimulateError,
@@ -111,7 +112,7 @@ class Candidate:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         else:
             zero.pop("offload_optimizer", None)
-        if self.zero_stage == 3:
+        if partitions_parameters(self.zero_stage):
             if self.prefetch is not None:
                 zero["stage3_prefetch_bucket_size"] = self.prefetch
         else:
@@ -295,7 +296,7 @@ def candidates(space: Space, *, world: int, global_batch: int, layers: int
         dp = world // (tp * pp)
         chunks = [v for v in space.virtual_stages if v == 1 or (pp > 1 and layers >= pp * v)]
         for v, stage, mb in itertools.product(chunks, space.zero_stages, micro_batches):
-            if stage and dp == 1:
+            if shards_optimizer(stage) and dp == 1:
                 continue  # ZeRO shards over data-parallel ranks; with one it is stage 0
             if global_batch % (mb * dp):
                 continue
@@ -305,11 +306,13 @@ def candidates(space: Space, *, world: int, global_batch: int, layers: int
                 dropped.append(Point(point, dropped=f"interleaved 1F1B needs the micro-batches "
                                      f"({accumulation}) to be a multiple of pp {pp}"))
                 continue
-            if stage >= 2 and pp > 1:
+            if partitions_gradients(stage) and pp > 1:
                 continue  # DeepSpeed's pipeline engine runs ZeRO-1 at most
+            offloads = space.offload if shards_optimizer(stage) else (False,)
             for offload, recompute, bucket in itertools.product(
-                    space.offload if stage else (False,), space.recompute, space.buckets):
-                prefetches: Iterable[int | None] = space.prefetch if stage == 3 else (None,)
+                    offloads, space.recompute, space.buckets):
+                prefetches: Iterable[int | None] = space.prefetch if partitions_parameters(stage) \
+                    else (None,)
                 for prefetch in prefetches:
                     out.append(Candidate(stage, mb, accumulation, tp, pp, v, offload,
                                          recompute, bucket, prefetch))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from flowtrain.config.fields import show
 from flowtrain.config.model import MONITOR_SECTIONS, OPAQUE_SECTIONS, FlowtrainConfig
 from flowtrain.config.params import AVAILABLE_OPTIMIZERS
+from flowtrain.plan.zero_stage import partitions_parameters, shards_optimizer
 
 # Feature names: "zero_stage_1".."zero_stage_3", "cpu_offload_optimizer", "cpu_offload_param",
 # "pipeline", "tensor_parallel", "flops_profiler", each monitor section name, each opaque
@@ -36,7 +37,7 @@ def unsupported_features(cfg: FlowtrainConfig) -> list[str]:
             out.append(sentence)
 
     zero = cfg.zero_optimization
-    if zero.stage >= 1:
+    if shards_optimizer(zero.stage):
         want(f"zero_stage_{zero.stage}",
              f"zero_optimization.stage {zero.stage}: ZeRO stage {zero.stage} is not supported "
              f"yet; use stage 0")
@@ -59,7 +60,7 @@ def unsupported_features(cfg: FlowtrainConfig) -> list[str]:
     # Partial offload (ZeRO-Offload++: a fraction of the optimizer steps on the GPU) is valid
     # DeepSpeed at stage 3 only; below stage 3 DeepSpeed refuses it and zero.check_zero reports it.
     ratio = zero.offload_optimizer.ratio
-    if zero.stage == 3 and ratio < 1:
+    if partitions_parameters(zero.stage) and ratio < 1:
         out.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: partial optimizer "
                    f"offload (ZeRO-Offload++, ratio < 1) is not supported by flowtrain; use 1.0")
     if isinstance(cfg.pipeline.stages, int) and cfg.pipeline.stages > 1:

@@ -13,6 +13,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from flowtrain.config.fields import Bool, Choice, Float, Int, NoneIsDefault, Section, Str, show
+from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 
 OffloadDevice = Annotated[str, Choice("none", "cpu", "nvme")]
 
@@ -100,7 +101,7 @@ class ZeroConfig(Section):
     def _default_overlap_comm(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("overlap_comm") is None:
             stage = data.get("stage", 0)
-            data = {**data, "overlap_comm": stage == 3}
+            data = {**data, "overlap_comm": partitions_parameters(stage)}
         return data
 
     @property
@@ -142,7 +143,8 @@ def check_zero(zero: ZeroConfig, pipeline_stages: int | str,
     # DeepSpeed hands offload_param only to the stage-3 optimizer (its engine's
     # _configure_zero_optimizer builds stages 1-2 without it): at stages 0-2 the parameters
     # stay where they are, silently.
-    if stage_ok and stage < 3 and par.device != "none" and not broken(f"{_Z}.offload_param"):
+    if stage_ok and not partitions_parameters(stage) and par.device != "none" and \
+            not broken(f"{_Z}.offload_param"):
         problems.append(
             f"{_Z}.offload_param.device {show(par.device)} with {_Z}.stage {stage}: parameter "
             f"offload works only with ZeRO stage 3 (DeepSpeed ignores it below stage 3, so "
@@ -150,14 +152,16 @@ def check_zero(zero: ZeroConfig, pipeline_stages: int | str,
     # Optimizer offload is part of the ZeRO optimizer (stages 1-3). At stage 0 DeepSpeed has no
     # ZeRO optimizer: it builds DeepSpeedCPUAdam over the parameters, which stay on the GPU, and
     # the first step fails ("CPUAdam param is on cuda:0 and must be 'cpu'").
-    if stage_ok and stage == 0 and opt.device != "none" and not broken(f"{_Z}.offload_optimizer"):
+    if stage_ok and not shards_optimizer(stage) and opt.device != "none" and \
+            not broken(f"{_Z}.offload_optimizer"):
         problems.append(
             f"{_Z}.offload_optimizer.device {show(opt.device)} with {_Z}.stage 0: optimizer "
             f"offload is part of the ZeRO optimizer and needs stage 1, 2 or 3; set one of those "
             f"stages or offload_optimizer.device \"none\"")
     # DeepSpeedZeroConfig.offload_ratio_check: "Partial offloading only supported for ZeRO Stage
     # 3." (at stage 3 it is valid DeepSpeed, and support.py says flowtrain cannot run it).
-    if (stage_ok and stage < 3 and opt.ratio < 1 and not broken(f"{_Z}.offload_optimizer")):
+    if (stage_ok and not partitions_parameters(stage) and opt.ratio < 1
+            and not broken(f"{_Z}.offload_optimizer")):
         problems.append(
             f"{_Z}.offload_optimizer.ratio {opt.ratio:g} with {_Z}.stage {stage}: partial "
             f"optimizer offload (ratio < 1) exists only for ZeRO stage 3 in DeepSpeed, and "
@@ -165,15 +169,15 @@ def check_zero(zero: ZeroConfig, pipeline_stages: int | str,
     # PipelineEngine.__init__: assert stage < 2, "ZeRO-2 and ZeRO-3 are incompatible with pipeline
     # parallelism". (DeepSpeedConfig alone accepts the pair; initialize() with a PipelineModule
     # refuses it.) pipeline.stages "auto" leaves the count to the model, so it cannot be checked.
-    if (stage_ok and stage >= 2 and isinstance(pipeline_stages, int) and pipeline_stages > 1
-            and not broken("pipeline.stages")):
+    if (stage_ok and partitions_gradients(stage) and isinstance(pipeline_stages, int)
+            and pipeline_stages > 1 and not broken("pipeline.stages")):
         problems.append(
             f"{_Z}.stage {stage} with pipeline.stages {pipeline_stages}: ZeRO stages 2 and 3 "
             f"cannot be combined with pipeline parallelism (DeepSpeed refuses them); use "
             f"{_Z}.stage 0 or 1, or pipeline.stages 1")
     # Stage-3 tuning keys below stage 3: DeepSpeed accepts and never reads them. Only values that
     # differ from the default warn: to_dict() writes every key, and reloading it must stay quiet.
-    if stage_ok and stage < 3:
+    if stage_ok and not partitions_parameters(stage):
         ignored = [name for name in STAGE3_ONLY_KEYS
                    if name in zero.model_fields_set and not broken(f"{_Z}.{name}")
                    and getattr(zero, name) != ZeroConfig.model_fields[name].default]

@@ -30,6 +30,7 @@ from flowtrain.engine.parts import EngineParts
 from flowtrain.log import get_logger
 from flowtrain.plan import BucketPlan, plan_units
 from flowtrain.plan.spec import TrainingSpec
+from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 from flowtrain.zero.gathered import register
 from flowtrain.zero.offload import OffloadTarget
 
@@ -222,10 +223,11 @@ class ShardedParameters(ShardedOptimizer):
 
 def strategy_for(spec: TrainingSpec) -> Strategy:
     """The strategy of ``spec``'s ZeRO stage."""
-    if spec.zero_stage == 0:
+    stage = spec.zero_stage
+    if not shards_optimizer(stage):
         return Replicated(spec)
-    if spec.zero_stage in (1, 2):
-        return ShardedOptimizer(spec, partitions_gradients=spec.zero_stage == 2)
+    if not partitions_parameters(stage):
+        return ShardedOptimizer(spec, partitions_gradients=partitions_gradients(stage))
     return ShardedParameters(spec)
 
 

@@ -23,6 +23,12 @@ from flowtrain.plan.buckets import BucketPlan, ParamSpec
 from flowtrain.plan.schedule import SCHEDULES
 from flowtrain.plan.stage3 import Stage3Uses
 from flowtrain.plan.step_plan import StepPlan, build_step_plan
+from flowtrain.plan.zero_stage import (
+    STAGES,
+    partitions_gradients,
+    partitions_parameters,
+    shards_optimizer,
+)
 
 if TYPE_CHECKING:
     from flowtrain.config.model import FlowtrainConfig
@@ -78,17 +84,18 @@ def decide_reduction(zero_stage: int, dp: int, *, reduce_scatter: bool = True,
     if dp == 1:
         return GradientReduction(None, False)
     op = reduce_op(zero_stage, reduce_scatter=reduce_scatter, mirrored=mirrored)
-    return GradientReduction(op, zero_stage >= 2 and op == "reduce_scatter" and
-                             pipeline_stages == 1)
+    return GradientReduction(op, partitions_gradients(zero_stage) and op == "reduce_scatter"
+                             and pipeline_stages == 1)
 
 
 def reduce_op(zero_stage: int, *, reduce_scatter: bool = True, mirrored: bool = False
               ) -> ReduceOp:
     """The collective ZeRO stage ``zero_stage`` reduces gradients with over several ranks
     (``decide_reduction`` says why)."""
-    if zero_stage not in (0, 1, 2, 3):
+    if zero_stage not in STAGES:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    scatter = zero_stage == 3 or (zero_stage in (1, 2) and reduce_scatter and not mirrored)
+    scatter = partitions_parameters(zero_stage) or (
+        shards_optimizer(zero_stage) and reduce_scatter and not mirrored)
     return "reduce_scatter" if scatter else "all_reduce"
 
 
@@ -164,8 +171,8 @@ def shares_host_params(zero_stage: int, *, dp: int, tp: int = 1, pp: int = 1,
     only, over the shared-memory data channel (``shm_channel``: every rank a CPU rank of one
     host, the channel open). Then nothing is all-gathered after the step, and a ZeRO-3 use is
     a view of the shared copy, not a gather."""
-    return zero_stage > 0 and dp > 1 and tp == 1 and pp == 1 and zero_shared_params and \
-        shm_channel
+    return shards_optimizer(zero_stage) and dp > 1 and tp == 1 and pp == 1 and \
+        zero_shared_params and shm_channel
 
 
 def bucket_numel(zero: ZeroConfig, elem_size: int) -> int:
@@ -175,7 +182,7 @@ def bucket_numel(zero: ZeroConfig, elem_size: int) -> int:
     of ``elem_size`` bytes."""
     if elem_size < 1:
         raise ValueError(f"element size must be at least 1 byte, got {elem_size!r}")
-    keys = ("reduce_bucket_size", "allgather_bucket_size") if zero.stage else \
+    keys = ("reduce_bucket_size", "allgather_bucket_size") if shards_optimizer(zero.stage) else \
         ("reduce_bucket_size",)
     set_sizes = [int(getattr(zero, k)) for k in keys if k in zero.model_fields_set]
     if set_sizes:
@@ -227,7 +234,7 @@ class TrainingSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingSpec.{name} must be an integer >= 1, got {value!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
+        if self.zero_stage not in STAGES:
             raise ValueError(f"TrainingSpec.zero_stage must be 0, 1, 2 or 3, got "
                              f"{self.zero_stage!r}")
         if self.precision not in PRECISIONS:
@@ -290,14 +297,15 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
         loss_scaling=config.dynamic_loss_scale,
         comm_dtype=str(config.communication_dtype).removeprefix("torch."),
         zero_stage=zero.stage, reduce_scatter=zero.reduce_scatter,
-        mirrored=mirrored and zero.stage in (1, 2), overlap_comm=zero.overlap_comm,
+        mirrored=mirrored and shards_optimizer(zero.stage) and
+        not partitions_gradients(zero.stage), overlap_comm=zero.overlap_comm,
         bucket_numel=bucket_numel(zero, elem_size),
         offload_optimizer=_choice(zero.offload_optimizer.device, OFFLOAD_DEVICES,
                                   "zero_optimization.offload_optimizer.device")
-        if zero.stage else "none",
+        if shards_optimizer(zero.stage) else "none",
         offload_params=_choice(zero.offload_param.device, OFFLOAD_DEVICES,
                                "zero_optimization.offload_param.device")
-        if zero.stage == 3 else "none",
+        if partitions_parameters(zero.stage) else "none",
         stage3=Stage3Policy.of(zero),
         zero_shared_params=bool(config.flowtrain.zero_shared_params),
         train_batch_size=config.global_batch,
@@ -331,21 +339,15 @@ def engine_problem(spec: TrainingSpec) -> str | None:
     tensor-parallel split do not fit yet (the simulator still prices such layouts, as
     Megatron and FSDP run them)."""
     stage = spec.zero_stage
-    if stage >= 2 and spec.pp > 1:
+    if partitions_gradients(stage) and spec.pp > 1:
         return (f"zero_optimization.stage {stage} with a {spec.pp}-stage PipelineModule: ZeRO "
                 f"stages 2 and 3 partition gradients, which pipeline stages accumulate across "
                 f"micro-batches; use stage 0 or 1")
-    if stage >= 2 and spec.tp > 1:
+    if partitions_gradients(stage) and spec.tp > 1:
         return (f"zero_optimization.stage {stage} with tensor_parallel.tp_size {spec.tp}: ZeRO "
                 f"stages 2 and 3 with tensor parallelism are not supported yet; use stage 0 "
                 f"or 1")
     return None
-
-
-def partitions_parameters(zero_stage: int | str) -> bool:
-    """Whether the stage partitions parameters (ZeRO-3; "auto", as DeepSpeed's zero.Init reads
-    a config that leaves the stage to the trainer, counts as 3)."""
-    return zero_stage in (3, "auto")
 
 
 def plan_step(spec: TrainingSpec, params: Sequence[ParamSpec], *, stage: int = 0,

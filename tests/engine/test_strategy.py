@@ -15,7 +15,8 @@ from flowtrain.engine.strategy import (
     ShardedParameters,
     strategy_for,
 )
-from flowtrain.plan.spec import TrainingSpec, engine_problem, partitions_parameters, resolve
+from flowtrain.plan.spec import TrainingSpec, engine_problem, resolve
+from flowtrain.plan.zero_stage import partitions_parameters
 
 
 def spec(stage: int, dp: int = 4, **zero: Any) -> TrainingSpec:
