@@ -101,7 +101,9 @@ class ZeroConfig(Section):
     def _default_overlap_comm(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("overlap_comm") is None:
             stage = data.get("stage", 0)
-            data = {**data, "overlap_comm": partitions_parameters(stage)}
+            # a stage not yet an integer ("auto", left to the trainer) defaults off
+            data = {**data, "overlap_comm": isinstance(stage, int) and
+                    partitions_parameters(stage)}
         return data
 
     @property

@@ -298,7 +298,7 @@ def resolve(config: FlowtrainConfig, *, dp: int, tp: int = 1, pp: int = 1,
         comm_dtype=str(config.communication_dtype).removeprefix("torch."),
         zero_stage=zero.stage, reduce_scatter=zero.reduce_scatter,
         mirrored=mirrored and shards_optimizer(zero.stage) and
-        not partitions_gradients(zero.stage), overlap_comm=zero.overlap_comm,
+        not partitions_parameters(zero.stage), overlap_comm=zero.overlap_comm,
         bucket_numel=bucket_numel(zero, elem_size),
         offload_optimizer=_choice(zero.offload_optimizer.device, OFFLOAD_DEVICES,
                                   "zero_optimization.offload_optimizer.device")
