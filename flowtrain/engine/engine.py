@@ -17,7 +17,13 @@ from flowtrain.config import FlowtrainConfig
 from flowtrain.config.model import TORCH_DTYPES
 from flowtrain.engine.bucket_order import BucketOrder
 from flowtrain.engine.buckets import GradBuckets
-from flowtrain.engine.comm_setup import EngineComm
+from flowtrain.engine.comm_setup import (
+    arena_bytes,
+    broadcast_model,
+    make_reducer,
+    open_channel,
+    open_param_channel,
+)
 from flowtrain.engine.dataloader import DistributedLoader
 from flowtrain.engine.embedding_rows import EmbeddingRows, count_lookups, tied_embeddings
 from flowtrain.engine.health import Health
@@ -50,7 +56,7 @@ log = get_logger("flowtrain.engine")
 
 
 
-class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -100,7 +106,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torc
             # zero.Init's partitions are cast as they are (the model never whole)
             construct.cast(model.parameters(), model_dtype)
             model.to(model_dtype)
-        self._broadcast_model()
+        # (peer recovery's group is not formed yet: broadcast_model asks it of the launcher)
+        broadcast_model(model, world_size=self.world_size, grid=grid, group=self.dp_group,
+                        peer=None)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no parameter with requires_grad=True; nothing to train")
@@ -149,7 +157,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torc
             # before the buckets: with the shared-memory channel they live in its arena; not
             # under peer recovery: shared memory would wait on a dead peer, gloo's connections
             # see it close
-            self.channel = self._open_channel(self.spec.host.data_channel)
+            self.channel = open_channel(
+                self._rank_handle(), self.spec, self.plan, comm_dtype=self.comm_dtype,
+                world_size=self.world_size, model_parallel=self.model_parallel, module=model,
+                arena_bytes=arena_bytes(self.spec, self.trainable, comm_dtype=self.comm_dtype,
+                                        bucket_pad=self.strategy.bucket_pad))
         self.buckets = self._make_buckets(self.plan)
         self._order_settled = not self._observed_layout()
         self._settle_after = 0  # the first step that may settle the order
@@ -158,7 +170,9 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torc
             if self.channel is not None and all(
                     f is None or f.device.type == "cpu" for f in self.zero.flat_params):
                 self.zero.channel = self.channel
-            self._param_channel = self._open_param_channel()
+            self._param_channel = open_param_channel(self._rank_handle(), self.spec,
+                                                     channel=self.channel, zero=self.zero,
+                                                     stage3=self.stage3)
         self.reducer = None
         if self.world_size > 1:
             self._spawn_reducer()
@@ -196,13 +210,32 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, EngineComm, torc
 
     # -- setup helpers --------------------------------------------------------------------------
 
-    @property
-    def _runtime(self) -> Any:
+    def _rank_handle(self) -> Any:
+        """This process's flowtrain.runtime Rank (taken on first use)."""
         if self._rank is None:
             from flowtrain.runtime.rank import current_rank
 
             self._rank = current_rank()
-        return self._rank.runtime
+        return self._rank
+
+    @property
+    def _runtime(self) -> Any:
+        return self._rank_handle().runtime
+
+    def _spawn_reducer(self) -> None:
+        """Starts the gradient reducer over the current buckets and group (again after peer
+        recovery re-forms the group)."""
+        reducer = make_reducer(self.buckets, self.spec, world_size=self.world_size,
+                               group=self.dp_group, comm_dtype=self.comm_dtype,
+                               stages=self.stages, channel=self.channel, zero=self.zero,
+                               peer=self.peer)
+        self.reducer = self._runtime.spawn(reducer)  # a unique name: engines may be rebuilt
+        self._reducer_actor = reducer
+
+    def _broadcast_model(self) -> None:
+        """Rank 0's weights and buffers to every rank of the (re-formed) group."""
+        broadcast_model(self.module, world_size=self.world_size, grid=self.grid,
+                        group=self.dp_group, peer=self.peer)
 
     def _spawn(self, actor: Actor) -> ActorRef[Any]:
         """Starts ``actor`` on this rank's runtime (the pieces ZeRO builds use it)."""
