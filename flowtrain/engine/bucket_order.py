@@ -1,6 +1,7 @@
-"""The order of ``FlowtrainEngine``'s gradient buckets (a mixin): observed in the first step
-(the order gradients arrive in backward), settled after it, and carried by checkpoints with
-whether a tied embedding's gradient is still reduced in two parts.
+"""The order of ``FlowtrainEngine``'s gradient buckets (``BucketOrder``, a part the engine
+holds): observed in the first step (the order gradients arrive in backward), settled after it,
+and carried by checkpoints with whether a tied embedding's gradient is still reduced in two
+parts.
 
 A resumed run must reduce its gradients as the run it continues did. Which parameters share a
 bucket, and where each lies in it, decide the order of additions in the float32 gradient norm
@@ -11,8 +12,7 @@ in the last bits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,120 +21,68 @@ from flowtrain.log import get_logger
 
 if TYPE_CHECKING:
     from flowtrain.engine.buckets import GradBuckets
-    from flowtrain.engine.strategy import Strategy
-    from flowtrain.plan.spec import TrainingSpec
-    from flowtrain.plan.step_plan import StepPlan
 
 log = get_logger("flowtrain.engine")
 
 
 class BucketOrder:
-    # Set by FlowtrainEngine.__init__; declared for the checks of the methods below.
-    spec: TrainingSpec
-    buckets: GradBuckets
-    plan: StepPlan
-    trainable: list[torch.nn.Parameter]
-    global_steps: int
-    world_size: int
-    strategy: Strategy
-    model_parallel: bool
-    peer: Any
-    reducer: Any
-    _reducer_actor: Any
-    _rows: Any  # the tied embedding's split (flowtrain.engine.embedding_rows), or None
-    _order_settled: bool
-    _settle_after: int
-    # methods of the engine (annotations only: stubs here would shadow them)
-    _make_plan: Callable[[list[int] | None], Any]
-    _make_buckets: Callable[[Any], Any]
+    """Whether the engine's buckets follow the order gradients were seen to arrive in, and
+    whether that order is settled yet. ``observed``: the layout follows an observed order here
+    (data parallel at stage 0, nothing that fixes the layout). Other layouts never change:
+    ZeRO's shards are cut once, pipeline and tensor parallel stages are planned, a
+    peer-recovery replacement builds the same buckets without asking, and "reverse" is a fixed
+    order. The engine rebuilds its buckets in the order this returns."""
 
-    def _observed_layout(self) -> bool:
-        """The buckets follow an observed order here (data parallel at stage 0, nothing that
-        fixes the layout). Other layouts never change: ZeRO's shards are cut once, pipeline and
-        tensor parallel stages are planned, a peer-recovery replacement builds the same buckets
-        without asking, and "reverse" is a fixed order."""
-        return self.world_size > 1 and self.strategy.observes_bucket_order and \
-            not self.model_parallel and self.peer is None and \
-            self.spec.host.bucket_order == "observed"
+    def __init__(self, observed: bool) -> None:
+        self.observed = observed
+        self.settled = not observed
+        self.settle_after = 0  # the first step that may settle the order
 
-    def _observe_order_again(self) -> None:
+    def due(self, step: int) -> bool:
+        """The order is to be settled after step ``step``."""
+        return not self.settled and step >= self.settle_after
+
+    def observe_again(self, buckets: GradBuckets, step: int) -> None:
         """The tied embedding's split was just switched off (on every rank at this step): its
         gradient is complete only at the end of backward again, so an order observed with the
         split (its bucket first, and buckets launch in order) would hold every reduce back until
         then. The next step observes the order afresh and the buckets are rebuilt from it."""
-        if not self._observed_layout():
+        if not self.observed:
             return
-        self.buckets.observed_order.clear()
-        self._order_settled = False
-        self._settle_after = self.global_steps + 1
+        buckets.observed_order.clear()
+        self.settled = False
+        self.settle_after = step + 1
 
-    def _settle_bucket_order(self) -> None:
-        """After the first step: rebuild the buckets in the order gradients actually arrived
-        (rank 0's observation, broadcast so every rank uses the same plan)."""
-        self._order_settled = True
+    def settle(self, buckets: GradBuckets, params: int) -> list[int]:
+        """After the first step: the order gradients actually arrived in (rank 0's observation,
+        broadcast so every rank uses the same plan), over all ``params`` parameters."""
+        self.settled = True
         seen: list[int] = []
         marks = set()
-        for i in self.buckets.observed_order:
+        for i in buckets.observed_order:
             if i not in marks:
                 marks.add(i)
                 seen.append(i)
-        seen += [i for i in range(len(self.trainable)) if i not in marks]
+        seen += [i for i in range(params) if i not in marks]
         order = torch.tensor(seen, dtype=torch.int64)
         dist.broadcast(order, src=0)
-        if self._use_bucket_order(order.tolist()):
-            log.debug("buckets rebuilt in observed gradient order",
-                      buckets=len(self.plan.buckets))
+        return [int(i) for i in order.tolist()]
 
-    def _use_bucket_order(self, order: list[int]) -> bool:
-        """Rebuilds the buckets with the parameters in ``order``; False when they already are."""
-        if order == self.bucket_layout():
+    def saved(self, layout: list[int]) -> list[int] | None:
+        """What a checkpoint keeps: the observed order (the buckets' ``layout``) once it is
+        settled; None where the layout is fixed or not yet observed (a run resumed from it
+        observes its own)."""
+        return layout if self.observed and self.settled else None
+
+    def adoptable(self, order: list[int], params: int) -> bool:
+        """A checkpoint's settled order (every rank loads the same one) fits this engine's
+        ``params`` parameters and layout; one that does not (another model, a layout this
+        engine does not observe) is left aside. Once adopted it is not observed again."""
+        if not self.observed:
             return False
-        self.buckets.remove_hooks()
-        self.plan = self._make_plan(order)
-        self.buckets = self._make_buckets(self.plan)
-        if self.reducer is not None:
-            self._reducer_actor.use_buckets(self.buckets)
-        return True
-
-    def bucket_layout(self) -> list[int]:
-        """The index (in ``trainable``) of each parameter, in the order the buckets hold them."""
-        return [slot.index for bucket in self.plan.buckets for slot in bucket.slots]
-
-    def settled_bucket_order(self) -> list[int] | None:
-        """What a checkpoint keeps: the observed order once it is settled; None where the
-        layout is fixed or not yet observed (a run resumed from it observes its own)."""
-        if not (self._observed_layout() and self._order_settled):
-            return None
-        return self.bucket_layout()
-
-    def layout_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of how this engine reduces its gradients: the settled bucket
-        order (``settled_bucket_order``) and whether the tied embedding's split is on (None
-        without one)."""
-        return {"bucket_order": self.settled_bucket_order(),
-                "tied_rows_split": self._rows.enabled if self._rows is not None else None}
-
-    def adopt_layout_state(self, state: dict[str, Any]) -> None:
-        """A checkpoint's ``layout_state`` (every rank loads the same one). A split the saved
-        run had switched off stays off from the first step here, which then reduces the tied
-        gradient densely as that run did."""
-        if state.get("tied_rows_split") is False and self._rows is not None:
-            self._rows.enabled = False
-        order = state.get("bucket_order")
-        if order is not None:
-            self.adopt_bucket_order(order)
-
-    def adopt_bucket_order(self, order: list[int]) -> None:
-        """A checkpoint's settled order (every rank loads the same one): the buckets are
-        rebuilt in it and it is not observed again. An order that does not fit this engine's
-        parameters (another model, a layout this engine does not observe) is left aside."""
-        if not self._observed_layout():
-            return
-        if sorted(order) != list(range(len(self.trainable))):
+        if sorted(order) != list(range(params)):
             log.info("the checkpoint's bucket order does not fit this model's parameters; "
-                     "observing the order afresh", saved=len(order),
-                     parameters=len(self.trainable))
-            return
-        self._use_bucket_order(order)
-        self.buckets.observed_order.clear()
-        self._order_settled = True
+                     "observing the order afresh", saved=len(order), parameters=params)
+            return False
+        self.settled = True
+        return True

@@ -56,7 +56,7 @@ log = get_logger("flowtrain.engine")
 
 
 
-class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module):
+class FlowtrainEngine(EngineSurface, PeerRecovery, torch.nn.Module):
     """Wraps a model for data-parallel training; made by ``flowtrain.initialize``."""
 
     # set by flowtrain.initialize: rank 0's flowtrain.profiling.EngineProfile, or None (the
@@ -163,8 +163,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module)
                 arena_bytes=arena_bytes(self.spec, self.trainable, comm_dtype=self.comm_dtype,
                                         bucket_pad=self.strategy.bucket_pad))
         self.buckets = self._make_buckets(self.plan)
-        self._order_settled = not self._observed_layout()
-        self._settle_after = 0  # the first step that may settle the order
+        # the buckets re-cut in the order gradients arrive, where nothing fixes the layout
+        self._order = BucketOrder(
+            self.world_size > 1 and self.strategy.observes_bucket_order and
+            not self.model_parallel and self.peer is None and
+            self.spec.host.bucket_order == "observed")
         self.zero, self.stage3 = self.strategy.build(self._parts, self.buckets, optimizer)
         if self.zero is not None:
             if self.channel is not None and all(
@@ -264,6 +267,17 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module)
     def _pipeline_stage(self) -> int:
         """This rank's pipeline stage (0 without a pipeline)."""
         return self.grid.pp_rank if self.grid is not None and self.spec.pp > 1 else 0
+
+    def _use_bucket_order(self, order: list[int]) -> bool:
+        """Rebuilds the buckets with the parameters in ``order``; False when they already are."""
+        if order == self.bucket_layout():
+            return False
+        self.buckets.remove_hooks()
+        self.plan = self._make_plan(order)
+        self.buckets = self._make_buckets(self.plan)
+        if self.reducer is not None:
+            self._reducer_actor.use_buckets(self.buckets)
+        return True
 
     def _make_buckets(self, plan: StepPlan) -> GradBuckets:
         allocate = self.channel.arena_allocator() \
@@ -381,7 +395,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module)
         if self.stage3 is not None:
             self.stage3.start_backward()
         with self.buckets.watch(self._bucket_ready if reduce_now else None,
-                                record_order=reduce_now and not self._order_settled), \
+                                record_order=reduce_now and not self._order.settled), \
                 self.timer.span("backward", name or names.backward(mb)):
             run()
         if self._rows is not None:
@@ -436,7 +450,7 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module)
                         # a span of its own inside comm/wait, as the step plan names it
                         self.timer.record_spans([(names.ROWS, start, time.perf_counter())])
                     if split and not self._rows.enabled:
-                        self._observe_order_again()
+                        self._order.observe_again(self.buckets, self.global_steps)
             self.timer.record_spans(report.spans)
             error = report.error
         verdict = self._peer_vote(reduced, error)
@@ -457,9 +471,11 @@ class FlowtrainEngine(EngineSurface, PeerRecovery, BucketOrder, torch.nn.Module)
             self.stage3.end_step()
             self.timer.record_spans(self.stage3.spans)
             self.stage3.spans.clear()
-        if not self._order_settled and self.reducer is not None and not self._no_sync and \
-                self.global_steps >= self._settle_after:
-            self._settle_bucket_order()
+        if self._order.due(self.global_steps) and self.reducer is not None and not \
+                self._no_sync and self._use_bucket_order(
+                    self._order.settle(self.buckets, len(self.trainable))):
+            log.debug("buckets rebuilt in observed gradient order",
+                      buckets=len(self.plan.buckets))
         self.global_steps += 1
         self.global_samples += self.spec.train_batch_size
         loss = torch.stack(self._losses).float().mean().item() if self._losses else None

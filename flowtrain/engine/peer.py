@@ -58,7 +58,6 @@ class PeerRecovery:
     spec: TrainingSpec
     strategy: Strategy
     _losses: Any
-    _order_settled: bool
     _runtime: Any
     health: Any
     # methods of the engine's other parts (annotations only: a stub here would shadow them)

@@ -17,11 +17,14 @@ from flowtrain.checkpoint.protocol import Stateful
 if TYPE_CHECKING:
     from flowtrain.checkpoint.background import BackgroundWriter
     from flowtrain.config.model import FlowtrainConfig
+    from flowtrain.engine.bucket_order import BucketOrder
     from flowtrain.engine.buckets import GradBuckets
     from flowtrain.engine.dataloader import DistributedLoader
+    from flowtrain.engine.embedding_rows import EmbeddingRows
     from flowtrain.engine.mixed import MasterWeights
     from flowtrain.parallel.grid import ProcessGrid
     from flowtrain.plan.spec import TrainingSpec
+    from flowtrain.plan.step_plan import StepPlan
     from flowtrain.precision.loss_scaler import LossScaler
     from flowtrain.zero.sharded import ZeroOptimizer
     from flowtrain.zero.stage3 import Stage3Params
@@ -73,11 +76,16 @@ class EngineSurface:
     global_samples: int
     skipped_steps: int
     micro_steps: int
+    plan: StepPlan
+    _order: BucketOrder
+    _rows: EmbeddingRows | None
 
     if TYPE_CHECKING:
         # FlowtrainEngine's own; for the type checker only, since a method defined here would
         # come before torch.nn.Module's in the engine's method order.
         def zero_grad(self, set_to_none: bool = False) -> None: ...
+
+        def _use_bucket_order(self, order: list[int]) -> bool: ...
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind: parameters, gradients (stage 2: the rank's
@@ -228,6 +236,29 @@ class EngineSurface:
     resumed_client_state: dict[str, Any] | None = None
     # checkpoint.async_save's writer, made at the first save
     checkpoint_writer: BackgroundWriter | None = None
+
+    def bucket_layout(self) -> list[int]:
+        """The index (in ``trainable``) of each parameter, in the order the buckets hold them."""
+        return [slot.index for bucket in self.plan.buckets for slot in bucket.slots]
+
+    def layout_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of how this engine reduces its gradients: the settled bucket
+        order (``BucketOrder.saved``) and whether the tied embedding's split is on (None
+        without one)."""
+        return {"bucket_order": self._order.saved(self.bucket_layout()),
+                "tied_rows_split": self._rows.enabled if self._rows is not None else None}
+
+    def adopt_layout_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's ``layout_state`` (every rank loads the same one). A split the saved
+        run had switched off stays off from the first step here, which then reduces the tied
+        gradient densely as that run did; a settled order the buckets are rebuilt in, and not
+        observed again."""
+        if state.get("tied_rows_split") is False and self._rows is not None:
+            self._rows.enabled = False
+        order = state.get("bucket_order")
+        if order is not None and self._order.adoptable(order, len(self.trainable)):
+            self._use_bucket_order(order)
+            self.buckets.observed_order.clear()
 
     def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None,
                         client_state: dict[str, Any] | None = None,
