@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from flowtrain.zero.partition import Shard, shard_of
+
+if TYPE_CHECKING:
+    from flowtrain.engine.buckets import GradBuckets
+    from flowtrain.plan.buckets import BucketPlan
 
 MASTER = "__master__"  # the key of the fp32 master weights among a shard's state tensors
 
@@ -44,10 +48,23 @@ def clone_optimizer(optimizer: torch.optim.Optimizer,
     return clone
 
 
+class MirroredShards(Protocol):
+    """What a mirror reads of the ZeroOptimizer it sits beside (which imports this module: a
+    Protocol, not the class): the group, the bucket plan, the whole flat parameters, the
+    reduced gradient buckets and whether the shards' ``.grad`` are views of them."""
+
+    rank: int
+    world_size: int
+    plan: tuple[BucketPlan, ...]
+    flat_params: list[torch.Tensor | None]
+    aliased: bool
+    buckets: GradBuckets
+
+
 class ShardMirror:
     """This rank's copy of rank (rank + 1) % world's optimizer shard (``ZeroOptimizer.mirror``)."""
 
-    def __init__(self, zero: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, zero: MirroredShards, optimizer: torch.optim.Optimizer) -> None:
         self.owner = (zero.rank + 1) % zero.world_size
         self.shards: list[Shard] = [shard_of(b.numel, zero.world_size, self.owner)
                                     for b in zero.plan]
@@ -76,7 +93,7 @@ class ShardMirror:
                 if key != "params":
                     mine[key] = value
 
-    def sources(self, zero: Any) -> list[torch.Tensor]:
+    def sources(self, zero: MirroredShards) -> list[torch.Tensor]:
         """Each bucket's reduced gradient slice of the mirrored shard (still loss-scaled)."""
         return [zero.buckets.buffer(b).narrow(0, s.start, s.numel)
                 for b, s in enumerate(self.shards)]

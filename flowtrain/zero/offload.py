@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class OffloadedShards(Protocol):
+    """What the offloader reads of a ZeroOptimizer (which imports this module: a Protocol,
+    not the class): its optimizer over the fp32 master shards, the model's shards the updated
+    values go back to (the same memory where ``aliased``), and whether each master keeps its
+    ``.grad`` between steps."""
+
+    optimizer: torch.optim.Optimizer | None
+    master: list[torch.nn.Parameter]
+    model_shards: list[torch.Tensor]
+    aliased: bool
+    _persistent_grads: bool
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class Offloader:
             cache[b] = buffer
         return buffer
 
-    def step(self, zero: Any, sources: Sequence[torch.Tensor], coef: float) -> None:
+    def step(self, zero: OffloadedShards, sources: Sequence[torch.Tensor], coef: float) -> None:
         """Copies each gradient shard down (all launched at once on a side stream), then per
         shard: wait for its copy, unscale/clip, step it, copy the new parameters back."""
         optimizer = zero.optimizer
@@ -86,7 +99,7 @@ class Offloader:
             torch.cuda.current_stream(self.compute_device).wait_stream(self._stream)
             self._stream.synchronize()
 
-    def _write_back(self, zero: Any, b: int) -> None:
+    def _write_back(self, zero: OffloadedShards, b: int) -> None:
         if zero.aliased:
             return
         master, model = zero.master[b], zero.model_shards[b]
@@ -99,7 +112,7 @@ class Offloader:
             with _on(self._stream):
                 model.copy_(staging, non_blocking=True)
 
-    def bytes(self, zero: Any) -> int:
+    def bytes(self, zero: OffloadedShards) -> int:
         """Bytes this rank keeps in CPU memory for the optimizer: master shards, their state,
         and the copy buffers."""
         def nbytes(ts: Any) -> int:

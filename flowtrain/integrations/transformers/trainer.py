@@ -6,12 +6,15 @@ resumes its checkpoints, and gathers the whole model for ``save_model``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
 
 from flowtrain.config.hf import check_against_arguments, config_of, read_raw, trainer_auto_values
+
+if TYPE_CHECKING:
+    from flowtrain.engine.engine import FlowtrainEngine
 
 
 class SteppedByEngine:
@@ -44,7 +47,7 @@ class Trainer(transformers.Trainer):
     ``evaluate``/``predict`` after training run through the engine."""
 
     # Read by methods HF's __init__ already calls; set by the first train().
-    engine: Any = None
+    engine: FlowtrainEngine | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
