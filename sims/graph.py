@@ -40,6 +40,7 @@ from flowtrain.plan.schedule import handover, stage_ops, stage_passes
 from flowtrain.plan.spec import TrainingSpec, plan_step
 from flowtrain.plan.stage3 import Stage3Uses, stage3_uses
 from flowtrain.plan.step_plan import StepPlan, gather_uses, pass_flops
+from flowtrain.plan.zero_stage import partitions_parameters, shards_optimizer
 from sims.task_graph import GraphColumns, GraphTask, TaskGraph
 from sims.workload import ParamSpec, layer_of, module_units
 
@@ -179,18 +180,17 @@ class StageLayout:
         self.graph, self.stage, self.pp, self.dp, self.tp = graph, stage, stages, dp, spec.tp
         self.m, self.gpu = spec.gradient_accumulation_steps, gpu
         self.overheads = frozenset(overheads)
-        self.stage_no = spec.zero_stage
+        self.shards = shards_optimizer(spec.zero_stage)
         # a pipeline keeps its stage's parameters gathered (and its gradients whole) through the
         # step's micro-batches, as torchtitan's and Megatron's sharded pipelines do: ZeRO 2-3
         # then reduce-scatter once after the last backward and all-gather after the step
-        self.partitioned = self.stage_no == 3 and dp > 1 and stages == 1
+        self.partitioned = partitions_parameters(spec.zero_stage) and dp > 1 and stages == 1
         self.param_elem = params[0][3] if params else 2
         self.comm_elem = spec.comm_elem_size
         self.act_bytes, self.send_bytes, self.recv_bytes = act_bytes, send_bytes, recv_bytes
         self.offload_opt = spec.offload_optimizer != "none"
         self.offload_param = self.partitioned and spec.offload_params != "none" and gpu
-        self.fsdp = fsdp and self.partitioned
-        self.blocking_p2p = blocking_p2p
+        self.fsdp, self.blocking_p2p = fsdp and self.partitioned, blocking_p2p
         self.segments = segments(params, self.partitioned, blocks=self.fsdp)
         self.seg_of = seg_of = {i: j for j, seg in enumerate(self.segments) for i in seg.params}
         self.v = len(chunk_params) if chunk_params else 1
@@ -222,10 +222,10 @@ class StageLayout:
                              spec.stage3.persistence_threshold) \
             if units is not None else plan_buckets(params, spec.bucket_numel, order)
         self.buckets: tuple[BucketPlan, ...] = tuple(buckets)
-        # how the spec reduces this stage's gradients: once a step, or after every micro-batch
-        # into ZeRO 2-3's gradient shards
+        # the spec's cadence: once a step, or every micro-batch into ZeRO 2-3's gradient shards
         self.reduce_every_mb = spec.reduction.every_micro_batch
-        self.gather_ahead = param_gather_overlap and self.stage_no in (1, 2) and dp > 1 and \
+        self.gather_ahead = param_gather_overlap and self.shards and \
+            not partitions_parameters(spec.zero_stage) and dp > 1 and \
             any(not b.partitioned for b in self.buckets) and not shared_params
         # the gathers each segment waits for before its first forward (param_gather_overlap)
         self.gathers_before: dict[int, list[int]] = {}
@@ -567,7 +567,7 @@ class StageLayout:
     # -- optimizer -----------------------------------------------------------------------------
 
     def _shard(self, numel: int) -> int:
-        return math.ceil(numel / self.dp) if self.stage_no >= 1 else numel
+        return math.ceil(numel / self.dp) if self.shards else numel
 
     def _step(self, last: int | None, last_reduce: int | None) -> None:
         s, graph = self.stage, self.graph
@@ -593,7 +593,7 @@ class StageLayout:
             numel = sum(self._shard(b.numel) for b in self.buckets)
             finished = [graph.add(s, names.OPTIMIZER_STEP, "optimizer", "compute", "optimizer",
                                   after, arg=numel, nbytes=numel * 16)]
-        if self.stage_no >= 1 and self.dp > 1 and not self.gather_ahead and \
+        if self.shards and self.dp > 1 and not self.gather_ahead and \
                 not self.shared_params:
             for b in whole:
                 graph.add(s, names.allgather(b.index), "allgather", "comm:dp", "all_gather",

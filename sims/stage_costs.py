@@ -10,6 +10,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan.spec import reduce_op, shares_host_params
+from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 from sims import costs, gpu_costs
 from sims.frameworks import get_framework
 from sims.gpu_kernels import GpuKernels
@@ -64,7 +65,11 @@ class StageCosts:
         self.m, self.mb = micro_batches, micro_batch
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
         self.stage_no = self.zero.stage
-        self.partitioned = self.stage_no == 3 and self.dp > 1 and layout.pp == 1
+        # what the stage decides (flowtrain.plan.zero_stage)
+        self.shards = shards_optimizer(self.stage_no)
+        self.partitions_grads = partitions_gradients(self.stage_no)
+        self.partitions_params = partitions_parameters(self.stage_no)
+        self.partitioned = self.partitions_params and self.dp > 1 and layout.pp == 1
         self.params = params
         self.comm_elem = comm_elem
         self.param_elem = params[0][3] if params else 2
@@ -153,7 +158,7 @@ class StageCosts:
         # (flowtrain.plan.spec.reduce_op); a framework whose ZeRO-1 all-reduces is the
         # variant of that decision where stage 1 does not scatter
         scatters = bool(getattr(self.zero, "reduce_scatter", True))
-        if self.stage_no == 1:
+        if self.shards and not self.partitions_grads:  # ZeRO-1
             scatters = self.options.zero1_reduce == "reduce_scatter" or (
                 scatters and get_framework(self.options.framework).zero1_reduce_scatter)
         self.reduce_op: str = reduce_op(self.stage_no, reduce_scatter=scatters)
@@ -421,11 +426,11 @@ class StageCosts:
         not carry."""
         kern = self.kernels
         assert kern is not None
-        if self.stage_no < 2 or self.dp == 1 or self.pp > 1:
+        if not self.partitions_grads or self.dp == 1 or self.pp > 1:
             return
         fw = get_framework(self.options.framework)
         forward, backward = fw.shard_copy_bytes(self.param_elem, self.comm_elem,
-                                                gathers=self.stage_no == 3)
+                                                gathers=self.partitions_params)
         if not forward and not backward:
             return
         rate = self.hw.memory_bandwidth * kern.memory_efficiency
@@ -480,7 +485,7 @@ class StageCosts:
         census = self._stage_census(work)
         scale = (self.stage_flops - census["attention_flops_per_sample"]) * self.mb / \
             max(1, sum(weights)) / self.tp
-        stash_bytes = 16.0 if self.stage_no >= 2 and self.dp > 1 else 0.0
+        stash_bytes = 16.0 if self.partitions_grads and self.dp > 1 else 0.0
         other = self._other_ops(census)
         by_segment: dict[int, dict[str, list[int]]] = {}
         for j, i in self._priced_params():
@@ -556,15 +561,15 @@ class StageCosts:
         shards at 2-3), at the compute slowdown of ranks sharing the host."""
         if self.engine is None:
             return costs.optimizer_seconds(numel, self.hw)
-        calls = len(self.params) if self.stage_no == 0 else len(self.buckets)
+        calls = len(self.buckets) if self.shards else len(self.params)
         kernel = costs.optimizer_seconds(numel, self.hw, calls=calls,
                                          memory_slowdown=self.memory_slowdown)
         whole = sum(b.numel for b in self.buckets)
-        zeroed = whole if self.stage_no <= 1 or self.dp == 1 else numel
+        zeroed = numel if self.partitions_grads and self.dp > 1 else whole
         passes = zeroed * self.comm_elem + (numel * 12 if self.clip else 0)
         seconds = (kernel + passes / self.hw.memory_bandwidth * self.memory_slowdown) * \
             self.optimizer_factor
-        if self.stage_no >= 1 and self.dp > 1 and (self.clip or self.fp16):
+        if self.shards and self.dp > 1 and (self.clip or self.fp16):
             # ZeRO's global gradient norm: one blocking all-reduce of a float64 sum of squares
             seconds += self.collective("all_reduce", 8)
         return seconds + self.world_norm_s
