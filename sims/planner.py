@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from flowtrain.plan import StepPlan
 from flowtrain.plan.schedule import one_f_one_b
-from flowtrain.plan.spec import resolve
+from flowtrain.plan.spec import TrainingSpec, resolve
 from flowtrain.plan.stage3 import stage3_uses
-from flowtrain.plan.zero_stage import shards_optimizer
+from flowtrain.plan.zero_stage import partitions_gradients, shards_optimizer
 from sims.executor import SimTask
 from sims.frameworks import get_framework
 from sims.graph import StageLayout, TaskGraph
-from sims.layer_ops import SimOptions, stage_layer_costs
+from sims.layer_ops import SimOptions, cfg_checkpoints_activations, stage_layer_costs
 from sims.pricing import PricedColumns, pipeline_tasks
 from sims.stage_costs import PIPELINE_JOB_RANKS, StageCosts
 from sims.workload import (
@@ -106,8 +106,9 @@ class LaidOutStep:
 
     def __init__(self, work: Workload, cfg: FlowtrainConfig, layout: Layout,
                  options: SimOptions | None, stages: list[_Stage], costs: list[StageCosts],
-                 graph: TaskGraph) -> None:
+                 graph: TaskGraph, recompute: str) -> None:
         self.work, self.cfg, self.layout, self.options = work, cfg, layout, options
+        self.recompute = recompute
         self.stages, self.costs = stages, costs
         self.columns = PricedColumns(graph.columns())
 
@@ -116,16 +117,16 @@ class LaidOutStep:
         engine overheads as tasks, another kind of device) gets a layout of its own."""
         work, cfg, layout = self.work, self.cfg, self.layout
         costs = self.costs if hw is self.costs[0].hw else \
-            [_stage_costs(s, cfg, layout, hw, self.options, stage.params)
-             for s, stage in enumerate(self.stages)]
+            [_stage_costs(s, stage.layout.spec, layout, hw, self.options, stage.params,
+                          self.recompute) for s, stage in enumerate(self.stages)]
         if any(_lays_out(c) != _lays_out(mine) for c, mine in zip(costs, self.costs)):
             return lay_out(work, cfg, layout, hw, self.options).price(hw)
         if costs is not self.costs:
             for c, stage in zip(costs, self.stages):
-                _price_passes(c, stage, work, cfg)
-        zero = cfg.zero_optimization
-        micro_batch = cfg.micro_batch
-        micro_batches = cfg.grad_accum
+                _price_passes(c, stage, work)
+        spec = self.stages[0].layout.spec  # the batch and precision every stage shares
+        micro_batch = spec.micro_batch_size
+        micro_batches = spec.gradient_accumulation_steps
         samples = micro_batch * micro_batches * layout.dp
         notes = []
         if (layout.tp > 1 or layout.pp > 1) and not (work.seq_len and work.hidden) and \
@@ -141,7 +142,7 @@ class LaidOutStep:
             (kernels.overlap_slowdown if kernels is not None else 0.0)
         slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
         return SimPlan(self.columns.price(costs), layout, work.name, micro_batch,
-                       micro_batches, PRECISION_DTYPE[cfg.precision], zero.stage, samples,
+                       micro_batches, spec.compute_dtype, spec.zero_stage, samples,
                        samples * work.seq_len, 3.0 * work.forward_flops_per_sample * samples,
                        interference, tuple(s.layout for s in self.stages), tuple(notes),
                        slowdown)
@@ -153,20 +154,19 @@ def _lays_out(costs: StageCosts) -> tuple[Any, ...]:
     return costs.gpu, frozenset(costs.overheads()), costs.kernels is not None
 
 
-def _stage_costs(s: int, cfg: FlowtrainConfig, layout: Layout, hw: HardwareProfile,
-                 options: SimOptions | None, params: list[ParamSpec]) -> StageCosts:
-    dtype = PRECISION_DTYPE[cfg.precision]
-    comm_dtype = str(cfg.communication_dtype).removeprefix("torch.")
-    return StageCosts(s, layout=layout, hw=hw, cfg=cfg, params=params,
-                      micro_batches=cfg.grad_accum, micro_batch=cfg.micro_batch, dtype=dtype,
-                      comm_elem=DTYPE_BYTES.get(comm_dtype, 4), options=options)
+def _stage_costs(s: int, spec: TrainingSpec, layout: Layout, hw: HardwareProfile,
+                 options: SimOptions | None, params: list[ParamSpec], recompute: str
+                 ) -> StageCosts:
+    return StageCosts(s, layout=layout, hw=hw, spec=spec, params=params, recompute=recompute,
+                      options=options)
 
 
-def _price_passes(costs: StageCosts, stage: _Stage, work: Workload, cfg: FlowtrainConfig) -> None:
+def _price_passes(costs: StageCosts, stage: _Stage, work: Workload) -> None:
+    spec = stage.layout.spec
     costs.price_passes(stage.layout.segments, stage.layout.buckets, stage_flops=stage.flops,
                        work=work, weights=stage.weights, total_weight=stage.total_weight,
-                       dtype=PRECISION_DTYPE[cfg.precision], cfg=cfg,
-                       act_bytes=stage.act_bytes, with_head=stage.tied)
+                       dtype=spec.compute_dtype, act_bytes=stage.act_bytes,
+                       with_head=stage.tied)
 
 
 def _stage_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, options: SimOptions
@@ -276,6 +276,8 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
         raise ValueError(f"model {work.name!r} has only empty parameters")
     opts = options or SimOptions()
     fw = get_framework(opts.framework)
+    # the model's layers recomputed in backward: as the options say, else as the config does
+    recompute = opts.recompute or ("full" if cfg_checkpoints_activations(cfg) else "none")
     v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
     graph = TaskGraph()
     stage_costs = []
@@ -288,7 +290,18 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
             flops = work.stage_flops_per_sample[s]
         else:
             flops = work.forward_flops_per_sample * sum(weights) / total_weight
-        priced = _stage_costs(s, cfg, layout, hw, options, params)
+        # the engine's decisions for this stage's parameters (their element size sets the
+        # default bucket), in the framework's variant: its own buckets, and an all-reduce at
+        # ZeRO-1 where it does not reduce-scatter there (zero1_reduce overrides either)
+        spec = resolve(cfg, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                       elem_size=params[0][3] if params else 2)
+        scatters = spec.reduce_scatter
+        if shards_optimizer(spec.zero_stage) and not partitions_gradients(spec.zero_stage):
+            scatters = opts.zero1_reduce == "reduce_scatter" or (
+                scatters and fw.zero1_reduce_scatter)
+        spec = spec.replace(bucket_numel=fw.bucket_numel(layout.dp, spec.bucket_numel),
+                            reduce_scatter=scatters)
+        priced = _stage_costs(s, spec, layout, hw, options, params, recompute)
         tied, split_rows = _tied_params(work, cfg, layout, indices, params, fw.tied_rows)
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
@@ -303,11 +316,6 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
             # Megatron's pipeline sends each tensor rank's 1/tp of the activations (gathered
             # again over NVLink on the other side); with sequence parallelism they are split
             send_bytes = recv_bytes = act_bytes / layout.tp
-        # the engine's decisions for this stage's parameters (their element size sets the
-        # default bucket), in the framework's variant: its own buckets
-        spec = resolve(cfg, dp=layout.dp, tp=layout.tp, pp=layout.pp,
-                       elem_size=params[0][3] if params else 2)
-        spec = spec.replace(bucket_numel=fw.bucket_numel(layout.dp, spec.bucket_numel))
         stage = StageLayout(
             graph, s, params=params, spec=spec,
             forward_flops=flops * micro_batch / layout.tp, gpu=priced.gpu,
@@ -321,7 +329,7 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
             shared_params=priced.shared_params, split_rows=split_rows)
         stages.append(_Stage(params, weights, total_weight, flops, act_bytes, stage,
                              frozenset(tied)))
-        _price_passes(priced, stages[-1], work, cfg)
+        _price_passes(priced, stages[-1], work)
         stage.build()
         stage_costs.append(priced)
-    return LaidOutStep(work, cfg, layout, options, stages, stage_costs, graph)
+    return LaidOutStep(work, cfg, layout, options, stages, stage_costs, graph, recompute)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from flowtrain.plan.spec import reduce_op, shares_host_params
+from flowtrain.plan.spec import TrainingSpec, reduce_op
 from flowtrain.plan.zero_stage import partitions_gradients, partitions_parameters, shards_optimizer
 from sims import costs, gpu_costs
 from sims.frameworks import get_framework
@@ -19,7 +19,6 @@ from sims.layer_ops import (
     RankShape,
     SimOptions,
     attention_core,
-    cfg_checkpoints_activations,
     cp_exchange_bytes,
     embed_backward,
     embed_forward,
@@ -34,7 +33,6 @@ from sims.workload import DTYPE_BYTES, Layout, ParamSpec, TransformerShape, Work
 from sims.workload import numel as _numel
 
 if TYPE_CHECKING:
-    from flowtrain.config.model import FlowtrainConfig
     from flowtrain.plan import BucketPlan
     from sims.engine_costs import EngineCosts
     from sims.graph import Segment
@@ -51,31 +49,31 @@ class StageCosts:
     # embedding weights tied to the head (``price_passes``)
     with_head: frozenset[int] = frozenset()
 
-    def __init__(self, stage: int, *, layout: Layout, hw: HardwareProfile, cfg: FlowtrainConfig,
-                 params: list[ParamSpec], micro_batches: int, micro_batch: int, dtype: str,
-                 comm_elem: int, options: SimOptions | None = None) -> None:
+    def __init__(self, stage: int, *, layout: Layout, hw: HardwareProfile, spec: TrainingSpec,
+                 params: list[ParamSpec], recompute: str, options: SimOptions | None = None
+                 ) -> None:
         self.stage, self.layout, self.hw = stage, layout, hw
         self.options = options or SimOptions()
         # a GPU profile with kernel figures prices a known transformer op by op
         self.kernels: GpuKernels | None = getattr(hw, "kernels", None) \
             if getattr(hw, "kind", "gpu") == "gpu" else None
-        self.recompute = self.options.recompute or (
-            "full" if cfg_checkpoints_activations(cfg) else "none")
-        self.zero = cfg.zero_optimization
-        self.m, self.mb = micro_batches, micro_batch
+        # the stage's spec, in the framework's variant (sims.planner)
+        self.spec = spec
+        self.recompute = recompute
+        self.m, self.mb = spec.gradient_accumulation_steps, spec.micro_batch_size
         self.dp, self.tp, self.pp = layout.dp, layout.tp, layout.pp
-        self.stage_no = self.zero.stage
-        # what the stage decides (flowtrain.plan.zero_stage)
-        self.shards = shards_optimizer(self.stage_no)
-        self.partitions_grads = partitions_gradients(self.stage_no)
-        self.partitions_params = partitions_parameters(self.stage_no)
+        # what the ZeRO stage decides (flowtrain.plan.zero_stage)
+        self.shards = shards_optimizer(spec.zero_stage)
+        self.partitions_grads = partitions_gradients(spec.zero_stage)
+        self.partitions_params = partitions_parameters(spec.zero_stage)
         self.partitioned = self.partitions_params and self.dp > 1 and layout.pp == 1
         self.params = params
-        self.comm_elem = comm_elem
+        self.comm_elem = spec.comm_elem_size
         self.param_elem = params[0][3] if params else 2
         self.gpu = getattr(hw, "kind", "gpu") == "gpu"
-        self.clip = bool(cfg.gradient_clipping and cfg.gradient_clipping > 0)
-        self.fp16 = cfg.precision == "fp16"
+        self.clip = spec.gradient_clipping > 0
+        self.fp16 = spec.precision == "fp16"
+        dtype = spec.compute_dtype
         # A CPU host calibrated with the engine's own costs (float32: what was measured)
         self.engine: EngineCosts | None = \
             None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
@@ -91,9 +89,9 @@ class StageCosts:
         engine = self.engine
         self.forward_factor = engine.factor(ranks_here, "forward") if engine else 1.0
         self.backward_factor = engine.factor(ranks_here, "backward") if engine else 1.0
-        self.forward_extra_s = engine.factor(ranks_here, "forward_s") / micro_batches \
+        self.forward_extra_s = engine.factor(ranks_here, "forward_s") / self.m \
             if engine else 0.0
-        self.backward_extra_s = engine.factor(ranks_here, "backward_s") / micro_batches \
+        self.backward_extra_s = engine.factor(ranks_here, "backward_s") / self.m \
             if engine else 0.0
         self.optimizer_factor = self.engine.factor(ranks_here, "optimizer") \
             if self.engine else 1.0
@@ -141,27 +139,18 @@ class StageCosts:
         # data-parallel-only job is a CPU rank on one host (flowtrain.engine.FlowtrainEngine)
         self.channel = (self.engine is not None and bool(self.engine.channel)
                         and layout.nodes == 1 and self.tp == 1 and self.pp == 1 and self.dp > 1
-                        and cfg.flowtrain.data_channel != "torch")
+                        and spec.host.data_channel != "torch")
         # ZeRO over the channel keeps the host's one copy of the parameters in shared memory
         # (flowtrain.zero.sharded share_params): no all-gather after the step, and a stage-3
         # use is a view of it, no gather. A run's record names the channel it used; a plan's
         # "auto" is the channel where this host has one.
-        channel = cfg.flowtrain.data_channel
-        self.shared_params = shares_host_params(
-            self.stage_no, dp=self.dp, tp=self.tp, pp=self.pp,
-            zero_shared_params=bool(cfg.flowtrain.zero_shared_params),
+        channel = spec.host.data_channel
+        self.shared_params = spec.shares_host_params(
             shm_channel=layout.nodes == 1 and (channel == "shm" or
                                                (channel is None and self.channel)))
-        # ZeRO 2-3 reduce-scatter each bucket into the ranks' gradient shards, and ZeRO-1 into
-        # each rank's slice of its whole buckets where the framework does; zero_optimization's
-        # reduce_scatter false all-reduces at stages 1-2 (stage 3 always scatters)
-        # (flowtrain.plan.spec.reduce_op); a framework whose ZeRO-1 all-reduces is the
-        # variant of that decision where stage 1 does not scatter
-        scatters = bool(getattr(self.zero, "reduce_scatter", True))
-        if self.shards and not self.partitions_grads:  # ZeRO-1
-            scatters = self.options.zero1_reduce == "reduce_scatter" or (
-                scatters and get_framework(self.options.framework).zero1_reduce_scatter)
-        self.reduce_op: str = reduce_op(self.stage_no, reduce_scatter=scatters)
+        # the collective the spec reduces with (flowtrain.plan.spec.reduce_op; the planner's
+        # variant of it for a framework whose ZeRO-1 all-reduces)
+        self.reduce_op: str = reduce_op(spec.zero_stage, reduce_scatter=spec.reduce_scatter)
 
     def overheads(self) -> dict[str, float]:
         """The engine overheads (``sims.graph.OVERHEADS``) this host's costs model as
@@ -205,7 +194,7 @@ class StageCosts:
 
     def price_passes(self, segments: list[Segment], buckets: tuple[BucketPlan, ...], *,
                      stage_flops: float, work: Workload, weights: list[int], total_weight: int,
-                     dtype: str, cfg: FlowtrainConfig, act_bytes: float,
+                     dtype: str, act_bytes: float,
                      with_head: Collection[int] = ()) -> None:
         """Each of the stage's ``segments``' forward and backward seconds (``stage_flops``: the
         stage's forward FLOPs of one sample; ``weights``: its parameters' unsharded element
@@ -237,7 +226,7 @@ class StageCosts:
             self.forward_s = [s * slowest for s in self.forward_s]
             self.backward_s = [s * slowest for s in self.backward_s]
         else:
-            self._cost_segments(work, weights, total_weight, dtype, cfg)
+            self._cost_segments(work, weights, total_weight, dtype)
         one = self.collective_seconds_tp(act_bytes)
         rows = 2  # a transformer layer's row-parallel linears (attention output, MLP down)
         if work.transformer is None and work.program is not None and work.program.layers:
@@ -447,15 +436,15 @@ class StageCosts:
         seconds = self.forward_s if kind == "forward" else self.backward_s
         return sum(seconds) if segment < 0 else seconds[segment]
 
-    def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str,
-                       cfg: FlowtrainConfig) -> None:
+    def _cost_segments(self, work: Workload, weights: list[int], total_weight: int, dtype: str
+                       ) -> None:
         """Each segment's forward and backward seconds: one roofline op per parameter (so the
         efficiency curve sees matmul-sized ops), FLOPs shared by (unsharded) parameter count.
         On a host with the engine's measured costs, one op per module instead (a Linear's
         weight and bias are one call), timed as the engine runs it."""
         scale = self.stage_flops * self.mb / max(1, sum(weights)) / self.tp
         act_scale = work.activation_bytes_per_sample * self.mb / total_weight / self.tp
-        recompute = self.pp > 1 and cfg.pipeline.activation_checkpoint_interval > 0
+        recompute = self.pp > 1 and self.spec.recompute_interval > 0
         if self.engine is not None:
             self._cost_engine_segments(work, weights, recompute)
             return

@@ -68,9 +68,9 @@ def test_pricing_refuses_an_overhead_the_costs_do_not_model() -> None:
     # as a task of its own was built for other costs
     cfg = sim_config(2, zero_optimization={"stage": 1})
     _, graph = lay_out(cfg, dp=2, overheads=("loss",))
-    gpu = StageCosts(0, layout=Layout(1, 2), hw=get_profile("h100-x8"), cfg=cfg,
-                     params=list(tiny_workload().params), micro_batches=1, micro_batch=2,
-                     dtype="bfloat16", comm_elem=4)
+    gpu = StageCosts(0, layout=Layout(1, 2), hw=get_profile("h100-x8"),
+                     spec=resolve(cfg, dp=2, elem_size=4), params=list(tiny_workload().params),
+                     recompute="none")
     loss = next(t for t in graph.resolve() if t.cost == "loss")
     with pytest.raises(ValueError, match="engine overhead 'loss'.*modelled: none"):
         task_seconds(loss, gpu)
@@ -81,14 +81,14 @@ def test_price_keeps_the_graph_and_asks_each_task_its_stage() -> None:
                                   "micro_batch_s": 1e-3, "step_s": 2e-3, "bucket_s": 1e-4}})
     cfg = sim_config(2, gradient_accumulation_steps=2, zero_optimization={"stage": 2})
     work = tiny_workload()
-    costs = StageCosts(0, layout=Layout(1, 2), hw=hw, cfg=cfg, params=list(work.params),
-                       micro_batches=2, micro_batch=2, dtype="float32", comm_elem=4)
+    costs = StageCosts(0, layout=Layout(1, 2), hw=hw, spec=resolve(cfg, dp=2, elem_size=4),
+                       params=list(work.params), recompute="none")
     assert costs.overheads()  # a calibrated CPU host models some overheads as tasks
     stage, graph = lay_out(cfg, dp=2, overheads=tuple(costs.overheads()))
     weights = [math.prod(p[1]) for p in work.params]
     costs.price_passes(stage.segments, stage.buckets, stage_flops=work.forward_flops_per_sample,
                        work=work, weights=weights, total_weight=sum(weights), dtype="float32",
-                       cfg=cfg, act_bytes=0.0)
+                       act_bytes=0.0)
     tasks = graph.resolve()
     assert any(g.cost in OVERHEADS for g in tasks)
     priced = price(tasks, [costs])

@@ -430,6 +430,7 @@ def test_dtensor_sequence_parallel_copies_the_gathered_activation_around_each_co
     gathered activation around each all-gather and reduce-scatter along the sequence; Megatron
     gathers along dim 0 and pays none; async TP (tp_overlap) does not take that path."""
     from flowtrain.config import load_config
+    from flowtrain.plan.spec import resolve
     from sims.models import get_model
     from sims.planner import _stage_costs
     from sims.workload import Layout, Workload
@@ -443,7 +444,8 @@ def test_dtensor_sequence_parallel_copies_the_gathered_activation_around_each_co
 
     def one(framework: str, overlap: bool = False) -> float:
         options = SimOptions(framework=framework, sequence_parallel=True, tp_overlap=overlap)
-        costs = _stage_costs(0, cfg, Layout(1, 8, tp=8), hw, options, work.params)
+        spec = resolve(cfg, dp=1, tp=8, elem_size=2)
+        costs = _stage_costs(0, spec, Layout(1, 8, tp=8), hw, options, work.params, "none")
         return float(costs.collective_seconds_tp(64e6))
 
     copies = 2 * 2 * 64e6 / (hw.memory_bandwidth * kern.memory_efficiency)
