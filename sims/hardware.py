@@ -95,6 +95,11 @@ class HardwareProfile:
                                      for p in self.efficiency))
         _validate(self)
 
+    @property
+    def gpu_kernels(self) -> GpuKernels | None:
+        """The kernel figures, on a GPU profile that has them (None on a CPU host's)."""
+        return self.kernels if self.kind == "gpu" else None
+
     def __hash__(self) -> int:
         # The dict fields make the generated hash fail; a profile is still a value that caches
         # (functools.lru_cache over cost functions) may key on.

@@ -134,13 +134,13 @@ class LaidOutStep:
                 not (layout.tp == 1 and work.stage_output_bytes_per_sample):
             notes.append("activation size unknown: pipeline sends and TP all-reduces cost "
                          "latency only")
-        cpu = getattr(hw, "kind", "gpu") == "cpu"
-        kernels = getattr(hw, "kernels", None) if not cpu else None
+        cpu = hw.kind == "cpu"
+        kernels = hw.kernels if not cpu else None
         # a CPU host's collectives take cores from compute; a GPU's NCCL kernels take SMs and
         # memory bandwidth from the kernels they overlap
-        interference = float(getattr(hw, "comm_compute_interference", 0.0)) if cpu else \
+        interference = float(hw.comm_compute_interference) if cpu else \
             (kernels.overlap_slowdown if kernels is not None else 0.0)
-        slowdown = float(getattr(hw, "compute_comm_slowdown", 1.0)) if cpu else 1.0
+        slowdown = float(hw.compute_comm_slowdown) if cpu else 1.0
         return SimPlan(self.columns.price(costs), layout, work.name, micro_batch,
                        micro_batches, spec.compute_dtype, spec.zero_stage, samples,
                        samples * work.seq_len, 3.0 * work.forward_flops_per_sample * samples,

@@ -103,7 +103,7 @@ def with_network(hw: HardwareProfile, nic_gbps: float | None, nics: int | None
     direction); either left None keeps the profile's figure for it."""
     if nic_gbps is None and nics is None:
         return hw
-    if getattr(hw, "kind", "gpu") != "gpu":
+    if hw.kind != "gpu":
         raise SimulateError("--nic-gbps and --nics-per-node describe GPU nodes' network; the "
                             f"profile {hw.name!r} is a CPU host")
     per_node = nics if nics is not None else hw.devices_per_node
@@ -234,7 +234,7 @@ def _predict(model: ModelSpec | None, cfg: FlowtrainConfig, layout: Layout,
     timeline = execute(tasks, interference=plan.interference, slowdown=plan.slowdown)
     figures = step_figures(timeline)
     step_range = hardware_range = None
-    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
+    kernels = hw.gpu_kernels
     if kernels is not None and kernels.ranges and host_speed == 1.0 and with_range:
         from sims.interval import central_interval
 
@@ -287,7 +287,7 @@ def _predict(model: ModelSpec | None, cfg: FlowtrainConfig, layout: Layout,
 def _memory_options(hw: HardwareProfile, options: SimOptions | None) -> SimOptions | None:
     """The run options as the memory model reads them: on a GPU with kernel figures the
     attention kernel is the profile's flash kernel unless asked otherwise."""
-    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
+    kernels = hw.gpu_kernels
     if options is None and kernels is None:
         return None
     from sims.layer_ops import SimOptions
@@ -305,11 +305,11 @@ def assumption_lines(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: H
     from sims.layer_ops import SimOptions, cfg_checkpoints_activations
 
     opts = options or SimOptions()
-    kernels = getattr(hw, "kernels", None) if getattr(hw, "kind", "gpu") == "gpu" else None
+    kernels = hw.gpu_kernels
     out = []
     program = getattr(work, "program", None)
     if kernels is None or (work.transformer is None and program is None):
-        why = "a CPU host's measured engine costs" if getattr(hw, "engine", None) else \
+        why = "a CPU host's measured engine costs" if hw.engine else \
             "a roofline with the profile's FLOP-size efficiency curve"
         out.append(f"compute: each parameter's share of the FLOPs priced by {why}")
     else:
@@ -420,7 +420,7 @@ def predict_widened(ns: argparse.Namespace, raw: dict[str, Any], hw: HardwarePro
         raise SimulateError(str(exc)) from None
     models: dict[tuple[Any, ...], ModelSpec] = {}
     point = predict_config(ns, raw, hw, cluster, {}, source, models, host_speed)
-    if getattr(hw, "kernels", None) is None or getattr(hw, "kind", "gpu") != "gpu" or \
+    if hw.kernels is None or hw.kind != "gpu" or \
             host_speed != 1.0:
         return point
 

@@ -55,8 +55,7 @@ class StageCosts:
         self.stage, self.layout, self.hw = stage, layout, hw
         self.options = options or SimOptions()
         # a GPU profile with kernel figures prices a known transformer op by op
-        self.kernels: GpuKernels | None = getattr(hw, "kernels", None) \
-            if getattr(hw, "kind", "gpu") == "gpu" else None
+        self.kernels: GpuKernels | None = hw.gpu_kernels
         # the stage's spec, in the framework's variant (sims.planner)
         self.spec = spec
         self.recompute = recompute
@@ -70,13 +69,13 @@ class StageCosts:
         self.params = params
         self.comm_elem = spec.comm_elem_size
         self.param_elem = params[0][3] if params else 2
-        self.gpu = getattr(hw, "kind", "gpu") == "gpu"
+        self.gpu = hw.kind == "gpu"
         self.clip = spec.gradient_clipping > 0
         self.fp16 = spec.precision == "fp16"
         dtype = spec.compute_dtype
         # A CPU host calibrated with the engine's own costs (float32: what was measured)
         self.engine: EngineCosts | None = \
-            None if self.gpu or dtype != "float32" else getattr(hw, "engine", None)
+            None if self.gpu or dtype != "float32" else hw.engine
         ranks_here = layout.devices_per_node
         self.threads = costs.rank_threads(ranks_here, hw) if not self.gpu else 1
         # ranks sharing this host's cores compute, and stream memory, slower (1 on GPUs)

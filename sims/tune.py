@@ -265,7 +265,7 @@ def default_space(model: ModelSpec, hw: HardwareProfile, world: int, per_node: i
     only if its own code calls checkpointing); tensor and pipeline widths for a preset on GPUs
     (the engine splits a plain module by tensor-parallel rules and a PipelineModule into stages;
     a traced factory's module may be neither), within a node for tp."""
-    gpu = getattr(hw, "kind", "gpu") == "gpu"
+    gpu = hw.kind == "gpu"
     known = getattr(model, "arch", None) is not None
     layers = int(getattr(model, "layers", 0) or 0)
     out = copy.copy(space)

@@ -51,7 +51,7 @@ def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: Har
     """(label, flags, config) of each other value ``name`` might take."""
     out = []
     if name == "attention":
-        kernels = getattr(hw, "kernels", None)
+        kernels = hw.kernels
         for kernel in sorted(kernels.attention if kernels is not None else ()):
             if kernel != _current_attention(ns, hw):
                 out.append((kernel, _with(ns, attention=kernel), raw))
@@ -74,7 +74,7 @@ def alternatives(name: str, ns: argparse.Namespace, raw: dict[str, Any], hw: Har
 
 
 def _current_attention(ns: argparse.Namespace, hw: HardwareProfile) -> str | None:
-    kernels = getattr(hw, "kernels", None)
+    kernels = hw.kernels
     return getattr(ns, "attention", None) or (kernels.default_attention if kernels else None)
 
 

@@ -148,6 +148,12 @@ def _fake_costs(reduce_s: float) -> Any:
         optimizer_seconds=lambda numel, hw, on_host=False: 0.5)
 
 
+def _fake_gpu() -> Any:
+    """A GPU profile with nothing but its kind: the fake costs above price every task."""
+    return SimpleNamespace(kind="gpu", kernels=None, gpu_kernels=None, engine=None,
+                           comm_compute_interference=0.0, compute_comm_slowdown=1.0)
+
+
 def _four_layers() -> Workload:
     params = tuple((f"layers.{i}.weight", (1000, 1000), "float32", 4) for i in range(4))
     return Workload("four", params, forward_flops_per_sample=4e12)  # 1 s of forward per layer
@@ -170,7 +176,7 @@ def _config(stage: int, gas: int = 1, dp: int = 2, **zero: Any) -> Any:
 def test_reduce_overlap_with_backward(monkeypatch: pytest.MonkeyPatch, reduce_s: float,
                                       step: float, exposed: float, overlap: float) -> None:
     fake_costs(monkeypatch, _fake_costs(reduce_s))
-    plan = build_plan(_four_layers(), _config(0), Layout(1, 2), SimpleNamespace(kind="gpu"))
+    plan = build_plan(_four_layers(), _config(0), Layout(1, 2), _fake_gpu())
     timeline = execute(plan.tasks)
     spans = {t.name: (a, b) for t, a, b in timeline.spans()}
     assert spans["forward/mb0"] == (0.0, 4.0)
@@ -184,7 +190,7 @@ def test_reduce_overlap_with_backward(monkeypatch: pytest.MonkeyPatch, reduce_s:
 
 def test_zero_stages_add_the_engines_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_costs(monkeypatch, _fake_costs(1.0))
-    hw = SimpleNamespace(kind="gpu")
+    hw = _fake_gpu()
 
     def names(cfg: Any) -> list[str]:
         return [t.name for t in build_plan(_four_layers(), cfg, Layout(1, 2), hw).tasks]
@@ -252,7 +258,7 @@ def test_symmetric_ranks_cost_what_few_ranks_cost(monkeypatch: pytest.MonkeyPatc
     """One representative rank per stage: 1,024 ranks simulate about as fast as 16."""
     fake_costs(monkeypatch, _fake_costs(0.01))
     work = _llama_like(16)
-    hw = SimpleNamespace(kind="gpu")
+    hw = _fake_gpu()
 
     def run(layout: Layout) -> tuple[float, int]:
         cfg = _config(1, gas=16, dp=layout.dp)
@@ -276,7 +282,7 @@ def test_trace_has_the_measured_layout_a_track_per_kind_of_work(
 
     fake_costs(monkeypatch, _fake_costs(0.5))
     plan = build_plan(_llama_like(4), _config(1, gas=4, dp=2), Layout(1, 8, tp=2, pp=2),
-                      SimpleNamespace(kind="gpu"))
+                      _fake_gpu())
     timeline = execute(plan.tasks)
     path = write_trace(timeline, tmp_path / "out" / "trace.json", ranks_per_stage=4)
     data = json.loads(path.read_text())
