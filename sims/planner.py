@@ -169,13 +169,12 @@ def _price_passes(costs: StageCosts, stage: _Stage, work: Workload) -> None:
                        with_head=stage.tied)
 
 
-def _stage_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, options: SimOptions
+def _stage_params(work: Workload, v: int, layout: Layout, options: SimOptions
                   ) -> tuple[list[list[ParamSpec]], list[list[int]],
                              list[list[list[int]]] | None]:
-    """Each stage's parameters as one rank holds them, their global indices, and (interleaved)
-    each stage's chunks' global parameter indices; an unmeasured model is cut by the options'
-    partition method."""
-    v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
+    """Each stage's parameters as one rank holds them, their global indices, and (``v`` model
+    chunks per stage, interleaved) each stage's chunks' global parameter indices; an unmeasured
+    model is cut by the options' partition method."""
     shape = work.transformer
     costs = None if layout.pp == 1 else \
         stage_layer_costs(work.params, options, hidden=shape.hidden, vocab=shape.vocab,
@@ -206,7 +205,7 @@ def _stage_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, options:
     return params, split, chunks
 
 
-def _tied_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, indices: Sequence[int],
+def _tied_params(work: Workload, spec: TrainingSpec, layout: Layout, indices: Sequence[int],
                  params: Sequence[ParamSpec], splits: bool) -> tuple[set[int], dict[int, float]]:
     """The embedding weights tied to the head (stage-local indices; none with pipeline stages,
     where the head runs on another stage), and those of them whose gradient the engine splits
@@ -218,15 +217,13 @@ def _tied_params(work: Workload, cfg: FlowtrainConfig, layout: Layout, indices: 
         return set(), {}  # the head is on another stage than the embedding
     local = {work.params[g][0]: i for i, g in enumerate(indices)}
     tied = {local[name]: lookups for name, lookups in work.tied if name in local}
-    ft = getattr(cfg, "flowtrain", None)
-    if not (splits and tied and not shards_optimizer(cfg.zero_optimization.stage) and
-            layout.dp > 1 and
-            layout.tp == 1 and getattr(ft, "tied_embedding_rows", True)):
+    if not (splits and tied and not shards_optimizer(spec.zero_stage) and layout.dp > 1 and
+            layout.tp == 1 and spec.host.tied_embedding_rows):
         return set(tied), {}
     split = {}
     for i, lookups in tied.items():
         vocab = params[i][1][0]
-        tokens = lookups * cfg.micro_batch * cfg.grad_accum
+        tokens = lookups * spec.micro_batch_size * spec.gradient_accumulation_steps
         rows = distinct_rows(tokens, vocab)
         if layout.dp * rows <= vocab:
             split[i] = rows
@@ -268,8 +265,9 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
              options: SimOptions | None) -> LaidOutStep:
     if not work.params:
         raise ValueError(f"model {work.name!r} has no trainable parameters to plan a step for")
-    dtype = PRECISION_DTYPE[cfg.precision]
-    micro_batch = cfg.micro_batch
+    # the grid, batch and precision every stage shares; each stage's own spec below
+    shared = resolve(cfg, dp=layout.dp, tp=layout.tp, pp=layout.pp, elem_size=work.params[0][3])
+    dtype, micro_batch, v = shared.compute_dtype, shared.micro_batch_size, shared.virtual_stages
     weights_all = [_numel(p[1]) for p in work.params]
     total_weight = sum(weights_all)
     if total_weight == 0:
@@ -278,11 +276,10 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
     fw = get_framework(opts.framework)
     # the model's layers recomputed in backward: as the options say, else as the config does
     recompute = opts.recompute or ("full" if cfg_checkpoints_activations(cfg) else "none")
-    v = int(cfg.pipeline.virtual_stages) if layout.pp > 1 else 1
     graph = TaskGraph()
     stage_costs = []
     stages = []
-    stage_params, split, chunks = _stage_params(work, cfg, layout, opts)
+    stage_params, split, chunks = _stage_params(work, v, layout, opts)
     for s, indices in enumerate(split):
         params = stage_params[s]
         weights = [weights_all[i] for i in indices]
@@ -302,7 +299,7 @@ def _lay_out(work: Workload, cfg: FlowtrainConfig, layout: Layout, hw: HardwareP
         spec = spec.replace(bucket_numel=fw.bucket_numel(layout.dp, spec.bucket_numel),
                             reduce_scatter=scatters)
         priced = _stage_costs(s, spec, layout, hw, options, params, recompute)
-        tied, split_rows = _tied_params(work, cfg, layout, indices, params, fw.tied_rows)
+        tied, split_rows = _tied_params(work, spec, layout, indices, params, fw.tied_rows)
         # what crosses a stage boundary, and what a TP all-reduce sums: one layer's output
         act_bytes = micro_batch * (work.seq_len * work.hidden * DTYPE_BYTES.get(dtype, 2)
                                    or work.layer_input_bytes_per_sample)
