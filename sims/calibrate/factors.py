@@ -135,7 +135,8 @@ def fit_factors(profile: HardwareProfile, jobs: Sequence[dict[str, Any]]) -> Eng
             continue
         engine = dataclasses.replace(engine, pipeline_op_s=float(size.get("gap_per_op_s", 0.0)))
 
-        def step_with(message_s: float, engine: Any = engine, size: Any = size) -> float:
+        def step_with(message_s: float, engine: EngineCosts = engine,
+                      size: dict[str, Any] = size) -> float:
             trial = dataclasses.replace(profile, engine=dataclasses.replace(
                 engine, pipeline_message_s=message_s))
             return predict_job(trial, size)["step"]
