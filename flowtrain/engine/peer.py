@@ -1,6 +1,7 @@
 """The engine under ``flowtrain launch --peer-recovery``: dropping a step when the group loses
 a rank, re-forming the process group, and handing a replacement the training state (a mixin
-of ``FlowtrainEngine``)."""
+of ``FlowtrainEngine``: a re-formed group rebuilds most of the engine's parts, so these methods
+work on the engine itself)."""
 
 from __future__ import annotations
 
