@@ -28,8 +28,33 @@ _FAMILY_DEFAULTS = {
 _FAMILY_DEFAULTS["custom"] = _FAMILY_DEFAULTS["llama"]
 
 
+class AttentionWidths:
+    """The attention widths both shape records derive the same way (``Architecture``, the
+    user's description, and ``sims.workload.TransformerShape``, the priced shape): declared
+    here, set as fields by each."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_size: int | None
+
+    @property
+    def head_dim(self) -> int:
+        """Each head's width: ``head_size``, else hidden / heads."""
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries (and of the attention's output): heads x head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class Architecture:
+class Architecture(AttentionWidths):
     """The shape of a decoder-only transformer, enough to list its parameters and count its work.
 
     ``family`` sets the defaults of the features left None ("gpt2": LayerNorm, GeLU MLP of
@@ -64,20 +89,6 @@ class Architecture:
     # gate and up as one (Phi-3's gate_up_proj); None: the family's (fused in gpt2)
     fused_qkv: bool | None = None
     fused_gate_up: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        """Each head's width: ``head_size``, else hidden / heads."""
-        return self.head_size if self.head_size is not None else self.hidden // self.heads
-
-    @property
-    def q_dim(self) -> int:
-        """The width of the queries (and of the attention's output): heads x head_dim."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
 
     @property
     def tied_embeddings(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from flowtrain.plan.buckets import ParamSpec
 from flowtrain.plan.partition import partition_balanced
 from flowtrain.plan.spec import DTYPE_BYTES, PRECISION_DTYPE
+from sims.architecture import AttentionWidths
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class TransformerShape:
+class TransformerShape(AttentionWidths):
     """A decoder-only transformer's shapes, when the model is known by its architecture (a
     preset or a published configuration): what lets the simulator price each of a layer's ops
     by its own shape instead of sharing FLOPs among parameters. ``gated_mlp``: SwiGLU (three
@@ -98,20 +99,8 @@ class TransformerShape:
     fused_gate_up: bool = True
 
     @property
-    def head_dim(self) -> int:
-        return self.head_size if self.head_size is not None else self.hidden // self.heads
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
     def position_table(self) -> bool:
         return not self.rotary if self.learned_positions is None else self.learned_positions
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)
