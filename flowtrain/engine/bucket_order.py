@@ -74,10 +74,11 @@ class BucketOrder:
         observes its own)."""
         return layout if self.observed and self.settled else None
 
-    def adoptable(self, order: list[int], params: int) -> bool:
-        """A checkpoint's settled order (every rank loads the same one) fits this engine's
-        ``params`` parameters and layout; one that does not (another model, a layout this
-        engine does not observe) is left aside. Once adopted it is not observed again."""
+    def adopt(self, order: list[int], params: int) -> bool:
+        """Takes a checkpoint's settled order (every rank loads the same one) as settled, and
+        says so, where it fits this engine's ``params`` parameters and layout; one that does
+        not (another model, a layout this engine does not observe) is left aside (False).
+        Once adopted it is not observed again."""
         if not self.observed:
             return False
         if sorted(order) != list(range(params)):

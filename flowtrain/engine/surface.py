@@ -256,7 +256,7 @@ class EngineSurface:
         if state.get("tied_rows_split") is False and self._rows is not None:
             self._rows.enabled = False
         order = state.get("bucket_order")
-        if order is not None and self._order.adoptable(order, len(self.trainable)):
+        if order is not None and self._order.adopt(order, len(self.trainable)):
             self._use_bucket_order(order)
             self.buckets.observed_order.clear()
 

@@ -164,17 +164,6 @@ class HostChoices:
     telemetry_spans_every: int
 
 
-def shares_host_params(zero_stage: int, *, dp: int, tp: int = 1, pp: int = 1,
-                       zero_shared_params: bool = True, shm_channel: bool = False) -> bool:
-    """Whether the ZeRO ranks of one host keep its one copy of the parameters in shared
-    memory (``flowtrain.zero_shared_params``, ``ZeroOptimizer.share_params``): data parallel
-    only, over the shared-memory data channel (``shm_channel``: every rank a CPU rank of one
-    host, the channel open). Then nothing is all-gathered after the step, and a ZeRO-3 use is
-    a view of the shared copy, not a gather."""
-    return shards_optimizer(zero_stage) and dp > 1 and tp == 1 and pp == 1 and \
-        zero_shared_params and shm_channel
-
-
 def bucket_numel(zero: ZeroConfig, elem_size: int) -> int:
     """The gradient bucket's size in elements: the config's ``reduce_bucket_size`` when set;
     with ZeRO, which also gathers parameters bucket by bucket, the smaller of it and
@@ -251,10 +240,13 @@ class TrainingSpec:
                                 pipeline_stages=self.pp, mirrored=self.mirrored)
 
     def shares_host_params(self, shm_channel: bool) -> bool:
-        """``shares_host_params`` for this spec, with or without the shared-memory channel."""
-        return shares_host_params(self.zero_stage, dp=self.dp, tp=self.tp, pp=self.pp,
-                                  zero_shared_params=self.zero_shared_params,
-                                  shm_channel=shm_channel)
+        """Whether the ZeRO ranks of one host keep its one copy of the parameters in shared
+        memory (``flowtrain.zero_shared_params``, ``ZeroOptimizer.share_params``): data
+        parallel only, over the shared-memory data channel (``shm_channel``: every rank a CPU
+        rank of one host, the channel open). Then nothing is all-gathered after the step, and a
+        ZeRO-3 use is a view of the shared copy, not a gather."""
+        return shards_optimizer(self.zero_stage) and self.dp > 1 and self.tp == 1 and \
+            self.pp == 1 and self.zero_shared_params and shm_channel
 
     @property
     def world_size(self) -> int:
